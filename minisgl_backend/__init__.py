@@ -1,0 +1,38 @@
+"""minisgl: a small LLM inference engine with continuous batching over a paged KV cache."""
+
+from minisgl_backend.config import EngineConfig
+from minisgl_backend.engine import Engine
+from minisgl_backend.errors import (
+    ConfigError,
+    EmptyPromptError,
+    EngineDeadError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    MiniSGLError,
+    ModelNotFoundError,
+    PromptTooLongError,
+)
+from minisgl_backend.kvcache.block_pool import BlockState, InvariantError
+from minisgl_backend.scheduler.request import RequestHandle
+from minisgl_backend.types import RequestOutput, RequestTimings, SamplingParams, StreamDelta, TokenLogprob
+
+__all__ = [
+    "BlockState",
+    "ConfigError",
+    "EmptyPromptError",
+    "Engine",
+    "EngineConfig",
+    "EngineDeadError",
+    "InvalidRequestError",
+    "InvalidSamplingParamsError",
+    "InvariantError",
+    "MiniSGLError",
+    "ModelNotFoundError",
+    "PromptTooLongError",
+    "RequestHandle",
+    "RequestOutput",
+    "RequestTimings",
+    "SamplingParams",
+    "StreamDelta",
+    "TokenLogprob",
+]

@@ -1,0 +1,87 @@
+"""Engine configuration: one frozen dataclass handed to every constructor."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from minisgl_backend.errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every knob of the engine. See README "Configuration" for the meaning of each field."""
+
+    # --- model ---
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"  # float32 | bfloat16
+    device: str = "cpu"
+    max_model_len: int | None = None  # None = model's max_position_embeddings, capped by the KV pool
+    # --- paged KV cache (S4) ---
+    block_size: int = 16
+    num_blocks: int | None = None  # None = derived from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    # --- scheduler (S3, S12) ---
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunk_size: int | None = 256  # None = whole-prompt prefill (no chunking)
+    mixed_batches: bool = True  # prefill chunks and decode rows share one batch
+    # --- sampling (S8) ---
+    seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh random seeds
+    # --- runtime ---
+    num_threads: int | None = None  # torch intra-op threads; None = torch default
+    stats_interval_s: float = 0.0  # >0: log a one-line stats summary at this period
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ConfigError(msg)
+
+        if self.dtype not in ("float32", "bfloat16"):
+            bad(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.block_size < 1:
+            bad(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            bad(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            bad(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_num_seqs < 1:
+            bad(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            bad(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            bad(f"chunk_size must be >= 1 or None, got {self.chunk_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            bad(f"max_model_len must be >= 1 or None, got {self.max_model_len}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(
+                f"unknown engine config key(s) {unknown}; valid keys: {', '.join(cls.field_names())}"
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> "EngineConfig":
+        """Load a YAML preset (a flat mapping of field names), then apply keyword overrides."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"engine config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+        return cls.from_dict({**data, **overrides})
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return self.from_dict({**dataclasses.asdict(self), **changes})

@@ -1,0 +1,287 @@
+"""The public Engine: callers submit from any thread; one scheduler thread owns all request state (S7)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import queue
+import random
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import torch
+
+from minisgl_backend.config import EngineConfig
+from minisgl_backend.errors import (
+    EmptyPromptError,
+    EngineDeadError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+)
+from minisgl_backend.executor.runner import ModelRunner
+from minisgl_backend.kvcache.block_pool import BlockPool, BlockState, InvariantError
+from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
+from minisgl_backend.model.loader import DTYPES, load_model
+from minisgl_backend.scheduler.request import Request, RequestHandle, RequestStatus
+from minisgl_backend.scheduler.scheduler import Scheduler
+from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
+
+log = logging.getLogger("minisgl")
+
+Prompt = Union[str, Sequence[int]]
+ParamsLike = Union[SamplingParams, dict, None]
+
+
+def _as_params(params: ParamsLike) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, dict):
+        return SamplingParams.from_dict(params)
+    raise InvalidSamplingParamsError(f"expected SamplingParams or dict, got {type(params).__name__}")
+
+
+class Engine:
+    """Continuous-batching LLM engine over a paged KV cache.
+
+    >>> with Engine(EngineConfig(dtype="bfloat16")) as eng:
+    ...     print(eng.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].text)
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        config = config or EngineConfig()
+        if overrides:
+            config = config.replace(**overrides)
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(config.model, config.dtype, config.device)
+        spec = loaded.model.spec
+        self.model_dir = loaded.model_dir
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = spec.vocab_size
+        per_block = kv_bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, DTYPES[config.dtype])
+        self.num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+        limits = [spec.max_position_embeddings, self.num_blocks * config.block_size]
+        self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
+        kv = KVCache(spec.num_layers, self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
+                     DTYPES[config.dtype], config.device)
+        self._pool = BlockPool(self.num_blocks)
+        self._scheduler = Scheduler(config, self._pool, self.max_model_len)
+        self._runner = ModelRunner(loaded.model, kv, config.device)
+        self._eos_ids = loaded.eos_token_ids
+        # The scheduler thread detokenises with its own copy: callers may be encoding concurrently.
+        self._detok_tokenizer = copy.deepcopy(self.tokenizer)
+        self._encode_lock = threading.Lock()
+        self._seed_lock = threading.Lock()
+        self._seed_rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._dead: BaseException | None = None
+        self._life_lock = threading.Lock()
+        self._handles: dict[str, RequestHandle] = {}  # scheduler thread only
+        self._thread = threading.Thread(target=self._loop, name="minisgl-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, prompt: Prompt, params: ParamsLike = None, request_id: str | None = None) -> RequestHandle:
+        """Queue one request; returns at once. Safe to call from many threads."""
+        req = self._make_request(prompt, _as_params(params), request_id)
+        self._send("add", req)
+        return req.handle
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: ParamsLike | Sequence[ParamsLike] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (all submitted at once); outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise InvalidSamplingParamsError(f"{len(params)} sampling params for {len(prompts)} prompts")
+            plist = [_as_params(p) for p in params]
+        else:
+            plist = [_as_params(params)] * len(prompts)
+        # Validate everything before queueing anything: a bad prompt fails the call, not half of it.
+        reqs = [self._make_request(p, sp, None) for p, sp in zip(prompts, plist)]
+        done: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
+        for r in reqs:
+            r.handle.add_done_callback(done.put)
+        for r in reqs:
+            self._send("add", r)
+        if use_tqdm and reqs:
+            from tqdm.auto import tqdm
+
+            with tqdm(total=len(reqs), desc="minisgl generate", unit="req") as bar:
+                for _ in reqs:
+                    done.get()
+                    bar.update(1)
+        return [r.handle.result() for r in reqs]
+
+    def stream(self, prompt: Prompt, params: ParamsLike = None) -> Iterator[StreamDelta]:
+        """Yield deltas as tokens are produced; closing the iterator early aborts the request."""
+        handle = self.submit(prompt, params)
+        try:
+            yield from handle
+        finally:
+            if not handle.done():
+                self.abort(handle.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its result arrives with finish_reason 'abort'. Unknown ids are ignored."""
+        self._send("abort", request_id)
+
+    def check_invariants(self) -> dict[str, int]:
+        """Verify KV accounting on the scheduler thread. Returns block counts per state plus
+        'running' and 'waiting'; raises InvariantError when anything is inconsistent."""
+        return self._call(self._check_invariants)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(("stop",))
+            self._thread.join()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ caller-thread helpers
+    def _send(self, *cmd: Any) -> None:
+        with self._life_lock:  # pairs with _fail_all: nothing is queued after the final drain
+            if self._dead is not None:
+                raise EngineDeadError(f"engine is not running: {self._dead}") from self._dead
+            self._inbox.put(cmd)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        fut: Future = Future()
+        self._send("call", fn, fut)
+        return fut.result()
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            with self._encode_lock:
+                return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, Sequence) or not all(isinstance(t, int) for t in prompt):
+            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return list(prompt)
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> Request:
+        ids = self._tokenize(prompt)
+        if not ids:
+            raise EmptyPromptError("the prompt is empty (it has no tokens)")
+        if len(ids) > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens but the context limit (max_model_len) is {self.max_model_len}"
+            )
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stop:
+            raise InvalidSamplingParamsError(f"stop_token_ids out of range [0, {self.vocab_size}): {bad_stop}")
+        seed = params.seed
+        if seed is None:  # reported in the output so the sample can be replayed
+            with self._seed_lock:
+                seed = self._seed_rng.getrandbits(63)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return Request(rid, ids, params, seed, self._eos_ids, self._detok_tokenizer, RequestHandle(rid))
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _check_invariants(self) -> dict[str, int]:
+        counts = self._pool.check_invariants()
+        sched = self._scheduler
+        owned = [b for r in sched.running for b in r.block_table]
+        if len(owned) != len(set(owned)):
+            raise InvariantError("two running requests share a WRITING block")
+        live = counts["WRITING"] + counts["READ_ONLY"]
+        if len(owned) != live:
+            raise InvariantError(f"running requests own {len(owned)} blocks but {live} are WRITING/READ_ONLY")
+        if any(self._pool.state[b] == BlockState.FREE for b in owned):
+            raise InvariantError("a running request owns a FREE block")
+        if any(r.block_table for r in sched.waiting):
+            raise InvariantError("a waiting request holds blocks")
+        return {**counts, "running": len(sched.running), "waiting": len(sched.waiting)}
+
+    def _loop(self) -> None:
+        sched = self._scheduler
+        try:
+            while True:
+                cmds = [self._inbox.get()] if not sched.has_work() else []
+                while True:
+                    try:
+                        cmds.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                for cmd in cmds:
+                    if cmd[0] != "stop":
+                        self._handle(cmd)
+                if any(cmd[0] == "stop" for cmd in cmds):
+                    self._fail_all(EngineDeadError("engine closed"))
+                    return
+                batch = sched.schedule()
+                new_tokens: dict[int, list[int]] = {}
+                if batch is not None:
+                    out = self._runner.run(batch)
+                    for req, ids in sched.complete(batch, out):
+                        new_tokens[id(req)] = ids
+                        if req.finish_reason is None:
+                            req.handle._post_delta(req.delta(ids))
+                elif sched.has_work() and not cmds:
+                    raise InvariantError("scheduler has work but can plan nothing (deadlock)")
+                self._deliver_finished(new_tokens)
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the callers, not hang them
+            log.exception("scheduler thread failed")
+            self._fail_all(EngineDeadError(f"scheduler thread failed: {e!r}"), cause=e)
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            req: Request = cmd[1]
+            if req.request_id in self._handles:
+                req.handle._post_error(InvalidRequestError(f"duplicate request_id {req.request_id!r}"))
+                return
+            self._handles[req.request_id] = req.handle
+            self._scheduler.add(req)
+        elif kind == "abort":
+            self._scheduler.abort(cmd[1])
+        elif kind == "call":
+            fn, fut = cmd[1], cmd[2]
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - reported to the caller
+                fut.set_exception(e)
+
+    def _deliver_finished(self, new_tokens: dict[int, list[int]]) -> None:
+        for req in self._scheduler.take_finished():
+            self._handles.pop(req.request_id, None)
+            req.handle._post_delta(req.delta(new_tokens.get(id(req), [])))
+            req.handle._post_result(req.output())
+
+    def _fail_all(self, err: EngineDeadError, cause: BaseException | None = None) -> None:
+        if cause is not None:
+            err.__cause__ = cause
+        with self._life_lock:
+            self._dead = err
+        for handle in self._handles.values():
+            handle._post_error(err)
+        self._handles.clear()
+        # Requests still in the inbox (raced with the failure) are failed too.
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                cmd[1].handle._post_error(err)
+            elif cmd[0] == "call":
+                cmd[2].set_exception(err)

@@ -1,0 +1,34 @@
+"""Typed errors. Every user mistake maps to one of these, with a message naming the problem."""
+
+
+class MiniSGLError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigError(MiniSGLError, ValueError):
+    """An engine config value or key is invalid."""
+
+
+class ModelNotFoundError(MiniSGLError, FileNotFoundError):
+    """The model reference is neither a known alias, a Hugging Face directory nor a .gguf file."""
+
+
+class InvalidRequestError(MiniSGLError, ValueError):
+    """A request cannot be served as given (bad prompt or bad sampling parameters)."""
+
+
+class EmptyPromptError(InvalidRequestError):
+    """The prompt has no tokens."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt does not fit the model's context (max_model_len)."""
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    """A sampling parameter is out of range or unknown."""
+
+
+class EngineDeadError(MiniSGLError, RuntimeError):
+    """The engine stopped (closed, or its scheduler thread failed); the cause is chained."""
+

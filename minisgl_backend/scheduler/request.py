@@ -1,0 +1,156 @@
+"""Scheduler-side state of one request (a batch "slot", S7): owned by the scheduler thread only."""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Iterator
+
+from minisgl_backend.sampling.detokenizer import IncrementalDetokenizer
+from minisgl_backend.types import FinishReason, RequestOutput, RequestTimings, SamplingParams, StreamDelta, TokenLogprob
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # no KV yet (new, or preempted for recompute)
+    RUNNING = "running"  # holds KV blocks: prefilling chunks or decoding
+    FINISHED = "finished"
+
+
+class RequestHandle:
+    """The caller's side of a request: `result()` and iteration over StreamDelta.
+
+    The scheduler thread only posts into it (a queue put and a Future result); it never reads it.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._future: Future[RequestOutput] = Future()
+        self._deltas: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Block until the request finishes; raises TimeoutError, or EngineDeadError if the engine died
+        (InvalidRequestError for a duplicate request_id)."""
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        while True:
+            item = self._deltas.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    # --- posted by the scheduler thread ---
+    def _post_delta(self, delta: StreamDelta) -> None:
+        self._deltas.put(delta)
+
+    def _post_result(self, out: RequestOutput) -> None:
+        self._future.set_result(out)
+
+    def _post_error(self, err: Exception) -> None:
+        if not self._future.done():
+            self._deltas.put(err)
+            self._future.set_exception(err)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        eos_ids: frozenset[int],
+        tokenizer,
+        handle: RequestHandle,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seed = seed
+        self.handle = handle
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.status = RequestStatus.WAITING
+        self.output_ids: list[int] = []
+        self.block_table: list[int] = []
+        self.num_computed = 0  # tokens whose K/V are in the cache
+        self.num_readonly_blocks = 0  # leading blocks already marked write-completed
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_ids = (frozenset() if params.ignore_eos else eos_ids) | frozenset(params.stop_token_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop, params.skip_special_tokens)
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
+        )
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def is_decode(self) -> bool:
+        """Only the last sampled token lacks K/V: a one-token decode row."""
+        return bool(self.output_ids) and self.num_computed == self.seq_len - 1
+
+    def needs_prompt_logprob(self, target: int) -> bool:
+        """Whether the prompt token at index `target` still needs its logprob (computed at target-1)."""
+        return (
+            self.prompt_logprobs is not None
+            and self.params.prompt_logprobs_start <= target < len(self.prompt_ids)
+            and self.prompt_logprobs[target] is None
+        )
+
+    def append_token(self, token: int, max_model_len: int) -> None:
+        """Record one sampled token and decide whether the request is finished."""
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.output_ids.append(token)
+        stopped_by_text = self.detok.append(self.output_ids)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif stopped_by_text:
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.params.max_tokens or self.seq_len > max_model_len:
+            self.finish_reason = "length"
+
+    def delta(self, new_ids: list[int]) -> StreamDelta:
+        finished = self.finish_reason is not None
+        return StreamDelta(self.request_id, new_ids, self.detok.take_delta(finished), finished, self.finish_reason)
+
+    def output(self) -> RequestOutput:
+        assert self.finish_reason is not None
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            token_ids=list(self.output_ids),
+            text=self.detok.text,
+            finish_reason=self.finish_reason,
+            seed=self.seed,
+            timings=RequestTimings(self.arrival, self.first_token_time, time.perf_counter()),
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            num_preemptions=self.num_preemptions,
+        )
