@@ -264,6 +264,9 @@ class Engine:
     def _deliver_finished(self, new_tokens: dict[int, list[int]]) -> None:
         for req in self._scheduler.take_finished():
             self._handles.pop(req.request_id, None)
+            if req.error is not None:
+                req.handle._post_error(req.error)
+                continue
             req.handle._post_delta(req.delta(new_tokens.get(id(req), [])))
             req.handle._post_result(req.output())
 

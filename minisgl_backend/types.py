@@ -5,11 +5,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple, Sequence
+
+import torch
 
 from minisgl_backend.errors import InvalidSamplingParamsError
 
 FinishReason = Literal["stop", "length", "abort"]
+# (output token ids so far, float32 CPU logits row [vocab]) -> logits row to sample from.
+LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,8 @@ class SamplingParams:
     from hash(seed, p, token id) only, so it does not depend on batching or chunking (S8).
     `logprobs=k` returns the sampled token's logprob plus the k most likely alternatives;
     `prompt_logprobs=k` does the same for prompt tokens from index `prompt_logprobs_start` on.
+    `logits_processors` run on the scheduler thread before the draw (e.g. constrained decoding);
+    one that raises ends only its own request, with that exception.
     """
 
     temperature: float = 1.0
@@ -36,6 +42,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     prompt_logprobs_start: int = 1
     skip_special_tokens: bool = True
+    logits_processors: tuple[LogitsProcessor, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples so params stay hashable.
@@ -43,6 +50,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -69,6 +77,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
                 bad(f"{name} must be None or a non-negative int, got {v!r}")
+        if any(not callable(f) for f in self.logits_processors):
+            bad("logits_processors must be callables (output_ids, logits) -> logits")
         if self.prompt_logprobs_start < 1:
             bad(f"prompt_logprobs_start must be >= 1 (token 0 has no context), got {self.prompt_logprobs_start}")
 

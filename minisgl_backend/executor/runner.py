@@ -10,7 +10,7 @@ import torch
 
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model.llama import CausalLM, ForwardBatch, PrefillRow
-from minisgl_backend.sampling.sampler import SampleRow, sample, token_logprobs
+from minisgl_backend.sampling.sampler import SampleRow, apply_processors, sample, token_logprobs
 from minisgl_backend.scheduler.request import Request
 from minisgl_backend.scheduler.scheduler import Batch, ScheduledRow, StepOutput
 from minisgl_backend.types import TokenLogprob
@@ -105,12 +105,16 @@ class ModelRunner:
     def _sample(logits: torch.Tensor, plan: _Plan) -> StepOutput:
         sampled: dict[int, int] = {}
         logprobs: dict[int, TokenLogprob] = {}
+        errors: dict[int, Exception] = {}
         if plan.sample_rows:
             idx = [i for i, _ in plan.sample_rows]
             rows = [
-                SampleRow(r.req.params, r.req.seed, r.start + r.length) for _, r in plan.sample_rows
+                SampleRow(r.req.params, r.req.seed, r.start + r.length, r.req.output_ids)
+                for _, r in plan.sample_rows
             ]
-            tokens = sample(logits[idx], rows)
+            processed, failed = apply_processors(logits[idx], rows)
+            errors = {id(plan.sample_rows[i][1].req): e for i, e in failed.items()}
+            tokens = sample(processed, rows)
             for (i, r), tok in zip(plan.sample_rows, tokens):
                 sampled[id(r.req)] = tok
             want = [(i, r, tok) for (i, r), tok in zip(plan.sample_rows, tokens) if r.req.params.logprobs is not None]
@@ -124,7 +128,7 @@ class ModelRunner:
                 logits[[w[0] for w in group]], [w[1].prompt_ids[w[2]] for w in group], k
             )
             prompt.extend((w[1], w[2], lp) for w, lp in zip(group, lps))
-        return StepOutput(sampled, logprobs, prompt)
+        return StepOutput(sampled, logprobs, prompt, errors)
 
 
 def _group_by_top(items, key) -> dict[int, list]:

@@ -40,10 +40,26 @@ class SampleRow(NamedTuple):
     params: SamplingParams
     seed: int
     position: int  # absolute position of the token being drawn
+    output_ids: Sequence[int]  # what logits processors see
+
+
+def apply_processors(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """Run each row's logits processors; a failing row is reported by index, not raised."""
+    errors: dict[int, Exception] = {}
+    todo = [i for i, r in enumerate(rows) if r.params.logits_processors]
+    if todo:
+        logits = logits.clone()
+        for i in todo:
+            try:
+                for fn in rows[i].params.logits_processors:
+                    logits[i] = fn(rows[i].output_ids, logits[i])
+            except Exception as e:  # noqa: BLE001 - user code; its request fails, the batch goes on
+                errors[i] = e
+    return logits, errors
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
-    """Draw one token per row from float32 CPU logits [R, V]."""
+    """Draw one token per row from float32 CPU logits [R, V] (already processed)."""
     out = logits.argmax(dim=-1).tolist()  # greedy rows keep this
     rnd = [i for i, r in enumerate(rows) if not r.params.greedy]
     if rnd:

@@ -88,6 +88,7 @@ class Request:
         self.num_readonly_blocks = 0  # leading blocks already marked write-completed
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
+        self.error: Exception | None = None  # set when the request failed on its own (logits processor)
         self.stop_ids = (frozenset() if params.ignore_eos else eos_ids) | frozenset(params.stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, params.stop, params.skip_special_tokens)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None

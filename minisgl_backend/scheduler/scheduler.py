@@ -31,6 +31,7 @@ class StepOutput(NamedTuple):
     sampled: dict[int, int]  # id(request) -> drawn token
     logprobs: dict[int, TokenLogprob]  # id(request) -> logprob of the drawn token (when asked)
     prompt_logprobs: list[tuple[Request, int, TokenLogprob]]  # (request, prompt index, logprob)
+    errors: dict[int, Exception]  # id(request) -> its logits processor's exception
 
 
 class Batch(NamedTuple):
@@ -196,6 +197,11 @@ class Scheduler:
             for i in range(req.num_readonly_blocks, full):
                 self.pool.write_completed(req.block_table[i])
             req.num_readonly_blocks = max(req.num_readonly_blocks, full)
+            if id(req) in out.errors:
+                req.error = out.errors[id(req)]
+                req.finish_reason = "abort"
+                self._finish(req)
+                continue
             if row.samples:
                 token = out.sampled[id(req)]
                 if req.logprobs is not None:
