@@ -1,0 +1,17 @@
+"""`minisgl-lm-eval`: the stock lm-eval CLI with `minisgl` registered, whatever the install state of the
+.pth hook (e.g. `pip install --no-compile` into a read-only site, or a future lm-eval)."""
+
+from __future__ import annotations
+
+
+def main() -> None:
+    from lm_eval_minisgl import register
+
+    register()
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

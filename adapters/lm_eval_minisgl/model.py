@@ -1,0 +1,325 @@
+"""The lm-eval model `minisgl`: every request of a call goes to the engine at once.
+
+Tokenisation, windows and stop handling follow lm-eval's `hf` backend step by step (TemplateLM's
+context/continuation split, `get_rolling_token_windows`, `normalize_gen_kwargs`, the same left
+truncation), so both backends score exactly the same token sequences; the engine's continuous
+batching then replaces hf's padded fixed-size batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from minisgl_backend import ConfigError, Engine, EngineConfig, RequestOutput, SamplingParams
+
+log = logging.getLogger("lm_eval_minisgl")
+
+# model_args the adapter consumes itself; every other key must be an EngineConfig field.
+ADAPTER_ARGS = {
+    "pretrained": "model reference: alias, Hugging Face directory or .gguf file (engine `model`)",
+    "config": "engine preset YAML (e.g. configs/engine/<preset>.yaml); other engine keys override it",
+    "max_length": "context window used for truncation and rolling windows (default: engine max_model_len)",
+    "max_gen_toks": "default generation budget when a task sets none (default 256, like hf)",
+    "add_bos_token": "force adding (or not) the tokenizer's BOS token; default: the tokenizer's own setting",
+    "prefix_token_id": "token conditioning an empty context (default: BOS, else EOS, like hf)",
+    "batch_size": "accepted for CLI compatibility and ignored: the engine batches continuously",
+    "max_batch_size": "accepted for CLI compatibility and ignored",
+    "device": "engine device; lm-eval's default 'cuda:0' falls back to cpu when CUDA is absent",
+    "trust_remote_code": "accepted for CLI compatibility and ignored (no remote code is run)",
+}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
+_DEFAULT_SEED = 1234  # lm-eval's own default seed: sampled generations replay run to run
+_REPO_ROOT = Path(__file__).resolve().parents[2]  # editable/source checkout: configs/ lives here
+_GEN_KWARGS_USED = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k", "min_p", "seed"}
+
+
+def _resolve_preset(ref: str) -> Path:
+    """A preset path as given (relative to the working directory), else relative to the repository,
+    else a bare name under configs/engine/."""
+    candidates = [Path(ref), _REPO_ROOT / ref, _REPO_ROOT / "configs" / "engine" / f"{ref}.yaml"]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ConfigError(f"engine config {ref!r} not found (looked at: {', '.join(map(str, candidates))})")
+
+
+def _resolve_device(device: str | None) -> str | None:
+    if device is None:
+        return None
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            log.info("device %r requested but CUDA is not available: using cpu", device)
+            return "cpu"
+    return device
+
+
+def build_engine_config(model_args: dict[str, Any]) -> EngineConfig:
+    """Map the engine part of model_args (plus `pretrained`/`config`) to an EngineConfig.
+
+    Keys are checked against EngineConfig.field_names() at run time, so engine knobs added later
+    (overlap, max_inflight, deterministic, ...) work here without an adapter change.
+    """
+    args = dict(model_args)
+    engine_keys = EngineConfig.field_names()
+    unknown = sorted(set(args) - set(engine_keys) - {"pretrained", "config"})
+    if unknown:
+        raise ConfigError(
+            f"unknown model_args {unknown} for --model minisgl; valid keys: adapter "
+            f"[{', '.join(sorted(ADAPTER_ARGS))}], engine [{', '.join(engine_keys)}]"
+        )
+    if "pretrained" in args:
+        if "model" in args:
+            raise ConfigError("give the model once: `pretrained=...` or `model=...`, not both")
+        args["model"] = args.pop("pretrained")
+    preset = args.pop("config", None)
+    for key, value in list(args.items()):
+        if isinstance(value, str) and value.lower() == "none":
+            args[key] = None  # e.g. chunk_size=None (whole-prompt prefill)
+    if isinstance(args.get("model"), (int, float)):
+        args["model"] = str(args["model"])
+    if args.get("dtype") == "auto":
+        del args["dtype"]  # the preset's / engine's default
+    elif isinstance(args.get("dtype"), str):
+        args["dtype"] = _DTYPE_ALIASES.get(args["dtype"], args["dtype"])
+    if preset is not None:
+        return EngineConfig.from_yaml(_resolve_preset(str(preset)), **args)
+    return EngineConfig.from_dict(args)
+
+
+class MiniSGLLM(TemplateLM):
+    """`lm_eval --model minisgl --model_args pretrained=...,dtype=...,chunk_size=...`"""
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        config: str | None = None,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        add_bos_token: bool | None = None,
+        prefix_token_id: int | None = None,
+        batch_size: int | str | None = None,
+        max_batch_size: int | None = None,
+        device: str | None = None,
+        trust_remote_code: bool | None = None,
+        engine: Engine | None = None,
+        **engine_args: Any,
+    ) -> None:
+        super().__init__()
+        del batch_size, max_batch_size, trust_remote_code  # accepted for CLI compatibility only
+        if engine is None:
+            args = dict(engine_args)
+            if pretrained is not None:
+                args["pretrained"] = pretrained
+            if config is not None:
+                args["config"] = config
+            if "device" not in engine_args and (dev := _resolve_device(device)) is not None:
+                args["device"] = dev
+            cfg = build_engine_config(args)
+            if "seed" not in engine_args and cfg.seed is None:
+                cfg = cfg.replace(seed=_DEFAULT_SEED)
+            engine = Engine(cfg)
+        elif engine_args or pretrained is not None or config is not None:
+            raise ConfigError("pass engine settings or an Engine instance, not both")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.add_bos_token = add_bos_token
+        self.custom_prefix_token_id = prefix_token_id
+        self._max_gen_toks = int(max_gen_toks)
+        self._max_length = int(max_length) if max_length else engine.max_model_len
+        if self._max_length > engine.max_model_len:
+            raise ConfigError(
+                f"max_length={self._max_length} exceeds the engine's context limit ({engine.max_model_len}); "
+                "raise max_model_len / the KV capacity or lower max_length"
+            )
+        self._warned_truncation = False
+
+    # ------------------------------------------------------------------ lm-eval plumbing
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        return self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def device(self) -> str:
+        return self.engine.config.device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tokenizer.name_or_path).replace("/", "__")
+
+    def get_model_info(self) -> dict[str, Any]:
+        return {"model_dir": str(self.engine.model_dir), "engine_config": dataclasses.asdict(self.engine.config)}
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        # The same rule as hf: the tokenizer's default unless told, and never a second BOS.
+        flag = add_special_tokens if add_special_tokens is not None else self.add_bos_token
+        special: dict[str, bool] = {} if flag is None else {"add_special_tokens": flag}
+        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+            special["add_special_tokens"] = False
+        return list(self.tokenizer.encode(string, **special))
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        def render(history: list[dict[str, str]]) -> str:
+            return self.tokenizer.apply_chat_template(
+                history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt,
+            )
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            log.warning("chat template failed; retrying without the system message")
+            return render([m for m in chat_history if m["role"] != "system"])
+
+    def _warn_truncation(self, what: str, original: int, kept: int) -> None:
+        if not self._warned_truncation:
+            self._warned_truncation = True
+            log.warning(
+                "%s of %d tokens exceeds max_length=%d: left-truncated to its last %d tokens "
+                "(warned once; later truncations are silent)", what, original, self.max_length, kept,
+            )
+
+    def _run(self, prompts: list[list[int]], params: list[SamplingParams], disable_tqdm: bool) -> list[RequestOutput]:
+        # One call, all requests: the scheduler packs them into batches as KV space allows.
+        return self.engine.generate(prompts, params, use_tqdm=not disable_tqdm)
+
+    # ------------------------------------------------------------------ loglikelihood
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[tuple[str, str] | None, list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
+        """Score each continuation in one prefill: the prompt is context + continuation, and the
+        engine's prompt logprobs over the continuation give the sum and the greedy check."""
+        # hf keeps the last max_length + 1 tokens (the model sees max_length of them); the engine
+        # takes the whole sequence as its prompt, capped at its own limit.
+        keep = min(self.max_length + 1, self.engine.max_model_len)
+        unique: dict[tuple[int, ...], int] = {}  # identical sequences (e.g. repeated docs) are scored once
+        spans: list[tuple[int, int]] = []  # (unique index, continuation length)
+        for _, ctx, cont in requests:
+            if not cont:
+                raise ValueError("lm-eval sent an empty continuation")
+            if len(cont) >= keep:
+                raise ValueError(f"a continuation of {len(cont)} tokens does not fit max_length={self.max_length}")
+            seq = ctx + cont
+            if len(seq) > keep:
+                self._warn_truncation("context + continuation", len(seq), keep)
+                seq = seq[-keep:]
+            spans.append((unique.setdefault((len(cont), *seq), len(unique)), len(cont)))
+        keys = list(unique)
+        prompts = [list(k[1:]) for k in keys]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=len(p) - k[0])
+            for p, k in zip(prompts, keys)
+        ]
+        outs = self._run(prompts, params, disable_tqdm)
+        scores: list[tuple[float, bool]] = []
+        for out, key in zip(outs, keys):
+            lps = out.prompt_logprobs[-key[0]:]  # type: ignore[index]
+            scores.append((float(sum(lp.logprob for lp in lps)), all(lp.rank == 1 for lp in lps)))
+        results = [scores[i] for i, _ in spans]
+        for (req_key, _, _), res in zip(requests, results):
+            if req_key is not None:
+                self.cache_hook.add_partial("loglikelihood", req_key, res)
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        """Perplexity: disjoint windows of at most max_length tokens (exactly hf's windows), all
+        windows of all documents scored in one engine call, summed per document."""
+        windows: list[tuple[None, list[int], list[int]]] = []
+        counts: list[int] = []
+        for (text,) in (req.args for req in requests):
+            doc = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1,
+                )
+            ]
+            windows.extend((None, ctx, cont) for ctx, cont in doc)
+            counts.append(len(doc))
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals: list[float] = []
+        start = 0
+        for req, n in zip(requests, counts):
+            totals.append(sum(s for s, _ in scores[start : start + n]))
+            start += n
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, totals[-1])
+        return totals
+
+    # ------------------------------------------------------------------ generation
+    def _sampling_params(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[SamplingParams, list[str], int]:
+        kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+        ignored = sorted(set(kwargs) - _GEN_KWARGS_USED)
+        if ignored:
+            log.warning("generation kwargs %s are not supported by minisgl and are ignored", ignored)
+        greedy = not kwargs.get("do_sample") or float(kwargs.get("temperature", 0.0)) == 0.0
+        params = SamplingParams(
+            temperature=0.0 if greedy else float(kwargs["temperature"]),
+            top_p=float(kwargs.get("top_p") or 1.0),
+            top_k=int(kwargs.get("top_k") or 0),
+            min_p=float(kwargs.get("min_p") or 0.0),
+            seed=None if kwargs.get("seed") is None else int(kwargs["seed"]),
+            max_tokens=int(kwargs["max_gen_toks"]),
+            stop=tuple(s for s in until if s),
+        )
+        return params, until, int(kwargs["max_gen_toks"])
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        eos = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)
+        prompts: list[list[int]] = []
+        params: list[SamplingParams] = []
+        stops: list[list[str]] = []
+        for context, gen_kwargs in (req.args for req in requests):
+            sp, until, max_gen = self._sampling_params(gen_kwargs, eos)
+            max_ctx = self.max_length - max_gen  # room for the whole budget, as hf reserves it
+            if max_ctx <= 0:
+                raise ValueError(f"max_gen_toks={max_gen} leaves no room for a context in max_length={self.max_length}")
+            ids = self.tok_encode(context)
+            if len(ids) > max_ctx:
+                self._warn_truncation("a generation context", len(ids), max_ctx)
+                ids = ids[-max_ctx:]
+            prompts.append(ids)
+            params.append(sp)
+            stops.append(until)
+        outs = self._run(prompts, params, disable_tqdm)
+        results: list[str] = []
+        for req, out, until in zip(requests, outs, stops):
+            # The engine already cut at the first stop string; this applies hf's exact rule on top.
+            text = postprocess_generated_text(out.text, until, None)
+            results.append(text)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return results
