@@ -36,7 +36,6 @@ class EngineConfig:
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh random seeds
     # --- runtime ---
     num_threads: int | None = None  # torch intra-op threads; None = torch default
-    stats_interval_s: float = 0.0  # >0: log a one-line stats summary at this period
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

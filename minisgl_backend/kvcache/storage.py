@@ -35,6 +35,6 @@ class KVCache:
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of whole blocks: block_tables [..., nb] -> [..., nb * block_size, kv_heads, head_dim]."""
-        k, v = self.k[layer][block_tables], self.v[layer][block_tables]
-        lead = block_tables.shape[:-1]
-        return k.reshape(*lead, -1, *k.shape[-2:]), v.reshape(*lead, -1, *v.shape[-2:])
+        flat = block_tables.reshape(-1)
+        shape = (*block_tables.shape[:-1], -1, *self.k[layer].shape[-2:])
+        return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)

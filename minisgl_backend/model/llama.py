@@ -151,12 +151,7 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         b = batch.num_decode
         if b:
-            # All decode rows in one call: context gathered per row through its block table, padded and masked.
-            kc, vc = kv.gather(self.layer_id, batch.decode_block_tables)  # [B, L, kvh, d]
-            out[:b] = F.scaled_dot_product_attention(
-                q[:b, :, None, :], kc.transpose(1, 2), vc.transpose(1, 2),
-                attn_mask=batch.decode_mask, enable_gqa=True,
-            ).squeeze(2)
+            out[:b] = self._decode_attention(q[:b], batch, kv)
         for row in batch.prefill_rows:
             s, e = row.start, row.start + row.length
             qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
@@ -171,6 +166,20 @@ class Attention(nn.Module):
             )
             out[s:e] = o[0].transpose(0, 1)
         return self.o_proj(out.reshape(n, self.h * self.d))
+
+    def _decode_attention(self, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """All decode rows at once: each row's context gathered through its block table, padded, masked.
+
+        Plain batched matmuls grouped by KV head: for one query token per row this is several times
+        faster on CPU than SDPA's flash kernel, and it never materialises repeated K/V heads.
+        """
+        bsz, group = q.shape[0], self.h // self.kvh
+        kc, vc = kv.gather(self.layer_id, batch.decode_block_tables)  # [B, L, kvh, d]
+        qg = q.view(bsz, self.kvh, group, self.d)
+        scores = torch.matmul(qg, kc.permute(0, 2, 3, 1)) * self.d**-0.5  # [B, kvh, group, L]
+        scores = scores.float().masked_fill_(~batch.decode_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, vc.transpose(1, 2)).view(bsz, self.h, self.d)
 
 
 class MLP(nn.Module):

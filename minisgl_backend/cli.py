@@ -1,0 +1,132 @@
+"""`minisgl` command line: generate text, run the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+import yaml
+
+from minisgl_backend.config import EngineConfig
+from minisgl_backend.errors import MiniSGLError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--config", help="YAML engine preset (e.g. configs/engine/default.yaml)")
+    g.add_argument("--model", help="alias, Hugging Face directory or .gguf path")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"])
+    g.add_argument("--chunk-size", type=lambda s: None if s.lower() == "none" else int(s),
+                   default=argparse.SUPPRESS, help="prefill chunk size, or 'none' for whole-prompt prefill")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any EngineConfig field (repeatable), value parsed as YAML: --set num_blocks=512")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise MiniSGLError(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = yaml.safe_load(value)
+    for key in ("model", "dtype"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    if hasattr(args, "chunk_size"):  # absent unless given: None is a real value (whole-prompt prefill)
+        overrides["chunk_size"] = args.chunk_size
+    if args.config:
+        return EngineConfig.from_yaml(args.config, **overrides)
+    return EngineConfig.from_dict(overrides)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from minisgl_backend.engine import Engine
+    from minisgl_backend.types import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+    )
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    with Engine(_engine_config(args)) as engine:
+        if args.chat:
+            prompts = [
+                engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                     add_generation_prompt=True)
+                for p in prompts
+            ]
+        if args.stream:
+            for prompt in prompts:
+                for delta in engine.stream(prompt, params):
+                    print(delta.text, end="", flush=True)
+                print()
+            return 0
+        for prompt, out in zip(args.prompts or prompts, engine.generate(prompts, params)):
+            if args.json:
+                print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
+                                  "seed": out.seed, "num_tokens": len(out.token_ids)}))
+            else:
+                print(f"### {prompt}\n{out.text}\n[finish_reason={out.finish_reason} tokens={len(out.token_ids)} seed={out.seed}]\n")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from minisgl_backend.bench import bench, format_table
+
+    result = bench(_engine_config(args), args.num_requests, args.input_len, args.output_len,
+                   hf=not args.no_hf, hf_batch_size=args.hf_batch_size)
+    print(format_table(result["results"]))
+    print(f"KV blocks after drain: {result['kv_blocks_after_drain']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minisgl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts (arguments or stdin lines)")
+    gen.add_argument("prompts", nargs="*")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    _engine_args(gen)
+    gen.set_defaults(fn=_cmd_generate)
+
+    b = sub.add_parser("bench", help="offline throughput vs HF generate (prints a table)")
+    b.add_argument("--num-requests", type=int, default=32)
+    b.add_argument("--input-len", type=int, default=100)
+    b.add_argument("--output-len", type=int, default=64)
+    b.add_argument("--hf-batch-size", type=int, help="HF static batch size (default: all requests)")
+    b.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
+    b.add_argument("--json", help="also write the results to this JSON file")
+    _engine_args(b)
+    b.set_defaults(fn=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except MiniSGLError as e:
+        print(f"minisgl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
