@@ -1,0 +1,207 @@
+"""Fields, engine access and thread→asyncio bridging shared by MiniSGL and ChatMiniSGL."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+
+from minisgl_backend import Engine, EngineConfig, EngineDeadError, RequestHandle, RequestOutput, SamplingParams, StreamDelta
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
+
+from langchain_minisgl._engines import build_config, evict_engine, get_engine
+
+# Per-call keyword arguments (invoke(..., max_tokens=5), .bind(temperature=0)) that map to sampling.
+SAMPLING_FIELDS = ("temperature", "max_tokens", "top_p", "top_k", "min_p", "seed")
+
+
+def reject_unknown_fields(cls: type[BaseModel], values: Any) -> Any:
+    """Pydantic drops unknown constructor arguments silently; a typo must fail loudly instead."""
+    if isinstance(values, dict):
+        known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"{cls.__name__} got unknown field(s) {unknown}. Engine options go in engine_config={{...}}; "
+                f"valid fields: {', '.join(sorted(cls.model_fields))}"
+            )
+    return values
+
+
+class MiniSGLParams(BaseModel):
+    """What both LangChain classes are configured with."""
+
+    model: str | None = None
+    """Model reference (alias such as 'smollm2-135m-instruct', HF directory or .gguf path).
+    None: the preset's model, else the embedded default."""
+    engine_config: dict[str, Any] = Field(default_factory=dict)
+    """EngineConfig fields (dtype, chunk_size, num_blocks, ...); passed through to the engine unchanged."""
+    engine_preset: str | None = None
+    """Path of an engine YAML preset; engine_config and model override its keys."""
+    temperature: float = 0.7
+    max_tokens: int = 256
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    timeout: float | None = None
+    """Seconds to wait for one request; on expiry it is aborted in the engine and TimeoutError raised."""
+    max_retries: int = 0
+    """Times a request is retried on a fresh engine after its engine died (EngineDeadError)."""
+
+    _config: EngineConfig = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _build_engine_config(self) -> "MiniSGLParams":
+        # Validated at construction (ConfigError on a bad key/value); the engine itself starts lazily.
+        self._config = build_config(self.model, self.engine_config, self.engine_preset)
+        SamplingParams(**self._sampling_dict({}))  # fail now on out-of-range sampling values
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self._config.model if self.model is None else self.model
+
+    def _config_for(self, kwargs: dict[str, Any]) -> EngineConfig:
+        override = kwargs.get("model")
+        return self._config if override is None else self._config.replace(model=override)
+
+    def engine_for(self, kwargs: dict[str, Any] | None = None) -> Engine:
+        """The shared engine serving this model (a per-call `model=` kwarg selects another one)."""
+        return get_engine(self._config_for(kwargs or {}))
+
+    @property
+    def engine(self) -> Engine:
+        return self.engine_for()
+
+    def close(self) -> None:
+        """Close the shared engine this model uses (every model sharing it is affected)."""
+        from langchain_minisgl._engines import close_engine
+
+        close_engine(self._config)
+
+    def _sampling_dict(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {k: kwargs.get(k, getattr(self, k)) for k in SAMPLING_FIELDS}
+
+    def sampling_params(
+        self, stop: Sequence[str] | None, kwargs: dict[str, Any], processors: Sequence[Callable] = ()
+    ) -> SamplingParams:
+        stops = list(self.stop or []) + [s for s in (stop or []) if s not in (self.stop or [])]
+        return SamplingParams(**self._sampling_dict(kwargs), stop=tuple(stops), logits_processors=tuple(processors))
+
+    # ------------------------------------------------------------------ running requests
+    def run_sync(self, kwargs: dict[str, Any], submit: Callable[[Engine], list[RequestHandle]]) -> list[RequestOutput]:
+        """Submit (all requests at once) and wait; a dead engine is replaced up to max_retries times."""
+        for attempt in range(self.max_retries + 1):
+            engine = self.engine_for(kwargs)
+            handles = submit(engine)
+            try:
+                return wait_all(engine, handles, self.timeout)
+            except EngineDeadError:
+                if attempt == self.max_retries:
+                    raise
+                evict_engine(self._config_for(kwargs), engine)
+        raise AssertionError("unreachable")
+
+    async def run_async(self, kwargs: dict[str, Any], submit: Callable[[Engine], list[RequestHandle]]) -> list[RequestOutput]:
+        for attempt in range(self.max_retries + 1):
+            engine = await asyncio.to_thread(self.engine_for, kwargs)  # first use loads the model: seconds
+            handles = submit(engine)
+            try:
+                return await asyncio.wait_for(asyncio.gather(*(await_handle(engine, h) for h in handles)), self.timeout)
+            except EngineDeadError:
+                if attempt == self.max_retries:
+                    raise
+                evict_engine(self._config_for(kwargs), engine)
+        raise AssertionError("unreachable")
+
+
+def wait_all(engine: Engine, handles: list[RequestHandle], timeout: float | None) -> list[RequestOutput]:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        return [h.result(None if deadline is None else max(0.0, deadline - time.monotonic())) for h in handles]
+    finally:
+        for h in handles:  # interrupted or failed: free the engine's blocks of the rest
+            if not h.done():
+                engine.abort(h.request_id)
+
+
+def stream_sync(engine: Engine, handle: RequestHandle) -> Iterator[StreamDelta]:
+    """Deltas of one request; stopping early (break, exception, generator close) aborts it."""
+    try:
+        yield from handle
+    finally:
+        if not handle.done():
+            engine.abort(handle.request_id)
+
+
+async def await_handle(engine: Engine, handle: RequestHandle) -> RequestOutput:
+    """Await a request without blocking the event loop; cancelling the awaiter aborts the request."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[RequestOutput] = loop.create_future()
+
+    def settle(h: RequestHandle) -> None:
+        if fut.done():
+            return
+        try:
+            fut.set_result(h.result())
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            fut.set_exception(e)
+
+    handle.add_done_callback(lambda h: _call_soon(loop, settle, h))
+    try:
+        return await fut
+    finally:
+        if not handle.done():
+            engine.abort(handle.request_id)
+
+
+async def stream_async(engine: Engine, handle: RequestHandle) -> AsyncIterator[StreamDelta]:
+    """Deltas of one request in asyncio. A pump thread blocks on the handle and hands each delta to
+    the loop with call_soon_threadsafe; cancelling or closing the stream aborts the request."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+
+    def pump() -> None:
+        try:
+            for delta in handle:
+                _call_soon(loop, queue.put_nowait, delta)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consuming task
+            _call_soon(loop, queue.put_nowait, e)
+
+    threading.Thread(target=pump, name=f"minisgl-lc-{handle.request_id}", daemon=True).start()
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+    finally:
+        if not handle.done():
+            engine.abort(handle.request_id)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop closed while the request ran: nobody is left to tell
+        pass
+
+
+def usage_of(outs: Sequence[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+
+def check_call_kwargs(kwargs: dict[str, Any], extra: Sequence[str] = ()) -> None:
+    """Per-call options are sampling fields, `model` and the class's own; anything else is a mistake."""
+    allowed = set(SAMPLING_FIELDS) | {"model"} | set(extra)
+    unknown = sorted(k for k in kwargs if k not in allowed and not k.startswith("ls_"))
+    if unknown:
+        raise TypeError(f"unknown per-call option(s) {unknown}; accepted: {', '.join(sorted(allowed))}")

@@ -1,0 +1,78 @@
+"""One in-process Engine per distinct engine config, shared by every LangChain model that asks for it.
+
+Many chains, threads and models feed the same continuous batch. Engines live until `close_engine` /
+`close_all` (or interpreter exit): a model object going out of scope does not stop an engine another
+model may be using.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from pathlib import Path
+from typing import Any
+
+from minisgl_backend import Engine, EngineConfig
+
+_engines: dict[EngineConfig, Engine] = {}
+_lock = threading.Lock()
+
+
+def build_config(model: str | None, engine_config: dict[str, Any], engine_preset: str | None) -> EngineConfig:
+    """EngineConfig from an optional YAML preset, then `engine_config` overrides, then `model`.
+
+    Keys are passed through unchanged, so engine options added later work without an adapter change;
+    unknown keys raise minisgl_backend.ConfigError listing the valid ones.
+    """
+    overrides = dict(engine_config)
+    if model is not None:
+        overrides["model"] = model
+    if engine_preset is not None:
+        return EngineConfig.from_yaml(Path(engine_preset), **overrides)
+    return EngineConfig.from_dict(overrides)
+
+
+def get_engine(config: EngineConfig) -> Engine:
+    """The shared engine for `config`, started on first use. The lock is held while loading (seconds)
+    so two threads asking at once never load the same model twice."""
+    with _lock:
+        eng = _engines.get(config)
+        if eng is None:
+            eng = Engine(config)
+            _engines[config] = eng
+        return eng
+
+
+def evict_engine(config: EngineConfig, engine: Engine) -> None:
+    """Drop a dead engine so the next `get_engine` starts a fresh one (used by retries)."""
+    with _lock:
+        if _engines.get(config) is engine:
+            del _engines[config]
+    engine.close()
+
+
+def close_engine(config: EngineConfig) -> bool:
+    """Close the engine for `config` if one runs; in-flight requests fail with EngineDeadError."""
+    with _lock:
+        eng = _engines.pop(config, None)
+    if eng is None:
+        return False
+    eng.close()
+    return True
+
+
+def close_all() -> None:
+    """Close every shared engine (also registered to run at interpreter exit)."""
+    with _lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for eng in engines:
+        eng.close()
+
+
+def running_configs() -> list[EngineConfig]:
+    with _lock:
+        return list(_engines)
+
+
+atexit.register(close_all)

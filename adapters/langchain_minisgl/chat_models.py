@@ -1,0 +1,382 @@
+"""ChatMiniSGL: the engine as a LangChain chat model, with tool calling and constrained structured output."""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from operator import itemgetter
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser, PydanticToolsParser
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from minisgl_backend import Engine, RequestOutput, SamplingParams
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from langchain_minisgl._base import (
+    MiniSGLParams,
+    await_handle,
+    check_call_kwargs,
+    reject_unknown_fields,
+    stream_async,
+    stream_sync,
+)
+from langchain_minisgl._grammar import GrammarProcessor, json_grammar, tool_call_grammar
+from langchain_minisgl._tools import ToolCallStreamSplitter, parse_tool_calls, tool_system_prompt
+
+_CALL_OPTIONS = ("tools", "tool_choice", "response_format", "stream")
+_native_tools: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_native_lock = threading.Lock()
+
+
+def _template_supports_tools(tokenizer: Any) -> bool:
+    """Whether the chat template renders `tools=` itself (SmolLM2's ChatML silently ignores it)."""
+    with _native_lock:
+        if tokenizer not in _native_tools:
+            probe = [{"role": "user", "content": "hi"}]
+            tool = {"type": "function", "function": {"name": "probe_tool", "description": "", "parameters": {"type": "object", "properties": {}}}}
+            with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False, add_generation_prompt=True)
+            _native_tools[tokenizer] = "probe_tool" in with_tools
+        return _native_tools[tokenizer]
+
+
+def _forced_tools(tool_choice: Any, tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Tools one of which MUST be called (decoding is then constrained), or None when calling is optional."""
+    if tool_choice in (None, "auto", "none", False):
+        return None
+    if tool_choice in ("any", "required", True):
+        return tools
+    if isinstance(tool_choice, dict):
+        name = tool_choice.get("name") or tool_choice.get("function", {}).get("name")
+    else:
+        name = tool_choice
+    match = [t for t in tools if t["function"]["name"] == name]
+    if not isinstance(name, str) or not match:
+        known = [t["function"]["name"] for t in tools]
+        raise ValueError(f"tool_choice {tool_choice!r} names no bound tool; bound tools: {known}")
+    return match
+
+
+def _text(message: BaseMessage) -> str:
+    return message.text if isinstance(message.content, list) else str(message.content)
+
+
+def _call_text(name: str, args: Any) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args}, ensure_ascii=False)}\n</tool_call>'
+
+
+def _to_template(message: BaseMessage, native: bool) -> dict[str, Any]:
+    """One LangChain message as a chat-template dict. Without native tool support, tool calls and
+    results are written in the same tagged protocol the system prompt describes."""
+    if isinstance(message, SystemMessage):
+        return {"role": "system", "content": _text(message)}
+    if isinstance(message, HumanMessage):
+        return {"role": "user", "content": _text(message)}
+    if isinstance(message, AIMessage):
+        content = _text(message)
+        if not message.tool_calls:
+            return {"role": "assistant", "content": content}
+        if native:
+            calls = [{"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["args"]}} for c in message.tool_calls]
+            return {"role": "assistant", "content": content, "tool_calls": calls}
+        calls_text = "\n".join(_call_text(c["name"], c["args"]) for c in message.tool_calls)
+        return {"role": "assistant", "content": f"{content}\n{calls_text}" if content else calls_text}
+    if isinstance(message, (ToolMessage, FunctionMessage)):
+        if native:
+            return {"role": "tool", "content": _text(message), "tool_call_id": getattr(message, "tool_call_id", None)}
+        return {"role": "user", "content": f"<tool_response>\n{_text(message)}\n</tool_response>"}
+    if isinstance(message, ChatMessage):
+        return {"role": message.role, "content": _text(message)}
+    raise TypeError(f"ChatMiniSGL cannot render a {type(message).__name__}")
+
+
+class ChatMiniSGL(MiniSGLParams, BaseChatModel):
+    """Chat on an in-process minisgl engine: chat-template rendering, streaming, tool calling.
+
+    >>> chat = ChatMiniSGL(temperature=0, max_tokens=64)
+    >>> chat.invoke("What is the capital of France?").content
+
+    Forced tool calls (`bind_tools(..., tool_choice="any" | name)`) and `with_structured_output`
+    constrain decoding to the schema, so the output always parses.
+    """
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    streaming: bool = False
+    """Make invoke() stream internally (callbacks see every token)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown(cls, values: Any) -> Any:
+        return reject_unknown_fields(cls, values)
+
+    @property
+    def _llm_type(self) -> str:
+        return "minisgl-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model_name, "engine_config": self._config, **self._sampling_dict({}), "stop": self.stop}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="minisgl",
+            ls_model_name=kwargs.get("model") or self.model_name,
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+        )
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    # ------------------------------------------------------------------ tools and structured output
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: dict | str | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        _forced_tools(tool_choice, formatted)  # an unknown tool name fails here, not at the first call
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        include_raw: bool = False,
+        strict: bool | None = None,  # decoding is always constrained: every method is strict
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        if kwargs:
+            raise TypeError(f"unexpected argument(s) {sorted(kwargs)}")
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+            parser: Runnable = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+                if pydantic
+                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            )
+        elif method in ("json_schema", "json_mode"):
+            fmt = (
+                {"type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}}
+                if method == "json_schema"
+                else {"type": "json_object"}
+            )
+            llm = self.bind(response_format=fmt, ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"method must be 'function_calling', 'json_schema' or 'json_mode', got {method!r}")
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+
+    # ------------------------------------------------------------------ request building
+    def _prepare(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[Engine, list[int], SamplingParams, set[str]]:
+        """(engine, prompt ids, sampling params, names of tools whose calls to parse)."""
+        check_call_kwargs(kwargs, _CALL_OPTIONS)
+        engine = self.engine_for(kwargs)
+        tok = engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"model {self.model_name!r} has no chat template; use MiniSGL (plain completion) instead")
+        tools: list[dict[str, Any]] = list(kwargs.get("tools") or [])
+        choice = kwargs.get("tool_choice")
+        if choice == "none":
+            tools = []
+        forced = _forced_tools(choice, tools) if tools else None
+        processors: list[Callable] = []
+        instructions: list[str] = []
+        native = bool(tools) and _template_supports_tools(tok)
+        if tools and not native:
+            name = forced[0]["function"]["name"] if forced and len(forced) == 1 else ("any" if forced else None)
+            instructions.append(tool_system_prompt(tools, name))
+        if forced:
+            processors.append(GrammarProcessor(tok, tool_call_grammar(forced)))
+        fmt = kwargs.get("response_format")
+        if fmt is not None:
+            schema = self._response_schema(fmt)
+            processors.append(GrammarProcessor(tok, json_grammar(schema)))
+            instructions.append(
+                "Reply with a JSON object only" + (f" matching this JSON schema:\n{json.dumps(schema)}" if schema else ".")
+            )
+        msgs = [_to_template(m, native) for m in messages]
+        if instructions:
+            extra = "\n\n".join(instructions)
+            if msgs and msgs[0]["role"] == "system":
+                msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{extra}"}
+            else:
+                msgs.insert(0, {"role": "system", "content": extra})
+        text = tok.apply_chat_template(msgs, tools=tools if native else None, tokenize=False, add_generation_prompt=True)
+        ids = list(tok.encode(text, add_special_tokens=False))  # the template already holds any BOS
+        names = {t["function"]["name"] for t in tools}
+        return engine, ids, self.sampling_params(stop, kwargs, processors), names
+
+    @staticmethod
+    def _response_schema(fmt: dict[str, Any]) -> dict[str, Any] | None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            return None
+        if kind == "json_schema":
+            spec = fmt.get("json_schema") or {}
+            return spec.get("schema", spec)
+        raise ValueError(f"response_format type must be 'json_object' or 'json_schema', got {kind!r}")
+
+    def _message(self, out: RequestOutput, tool_names: set[str], kwargs: dict[str, Any]) -> AIMessage:
+        content, calls, invalid = parse_tool_calls(out.text, tool_names) if tool_names else (out.text, [], [])
+        return AIMessage(
+            content=content,
+            tool_calls=calls,
+            invalid_tool_calls=invalid,
+            usage_metadata=self._usage(out),
+            response_metadata=self._metadata(out, kwargs),
+        )
+
+    @staticmethod
+    def _usage(out: RequestOutput) -> UsageMetadata:
+        n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
+        return UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
+
+    def _metadata(self, out: RequestOutput, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "model_name": kwargs.get("model") or self.model_name,
+            "model_provider": "minisgl",
+            "finish_reason": out.finish_reason,
+            "seed": out.seed,
+        }
+
+    # ------------------------------------------------------------------ LangChain entry points
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        prepared: dict[str, Any] = {}
+
+        def submit(engine: Engine) -> list:
+            _, ids, params, names = self._prepare(messages, stop, kwargs)
+            prepared["names"] = names
+            return [engine.submit(ids, params)]
+
+        out = self.run_sync(kwargs, submit)[0]
+        return ChatResult(generations=[ChatGeneration(message=self._message(out, prepared["names"], kwargs))])
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        prepared: dict[str, Any] = {}
+
+        def submit(engine: Engine) -> list:
+            _, ids, params, names = self._prepare(messages, stop, kwargs)
+            prepared["names"] = names
+            return [engine.submit(ids, params)]
+
+        out = (await self.run_async(kwargs, submit))[0]
+        return ChatResult(generations=[ChatGeneration(message=self._message(out, prepared["names"], kwargs))])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        # BaseChatModel.stream fires on_llm_new_token for every chunk yielded here.
+        engine, ids, params, names = self._prepare(messages, stop, kwargs)
+        handle = engine.submit(ids, params)
+        splitter = ToolCallStreamSplitter() if names else None
+        for delta in stream_sync(engine, handle):
+            if delta.finished:
+                yield self._last_chunk(delta.text, splitter, names, handle.result(), kwargs)
+            elif chunk := self._text_chunk(delta.text, splitter):
+                yield chunk
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        engine, ids, params, names = self._prepare(messages, stop, kwargs)
+        handle = engine.submit(ids, params)
+        splitter = ToolCallStreamSplitter() if names else None
+        async for delta in stream_async(engine, handle):
+            if delta.finished:
+                out = await await_handle(engine, handle)
+                yield self._last_chunk(delta.text, splitter, names, out, kwargs)
+            elif chunk := self._text_chunk(delta.text, splitter):
+                yield chunk
+
+    @staticmethod
+    def _text_chunk(text: str, splitter: ToolCallStreamSplitter | None) -> ChatGenerationChunk | None:
+        if splitter is not None:
+            text = splitter.feed(text)
+        return ChatGenerationChunk(message=AIMessageChunk(content=text)) if text else None
+
+    def _last_chunk(
+        self, text: str, splitter: ToolCallStreamSplitter | None, names: set[str], out: RequestOutput, kwargs: dict[str, Any]
+    ) -> ChatGenerationChunk:
+        call_chunks = []
+        if splitter is not None:
+            splitter.feed(text)
+            text, calls, invalid = splitter.finish(names)
+            call_chunks = [
+                tool_call_chunk(name=c["name"], args=json.dumps(c["args"], ensure_ascii=False), id=c["id"], index=i)
+                for i, c in enumerate(calls)
+            ] + [
+                tool_call_chunk(name=c["name"], args=c["args"], id=c["id"], index=len(calls) + i)
+                for i, c in enumerate(invalid)
+            ]
+        message = AIMessageChunk(
+            content=text,
+            tool_call_chunks=call_chunks,
+            usage_metadata=self._usage(out),
+            response_metadata=self._metadata(out, kwargs),
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(message=message)
+
+    def get_num_tokens(self, text: str) -> int:
+        """Tokens of `text` under the engine's own tokenizer (the LangChain default downloads GPT-2's)."""
+        return len(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def get_token_ids(self, text: str) -> list[int]:
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
+        """Exact prompt length: the conversation rendered with the chat template (and tool prompt)."""
+        kwargs = {"tools": [convert_to_openai_tool(t) for t in tools]} if tools else {}
+        return len(self._prepare(messages, None, kwargs)[1])
