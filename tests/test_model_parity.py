@@ -1,0 +1,123 @@
+"""fp32 parity with Hugging Face transformers on the embedded SmolLM2 weights, and paged attention
+with scattered block tables against a contiguous reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl_backend import Engine, EngineConfig, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Q: What is 12 times 7?\nA:",
+    "The three primary colors are",
+    "In machine learning, overfitting means",
+    "List three fruits that are red:\n1.",
+    "Translate to French: Good morning, how are you?\nFrench:",
+    "The mitochondria is the powerhouse of the cell. " * 6 + "Explain why:",
+    "import numpy as np\n\nx = np.arange(10)\nprint(",
+]
+TOP = 20
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(EngineConfig(dtype="float32", chunk_size=64)) as eng:
+        yield eng
+        assert eng.check_invariants()["FREE"] == eng.num_blocks
+
+
+def _hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64, None], ids=["chunk16", "chunk64", "whole"])
+def test_prompt_logprobs_match_hf_under_every_chunk_size(hf_model, engine, chunk_size):
+    with Engine(engine.config.replace(chunk_size=chunk_size, mixed_batches=chunk_size is not None)) as eng:
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[8]]  # 5 to 70 tokens: one chunk to several
+        outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=TOP), use_tqdm=False)
+    worst = 0.0
+    for out in outs:
+        ids = out.prompt_token_ids
+        ref = _hf_logprobs(hf_model, ids)
+        for i, lp in enumerate(out.prompt_logprobs[1:], start=1):
+            worst = max(worst, abs(lp.logprob - ref[i - 1, ids[i]].item()))
+            ref_top = ref[i - 1].topk(TOP)
+            mine = torch.tensor([v for _, v in lp.top])
+            worst = max(worst, (mine - ref_top.values).abs().max().item())
+    print(f"chunk_size={chunk_size}: max |logprob - HF| over prompt tokens and top-{TOP} = {worst:.2e}")
+    assert worst < 1e-3
+
+
+def test_decode_logprobs_match_hf(hf_model, engine):
+    out = engine.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=16, logprobs=TOP), use_tqdm=False)[0]
+    ids = out.prompt_token_ids + out.token_ids
+    ref = _hf_logprobs(hf_model, ids)
+    n = len(out.prompt_token_ids)
+    worst = max(
+        (torch.tensor([v for _, v in lp.top]) - ref[n - 1 + k].topk(TOP).values).abs().max().item()
+        for k, lp in enumerate(out.logprobs)
+    )
+    print(f"decode: max |logprob - HF| over top-{TOP} = {worst:.2e}")
+    assert worst < 1e-3
+
+
+def test_greedy_generations_equal_hf_generate(hf_model, engine):
+    # Both stop at EOS (kept as the last token); HF's min_new_tokens would mask EOS, so it is not used.
+    outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert sum(len(o.token_ids) for o in outs) > 200
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.inference_mode():
+            ref = hf_model.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=32, do_sample=False,
+                                    pad_token_id=2)
+        assert out.token_ids == ref[0, len(out.prompt_token_ids):].tolist(), prompt
+
+
+def test_paged_attention_with_scattered_blocks_equals_contiguous():
+    """Chunked prefill and decode read K/V through a shuffled block table; the outputs equal one
+    contiguous causal pass over the whole sequence (which touches no cache)."""
+    from minisgl_backend.kvcache.storage import KVCache
+    from minisgl_backend.model.llama import Attention, ForwardBatch, ModelSpec, PrefillRow
+
+    torch.manual_seed(0)
+    spec = ModelSpec(vocab_size=10, hidden_size=32, intermediate_size=8, num_layers=1, num_heads=4,
+                     num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, mlp_bias=False,
+                     qk_norm=False)
+    attn = Attention(spec, 0).eval()
+    bs, n = 4, 19
+    x = torch.randn(n, spec.hidden_size)
+    rotary = __import__("minisgl_backend.model.llama", fromlist=["Rotary"]).Rotary(spec.head_dim, spec.rope_theta)
+
+    def run(kv, rows, num_decode, lo, hi, table, dec_mask=None):
+        pos = torch.arange(lo, hi)
+        slots = table[pos // bs] * bs + pos % bs
+        fb = ForwardBatch(pos, pos, slots, num_decode, table[None] if num_decode else None, dec_mask, rows,
+                          torch.arange(hi - lo))
+        with torch.inference_mode():
+            return attn(x[lo:hi], rotary(pos, x.dtype), fb, kv)
+
+    contiguous = torch.arange(5)
+    ref = run(KVCache(1, 5, bs, 2, 8, torch.float32, "cpu"), (PrefillRow(0, n, n, contiguous, None),), 0, 0, n,
+              contiguous)
+    kv = KVCache(1, 16, bs, 2, 8, torch.float32, "cpu")
+    table = torch.randperm(16)[:5]
+    first = run(kv, (PrefillRow(0, 10, 10, table[:3], None),), 0, 0, 10, table)
+    mask = torch.arange(18)[None, :] <= torch.arange(10, 18)[:, None]
+    second = run(kv, (PrefillRow(0, 8, 18, table, mask),), 0, 10, 18, table)
+    dec_mask = (torch.arange(5 * bs) < n)[None, None, None, :]
+    last = run(kv, (), 1, 18, 19, table, dec_mask)
+    paged = torch.cat([first, second, last])
+    assert (paged - ref).abs().max().item() < 1e-5

@@ -1,0 +1,104 @@
+"""The CPU sampler: keyed noise makes draws independent of batch composition (S8)."""
+
+import math
+
+import pytest
+import torch
+
+from minisgl_backend import InvalidSamplingParamsError, SamplingParams
+from minisgl_backend.sampling.sampler import SampleRow, apply_processors, hash_uniform, sample, token_logprobs
+
+
+def _row(params, seed=1, pos=10):
+    return SampleRow(params, seed, pos, [])
+
+
+def test_hash_is_pure_and_uniform():
+    ids = torch.arange(20000)[None, :]
+    u1 = hash_uniform(torch.tensor([5]), torch.tensor([3]), ids)
+    u2 = hash_uniform(torch.tensor([5]), torch.tensor([3]), ids)
+    assert torch.equal(u1, u2)
+    assert 0 < u1.min() and u1.max() < 1
+    assert abs(u1.mean().item() - 0.5) < 0.01
+    other_pos = hash_uniform(torch.tensor([5]), torch.tensor([4]), ids)
+    other_seed = hash_uniform(torch.tensor([6]), torch.tensor([3]), ids)
+    assert (u1 != other_pos).float().mean() > 0.99 and (u1 != other_seed).float().mean() > 0.99
+
+
+def test_seeded_draw_does_not_depend_on_batch_neighbours():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000)
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=11)
+    alone = sample(logits[2:3], [_row(p, 11, 42)])
+    others = [_row(SamplingParams(temperature=1.0), s, 7) for s in range(6)]
+    rows = others[:2] + [_row(p, 11, 42)] + others[3:]
+    assert sample(logits, rows)[2] == alone[0]
+
+
+def test_filters_reduce_to_greedy_and_draws_follow_the_distribution():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 50) * 2
+    greedy = logits.argmax().item()
+    for p in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(min_p=1.0)):
+        assert all(sample(logits, [_row(p, seed)])[0] == greedy for seed in range(20))
+    # Frequencies over many seeds match softmax(logits / T).
+    t = 0.7
+    probs = torch.softmax(logits[0] / t, -1)
+    p = SamplingParams(temperature=t)
+    counts = torch.zeros(50)
+    n = 4000
+    batch = logits.expand(n, 50)
+    for tok in sample(batch, [_row(p, seed, 3) for seed in range(n)]):
+        counts[tok] += 1
+    assert (counts / n - probs).abs().max() < 0.03
+    # top_k=3 never leaves the three most likely tokens.
+    top3 = set(logits[0].topk(3).indices.tolist())
+    assert set(sample(batch[:300], [_row(SamplingParams(top_k=3), s) for s in range(300)])) <= top3
+
+
+def test_token_logprobs_rank_and_top():
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    (lp,) = token_logprobs(logits, [2], 2)
+    ref = torch.log_softmax(logits, -1)[0]
+    assert lp.rank == 2 and math.isclose(lp.logprob, ref[2].item(), rel_tol=1e-6)
+    assert [t for t, _ in lp.top] == [1, 2]
+
+
+def test_failing_logits_processor_is_reported_per_row():
+    def boom(_ids, _logits):
+        raise RuntimeError("bad processor")
+
+    def only_token_3(_ids, logits):
+        out = torch.full_like(logits, float("-inf"))
+        out[3] = 0
+        return out
+
+    logits = torch.zeros(2, 10)
+    rows = [_row(SamplingParams(logits_processors=[boom])), _row(SamplingParams(logits_processors=[only_token_3]))]
+    processed, errors = apply_processors(logits, rows)
+    assert list(errors) == [0] and "bad processor" in str(errors[0])
+    assert sample(processed, rows)[1] == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(InvalidSamplingParamsError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_sampling_key_lists_valid_ones():
+    with pytest.raises(InvalidSamplingParamsError, match="unknown sampling parameter.*temprature.*valid:.*temperature"):
+        SamplingParams.from_dict({"temprature": 0.5})
