@@ -1,0 +1,122 @@
+"""Same lm_eval run, `--model hf` vs `--model minisgl`: wall time, metrics and per-request parity.
+
+    .venv/bin/python scripts/bench_lm_eval.py                      # speed: minisgl_mc (600 requests), fp32
+    .venv/bin/python scripts/bench_lm_eval.py --tasks minisgl_mc,minisgl_gen,minisgl_ppl   # full parity
+
+Each run is the stock CLI in a fresh subprocess (start-up and model load included), offline, on the
+same weights (the HF directory the engine resolves the model to). Prints a table and a JSON summary:
+metrics per run, max |loglikelihood difference| per request, and whether greedy generations are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_lm_eval(model: str, model_args: str, tasks: str, out: Path, extra: list[str]) -> tuple[float, dict, dict]:
+    """Returns (wall seconds, metrics per task, {(task, doc_id, request index): response})."""
+    cmd = [
+        str(Path(sys.executable).with_name("lm_eval")), "--model", model, "--model_args", model_args,
+        "--include_path", "configs/tasks", "--tasks", tasks, "--device", "cpu",
+        "--output_path", str(out), "--log_samples", *extra,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    metrics = {
+        task: {k: v for k, v in vals.items() if isinstance(v, (int, float)) and "stderr" not in k}
+        for task, vals in results.items()
+    }
+    responses: dict = {}
+    for f in out.rglob("samples_*.jsonl"):
+        task = f.name.removeprefix("samples_").rsplit("_", 1)[0]
+        for line in f.read_text().splitlines():
+            s = json.loads(line)
+            rolling = "bits_per_byte" in s.get("metrics", [])  # responses are strings: tell numbers from text
+            for i, r in enumerate(s["resps"]):
+                responses[(task, s["doc_id"], i)] = float(r[0]) if rolling else r[0]
+    return wall, metrics, responses
+
+
+def compare(a: dict, b: dict) -> dict:
+    max_ll, gen_total, gen_diff, greedy_diff = 0.0, 0, [], 0
+    for key, ra in a.items():
+        rb = b[key]
+        if isinstance(ra, str):  # generate_until (loglikelihood_rolling arrives as a float)
+            gen_total += 1
+            if ra != rb:
+                gen_diff.append({"request": list(key), "hf": ra, "minisgl": rb})
+        elif isinstance(ra, list):  # loglikelihood: [logprob, is_greedy]
+            max_ll = max(max_ll, abs(float(ra[0]) - float(rb[0])))
+            greedy_diff += str(ra[1]) != str(rb[1])
+        else:  # loglikelihood_rolling: a number
+            max_ll = max(max_ll, abs(float(ra) - float(rb)))
+    return {
+        "requests": len(a), "max_abs_loglikelihood_diff": max_ll, "is_greedy_mismatches": greedy_diff,
+        "generations": gen_total, "generation_mismatches": gen_diff,
+    }
+
+
+def metrics_match(a: dict, b: dict, rel: float = 1e-4) -> bool:
+    """Equal metrics: the same keys, values equal up to float noise (perplexities sum ~1e2 logprobs)."""
+    if a.keys() != b.keys() or any(a[t].keys() != b[t].keys() for t in a):
+        return False
+    return all(abs(a[t][k] - b[t][k]) <= rel * max(1.0, abs(b[t][k])) for t in a for k in a[t])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", default="minisgl_mc")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="engine model reference")
+    ap.add_argument("--hf-batch-sizes", default="1,16", help="hf runs to time (lm-eval's default is 1)")
+    ap.add_argument("--minisgl-args", default="", help="extra model_args for minisgl, e.g. chunk_size=512")
+    ap.add_argument("--limit", type=float, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT))
+    from minisgl_backend.model.loader import resolve_model_dir
+
+    hf_dir = resolve_model_dir(args.model)
+    extra = ["--limit", str(args.limit)] if args.limit else []
+    runs: dict[str, tuple[float, dict, dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        mini_args = f"pretrained={args.model},dtype=float32" + (f",{args.minisgl_args}" if args.minisgl_args else "")
+        runs["minisgl"] = run_lm_eval("minisgl", mini_args, args.tasks, Path(tmp, "minisgl"), extra)
+        for bs in args.hf_batch_sizes.split(","):
+            runs[f"hf bs={bs}"] = run_lm_eval(
+                "hf", f"pretrained={hf_dir},dtype=float32", args.tasks, Path(tmp, f"hf{bs}"), extra + ["--batch_size", bs]
+            )
+    base_wall, base_metrics, base_resp = runs["minisgl"]
+    summary = {"tasks": args.tasks, "limit": args.limit, "runs": {}}
+    print(f"{'run':<12} {'wall s':>8} {'minisgl speed-up':>17}  metrics")
+    for name, (wall, metrics, resp) in runs.items():
+        entry = {"wall_s": round(wall, 2), "metrics": metrics}
+        if name != "minisgl":
+            entry["speedup_of_minisgl"] = round(wall / base_wall, 2)
+            entry["metrics_equal"] = metrics_match(metrics, base_metrics)
+            entry["parity"] = compare(resp, base_resp)
+        summary["runs"][name] = entry
+        flat = ", ".join(f"{t}.{k}={v:.4g}" for t, m in metrics.items() for k, v in m.items())
+        speed = f"{wall / base_wall:.2f}x" if name != "minisgl" else "-"
+        print(f"{name:<12} {wall:>8.1f} {speed:>17}  {flat}")
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

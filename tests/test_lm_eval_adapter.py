@@ -1,0 +1,203 @@
+"""lm-eval adapter: registration, model_args, each request type against lm-eval's own `hf` backend
+(same weights, fp32), and the stock CLI end to end on the local tasks."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval adapter needs lm-eval installed")
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from lm_eval_minisgl.model import MiniSGLLM, build_engine_config  # noqa: E402
+from minisgl_backend import ConfigError, Engine, EngineConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+LL_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def engine(smollm_dir):
+    with Engine(EngineConfig(model=str(smollm_dir), dtype="float32", seed=0)) as eng:
+        yield eng
+        counts = eng.check_invariants()
+        assert counts["FREE"] == eng.num_blocks, counts  # every KV block back after the tests drained
+
+
+@pytest.fixture(scope="module")
+def lm(engine):
+    return MiniSGLLM(engine=engine)
+
+
+@pytest.fixture(scope="module")
+def hf(smollm_dir):
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=str(smollm_dir), dtype="float32", device="cpu", batch_size=1)
+
+
+def _ll(*pairs: tuple[str, str]) -> list[Instance]:
+    return [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+
+
+def _gen(*items: tuple[str, dict]) -> list[Instance]:
+    return [Instance("generate_until", {}, item, i) for i, item in enumerate(items)]
+
+
+# ---------------------------------------------------------------------------------------------- registration
+def test_stock_registry_resolves_minisgl_and_keeps_builtins():
+    # A fresh interpreter: only the installed .pth hook can have registered the model.
+    code = (
+        "from lm_eval.api.registry import get_model\n"
+        "print(get_model('minisgl').__name__, get_model('hf').__name__, get_model('dummy').__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["MiniSGLLM", "HFLM", "DummyLM"]
+
+
+def test_entry_point_declared_for_newer_lm_eval():
+    eps = importlib.metadata.entry_points(group="lm_eval.models")
+    assert {ep.name: ep.value for ep in eps}.get("minisgl") == "lm_eval_minisgl.model:MiniSGLLM"
+
+
+# ---------------------------------------------------------------------------------------------- model_args
+def test_unknown_model_arg_is_a_clear_error_listing_valid_keys():
+    with pytest.raises(ConfigError) as err:
+        MiniSGLLM.create_from_arg_string("pretrained=smollm2-135m-instruct,chunk_sz=64")
+    msg = str(err.value)
+    assert "chunk_sz" in msg and "chunk_size" in msg and "max_gen_toks" in msg and "pretrained" in msg
+
+
+def test_engine_knobs_and_presets_reach_the_engine_config(tmp_path):
+    cfg = build_engine_config(
+        {"pretrained": "some/dir", "dtype": "bf16", "chunk_size": "None", "num_blocks": 64, "seed": 7,
+         "max_num_seqs": 8, "mixed_batches": False}
+    )
+    assert (cfg.model, cfg.dtype, cfg.chunk_size, cfg.num_blocks, cfg.seed, cfg.max_num_seqs, cfg.mixed_batches) == (
+        "some/dir", "bfloat16", None, 64, 7, 8, False
+    )
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("chunk_size: 128\nmax_num_batched_tokens: 512\n")
+    cfg = build_engine_config({"config": str(preset), "chunk_size": 64})
+    assert (cfg.chunk_size, cfg.max_num_batched_tokens) == (64, 512)  # model_args override the preset
+    with pytest.raises(ConfigError, match="not found"):
+        build_engine_config({"config": "no-such-preset"})
+
+
+# ---------------------------------------------------------------------------------------------- request types
+def test_loglikelihood_matches_hf(lm, hf):
+    reqs = _ll(
+        ("The capital of France is", " Paris"),
+        ("The capital of France is", " a small village in the mountains"),
+        ("Question: What is 2 plus 2?\nAnswer: ", "4"),  # trailing space moves to the continuation
+        ("", "Hello world"),  # empty context: conditioned on the prefix token
+        ("The capital of France is", " Paris"),  # a duplicate keeps its place in the output
+        ("1, 2, 3, 4,", " 5, 6, 7"),
+    )
+    ours, ref = lm.loglikelihood(reqs), hf.loglikelihood(reqs)
+    assert len(ours) == len(reqs) and ours[0] == ours[4]
+    for (a, ga), (b, gb) in zip(ours, ref):
+        assert abs(a - b) < LL_TOL and ga == gb
+    assert ours[0][0] > ours[1][0]  # the plausible continuation is far more likely
+    assert any(g for _, g in ours) and not all(g for _, g in ours)
+
+
+def test_loglikelihood_rolling_and_truncation_match_hf(engine, hf):
+    short = MiniSGLLM(engine=engine, max_length=32)  # forces several windows and left truncation
+    text = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
+    rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate([text, "Just one short line."])]
+    long_ll = _ll((text, " The end."))
+    hf._max_length = 32
+    try:
+        ref_roll, ref_ll = hf.loglikelihood_rolling(rolling), hf.loglikelihood(long_ll)
+    finally:
+        hf._max_length = None
+    ours_roll, ours_ll = short.loglikelihood_rolling(rolling), short.loglikelihood(long_ll)
+    assert len(short.tok_encode(text)) > 2 * 32  # three windows
+    for a, b in zip(ours_roll, ref_roll):
+        assert abs(a - b) < LL_TOL
+    assert abs(ours_ll[0][0] - ref_ll[0][0]) < LL_TOL
+
+
+def test_generate_until_greedy_matches_hf_and_removes_stops(lm, hf):
+    reqs = _gen(
+        ("Question: What is the capital of France?\nAnswer:", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
+        ("1, 2, 3, 4,", {"until": [" 7"], "max_gen_toks": 20, "do_sample": False}),
+        ("Once upon a time", {"until": ["Question:"], "max_gen_toks": 8, "temperature": 0.0}),
+    )
+    ours, ref = lm.generate_until(reqs), hf.generate_until(reqs)
+    assert ours == ref
+    assert ours[1].startswith(" 5, 6,") and " 7" not in ours[1]  # stopped at " 7", which is removed
+    assert len(lm.tok_encode(ours[2])) <= 8
+
+
+def test_sampled_generation_is_seeded_per_request(lm):
+    kw = {"until": ["\n\n"], "max_gen_toks": 16, "do_sample": True, "temperature": 1.0, "top_p": 0.95}
+    prompt = "Write a word:"
+    a = lm.generate_until(_gen((prompt, {**kw, "seed": 11}), (prompt, {**kw, "seed": 12}), ("Other prompt", kw)))
+    b = lm.generate_until(_gen((prompt, {**kw, "seed": 11})))
+    assert a[0] == b[0]  # same seed, different batch company: same text
+    c = lm.generate_until(_gen(*[(prompt, {**kw, "seed": s}) for s in range(20, 26)]))
+    assert len(set(c)) > 1  # sampling really samples
+
+
+def test_overlong_generation_context_is_left_truncated_with_one_warning(engine, caplog):
+    short = MiniSGLLM(engine=engine, max_length=48)
+    long_ctx = "word " * 200 + "\nQuestion: What is the capital of France?\nAnswer:"
+    kw = {"until": ["\n"], "max_gen_toks": 8, "do_sample": False}
+    with caplog.at_level(logging.WARNING, logger="lm_eval_minisgl"):
+        out = short.generate_until(_gen((long_ctx, kw), (long_ctx + " ", kw)))
+    assert len(out) == 2 and all(isinstance(s, str) for s in out)
+    assert sum("left-truncated" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_chat_template_and_tokenizer_name(lm):
+    history = [{"role": "user", "content": "What is 2 + 2?"}]
+    rendered = lm.apply_chat_template(history)
+    assert rendered == lm.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    assert rendered.rstrip().endswith("<|im_start|>assistant")
+    assert lm.tokenizer_name and "/" not in lm.tokenizer_name
+    assert lm.chat_template(True)  # lm-eval's --apply_chat_template finds the template
+
+
+# ---------------------------------------------------------------------------------------------- CLI end to end
+def _lm_eval(exe: str, args: list[str], out: Path) -> dict:
+    cmd = [str(BIN / exe), "--include_path", "configs/tasks", "--output_path", str(out), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=OFFLINE, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(out.rglob("results_*.json")).read_text())
+
+
+def test_stock_cli_runs_all_local_tasks(tmp_path):
+    res = _lm_eval(
+        "lm_eval",
+        ["--model", "minisgl", "--model_args", "pretrained=smollm2-135m-instruct,dtype=float32,chunk_size=64",
+         "--tasks", "minisgl_mc,minisgl_gen,minisgl_ppl", "--limit", "8"],
+        tmp_path,
+    )["results"]
+    assert res["minisgl_mc"]["acc,none"] >= 0.5  # chance is 0.25; the first items are easy facts
+    assert res["minisgl_gen"]["exact_match,first-number"] >= 0.25
+    assert 1.0 < res["minisgl_ppl"]["byte_perplexity,none"] < 3.0
+
+
+def test_wrapper_script_with_chat_template_and_multiturn_fewshot(tmp_path):
+    res = _lm_eval(
+        "minisgl-lm-eval",
+        ["--model", "minisgl", "--model_args", "pretrained=smollm2-135m-instruct,dtype=bfloat16",
+         "--tasks", "minisgl_gen", "--limit", "4", "--apply_chat_template", "--fewshot_as_multiturn", "--log_samples"],
+        tmp_path,
+    )
+    assert "exact_match,first-number" in res["results"]["minisgl_gen"]
+    sample = json.loads(next(tmp_path.rglob("samples_minisgl_gen_*.jsonl")).read_text().splitlines()[0])
+    prompt = json.dumps(sample["arguments"])  # the rendered context sent to the model
+    assert prompt.count("<|im_start|>user") == 4  # 3 few-shot turns + the question, as chat turns
