@@ -1,8 +1,11 @@
 """Build steps pyproject.toml cannot express. Everything else is declared in pyproject.toml."""
 
+import os
+import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 # Registers `lm_eval --model minisgl` at interpreter start (see adapters/lm_eval_minisgl/_pth_hook.py).
@@ -27,4 +30,38 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + extra
 
 
-setup(cmdclass={"build_py": BuildPyWithPth})
+# The native completion-callback core (csrc/, BRIEF S13/S14). Optional: without it the executor uses the
+# pure-Python tracker (minisgl_backend/executor/tracker.py), so a machine without a compiler still installs.
+NATIVE = Extension("minisgl_backend._native", ["csrc/inflight_tracker.cpp"], language="c++")
+SKIP_NATIVE_ENV = "MINISGL_SKIP_NATIVE"  # =1: do not even try (also how the fallback is tested)
+
+
+class OptionalBuildExt(build_ext):
+    """Builds NATIVE with pybind11; on any failure warns and carries on with the Python callback path."""
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            if os.environ.get(SKIP_NATIVE_ENV, "") not in ("", "0"):
+                raise RuntimeError(f"{SKIP_NATIVE_ENV} is set")
+            import pybind11  # a build requirement; imported late so its absence is just another failure
+
+            ext.include_dirs.append(pybind11.get_include())
+            if self.compiler.compiler_type == "unix":
+                ext.extra_compile_args += ["-std=c++17", "-O2", "-fvisibility=hidden"]
+                ext.extra_link_args += ["-ldl"]  # dlopen of the CUDA runtime at run time
+            super().build_extension(ext)
+        except Exception as exc:  # compiler missing or failing, pybind11 missing, ...
+            bar = "=" * 78
+            print(
+                f"\n{bar}\nWARNING: could not build the native extension {ext.name} ({type(exc).__name__}: {exc}).\n"
+                "minisgl will use the Python callback path (PyInflightTracker), which is slower (BRIEF S14).\n"
+                f"{bar}\n",
+                file=sys.stderr,
+            )
+
+    def get_outputs(self) -> list[str]:
+        # Only what was actually built, so a skipped extension is not listed as a missing wheel file.
+        return [path for path in super().get_outputs() if os.path.exists(path)]
+
+
+setup(ext_modules=[NATIVE], cmdclass={"build_py": BuildPyWithPth, "build_ext": OptionalBuildExt})
