@@ -32,7 +32,8 @@ class BuildPyWithPth(build_py):
 
 # The native completion-callback core (csrc/, BRIEF S13/S14). Optional: without it the executor uses the
 # pure-Python tracker (minisgl_backend/executor/tracker.py), so a machine without a compiler still installs.
-NATIVE = Extension("minisgl_backend._native", ["csrc/inflight_tracker.cpp"], language="c++")
+# optional=True also makes an editable install skip copying a .so that was never built.
+NATIVE = Extension("minisgl_backend._native", ["csrc/inflight_tracker.cpp"], language="c++", optional=True)
 SKIP_NATIVE_ENV = "MINISGL_SKIP_NATIVE"  # =1: do not even try (also how the fallback is tested)
 
 
@@ -47,7 +48,7 @@ class OptionalBuildExt(build_ext):
 
             ext.include_dirs.append(pybind11.get_include())
             if self.compiler.compiler_type == "unix":
-                ext.extra_compile_args += ["-std=c++17", "-O2", "-fvisibility=hidden"]
+                ext.extra_compile_args += ["-std=c++17", "-O2", "-g0", "-fvisibility=hidden"]
                 ext.extra_link_args += ["-ldl"]  # dlopen of the CUDA runtime at run time
             super().build_extension(ext)
         except Exception as exc:  # compiler missing or failing, pybind11 missing, ...
