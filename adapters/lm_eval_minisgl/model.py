@@ -134,6 +134,8 @@ class MiniSGLLM(TemplateLM):
             if "seed" not in engine_args and cfg.seed is None:
                 cfg = cfg.replace(seed=_DEFAULT_SEED)
             engine = Engine(cfg)
+        elif not isinstance(engine, Engine):
+            raise ConfigError(f"engine must be a minisgl Engine instance, got {type(engine).__name__}")
         elif engine_args or pretrained is not None or config is not None:
             raise ConfigError("pass engine settings or an Engine instance, not both")
         self.engine = engine
