@@ -96,9 +96,8 @@ class MiniSGLParams(BaseModel):
         """Submit (all requests at once) and wait; a dead engine is replaced up to max_retries times."""
         for attempt in range(self.max_retries + 1):
             engine = self.engine_for(kwargs)
-            handles = submit(engine)
             try:
-                return wait_all(engine, handles, self.timeout)
+                return wait_all(engine, submit(engine), self.timeout)
             except EngineDeadError:
                 if attempt == self.max_retries:
                     raise
@@ -108,8 +107,8 @@ class MiniSGLParams(BaseModel):
     async def run_async(self, kwargs: dict[str, Any], submit: Callable[[Engine], list[RequestHandle]]) -> list[RequestOutput]:
         for attempt in range(self.max_retries + 1):
             engine = await asyncio.to_thread(self.engine_for, kwargs)  # first use loads the model: seconds
-            handles = submit(engine)
             try:
+                handles = submit(engine)
                 return await asyncio.wait_for(asyncio.gather(*(await_handle(engine, h) for h in handles)), self.timeout)
             except EngineDeadError:
                 if attempt == self.max_retries:

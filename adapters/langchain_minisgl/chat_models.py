@@ -181,11 +181,9 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
                 else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
             )
         elif method in ("json_schema", "json_mode"):
-            fmt = (
-                {"type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}}
-                if method == "json_schema"
-                else {"type": "json_object"}
-            )
+            # json_mode is constrained to the schema too: the parser below needs it, so any other
+            # JSON object would only fail later.
+            fmt = {"type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}}
             llm = self.bind(response_format=fmt, ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
             parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()  # type: ignore[arg-type]
         else:
@@ -250,6 +248,8 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
 
     def _message(self, out: RequestOutput, tool_names: set[str], kwargs: dict[str, Any]) -> AIMessage:
         content, calls, invalid = parse_tool_calls(out.text, tool_names) if tool_names else (out.text, [], [])
+        if invalid and out.finish_reason == "length":
+            invalid = [{**c, "error": f"{c['error']} (output cut at max_tokens={len(out.token_ids)})"} for c in invalid]
         return AIMessage(
             content=content,
             tool_calls=calls,
