@@ -32,6 +32,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     chunk_size: int | None = 256  # None = whole-prompt prefill (no chunking)
     mixed_batches: bool = True  # prefill chunks and decode rows share one batch
+    # --- overlap scheduling (S11-S14, S18) ---
+    overlap: bool = True  # plan and post-process on the scheduler thread while iterations run
+    max_inflight: int = 4  # iterations submitted but not finished (overlap=False means 1)
+    callback_impl: str = "native"  # completion callbacks: native (csrc/) | python
+    debug_unsafe_reclaim: bool = False  # DEBUG: free blocks/rows at release, ignoring fences (ghost bug)
+    debug_delay_ms: float = 0.0  # DEBUG: random delay up to this in the copy stage (widens races)
     # --- sampling (S8) ---
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh random seeds
     # --- runtime ---
@@ -55,6 +61,12 @@ class EngineConfig:
             bad(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.chunk_size is not None and self.chunk_size < 1:
             bad(f"chunk_size must be >= 1 or None, got {self.chunk_size}")
+        if self.max_inflight < 1:
+            bad(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.callback_impl not in ("native", "python"):
+            bad(f"callback_impl must be 'native' or 'python', got {self.callback_impl!r}")
+        if self.debug_delay_ms < 0:
+            bad(f"debug_delay_ms must be >= 0, got {self.debug_delay_ms}")
         if self.max_model_len is not None and self.max_model_len < 1:
             bad(f"max_model_len must be >= 1 or None, got {self.max_model_len}")
 

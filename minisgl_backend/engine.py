@@ -21,12 +21,16 @@ from minisgl_backend.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
-from minisgl_backend.executor.runner import ModelRunner
+from minisgl_backend.executor.cpu import CPUExecutor
+from minisgl_backend.executor.inputs import build_inputs
+from minisgl_backend.executor.token_table import TokenTable
+from minisgl_backend.executor.tracker import make_tracker
 from minisgl_backend.kvcache.block_pool import BlockPool, BlockState, InvariantError
+from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
 from minisgl_backend.model.loader import DTYPES, load_model
 from minisgl_backend.scheduler.request import Request, RequestHandle, RequestStatus
-from minisgl_backend.scheduler.scheduler import Scheduler
+from minisgl_backend.scheduler.scheduler import Batch, Scheduler
 from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
 
 log = logging.getLogger("minisgl")
@@ -70,9 +74,16 @@ class Engine:
         self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
         kv = KVCache(spec.num_layers, self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
                      DTYPES[config.dtype], config.device)
-        self._pool = BlockPool(self.num_blocks)
-        self._scheduler = Scheduler(config, self._pool, self.max_model_len)
-        self._runner = ModelRunner(loaded.model, kv, config.device)
+        unsafe = config.debug_unsafe_reclaim
+        self._pool = BlockPool(self.num_blocks, unsafe_immediate_reclaim=unsafe)
+        self._rows = RowPool(config.max_num_seqs, immediate=unsafe)
+        self._scheduler = Scheduler(config, self._pool, self._rows, self.max_model_len)
+        self._max_inflight = config.max_inflight if config.overlap else 1
+        self._tracker = make_tracker(config.callback_impl, self._max_inflight)
+        self._executor = CPUExecutor(loaded.model, kv, TokenTable(config.max_num_seqs, self.max_model_len + 1),
+                                     self._tracker, debug_delay_ms=config.debug_delay_ms)
+        self._inflight: dict[int, Batch] = {}  # submitted, not yet processed (scheduler thread only)
+        self._drain_waiters: list[Future] = []
         self._eos_ids = loaded.eos_token_ids
         # The scheduler thread detokenises with its own copy: callers may be encoding concurrently.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
@@ -144,10 +155,19 @@ class Engine:
         'running' and 'waiting'; raises InvariantError when anything is inconsistent."""
         return self._call(self._check_invariants)
 
+    def drain(self, timeout: float | None = None) -> dict[str, int]:
+        """Wait until no request is queued or running and no iteration is in flight (so every fenced
+        block and row has been reclaimed), then return `check_invariants()`."""
+        fut: Future = Future()
+        self._send("drain", fut)
+        return fut.result(timeout)
+
     def close(self) -> None:
         if self._thread.is_alive():
             self._inbox.put(("stop",))
+            self._tracker.wake()
             self._thread.join()
+        self._executor.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -161,6 +181,7 @@ class Engine:
             if self._dead is not None:
                 raise EngineDeadError(f"engine is not running: {self._dead}") from self._dead
             self._inbox.put(cmd)
+        self._tracker.wake()  # the scheduler may be blocked waiting for completions
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         fut: Future = Future()
@@ -200,6 +221,9 @@ class Engine:
     def _check_invariants(self) -> dict[str, int]:
         counts = self._pool.check_invariants()
         sched = self._scheduler
+        holders = [r for r in list(sched.running) + list(sched.waiting) if r.row is not None]
+        if len(holders) + self._rows.num_free + self._rows.num_pending() != self._rows.num_rows:
+            raise InvariantError("token-table rows leaked or double-counted")
         owned = [b for r in sched.running for b in r.block_table]
         if len(owned) != len(set(owned)):
             raise InvariantError("two running requests share a WRITING block")
@@ -210,13 +234,16 @@ class Engine:
             raise InvariantError("a running request owns a FREE block")
         if any(r.block_table for r in sched.waiting):
             raise InvariantError("a waiting request holds blocks")
-        return {**counts, "running": len(sched.running), "waiting": len(sched.waiting)}
+        return {**counts, "running": len(sched.running), "waiting": len(sched.waiting),
+                "rows_free": self._rows.num_free, "inflight": len(self._inflight)}
 
     def _loop(self) -> None:
-        sched = self._scheduler
+        sched, tracker, limit = self._scheduler, self._tracker, self._max_inflight
+        done: list[int] = []
         try:
             while True:
-                cmds = [self._inbox.get()] if not sched.has_work() else []
+                idle = not sched.has_work() and not self._inflight and not done
+                cmds = [self._inbox.get()] if idle else []
                 while True:
                     try:
                         cmds.append(self._inbox.get_nowait())
@@ -228,20 +255,48 @@ class Engine:
                 if any(cmd[0] == "stop" for cmd in cmds):
                     self._fail_all(EngineDeadError("engine closed"))
                     return
-                batch = sched.schedule()
-                new_tokens: dict[int, list[int]] = {}
-                if batch is not None:
-                    out = self._runner.run(batch)
-                    for req, ids in sched.complete(batch, out):
-                        new_tokens[id(req)] = ids
-                        if req.finish_reason is None:
-                            req.handle._post_delta(req.delta(ids))
-                elif sched.has_work() and not cmds:
+                done += tracker.drain()
+                if self._executor.error is not None:
+                    raise self._executor.error
+                if self.config.overlap:
+                    # Feed the compute worker first, then do the bookkeeping while it runs.
+                    self._fill_pipeline(limit)
+                    self._process(done)
+                    self._fill_pipeline(limit)  # processing may have freed blocks for admissions
+                else:  # serial: plan -> run -> sample -> process, one iteration at a time
+                    self._process(done)
+                    self._fill_pipeline(1)
+                done = []
+                if self._drain_waiters and not sched.has_work() and not self._inflight:
+                    self._resolve_drain_waiters()
+                if self._inflight:
+                    done = tracker.wait(1.0)  # GIL released; woken by a completion or a new command
+                elif sched.has_work() and not cmds and not sched.finished:
                     raise InvariantError("scheduler has work but can plan nothing (deadlock)")
-                self._deliver_finished(new_tokens)
         except BaseException as e:  # noqa: BLE001 - every failure must reach the callers, not hang them
             log.exception("scheduler thread failed")
             self._fail_all(EngineDeadError(f"scheduler thread failed: {e!r}"), cause=e)
+
+    def _fill_pipeline(self, limit: int) -> None:
+        """Plan and submit iterations while fewer than `limit` are in flight (S13 backpressure)."""
+        while self._tracker.inflight < limit:
+            batch = self._scheduler.schedule()
+            if batch is None:
+                break
+            self._inflight[batch.iteration] = batch
+            self._executor.submit(build_inputs(batch, self.config.block_size))
+
+    def _process(self, done: list[int]) -> None:
+        """Apply completed iterations in order and deliver what they produced."""
+        for it in done:
+            batch = self._inflight.pop(it)
+            new_tokens: dict[int, list[int]] = {}
+            for req, ids in self._scheduler.complete(batch, self._executor.take_result(it)):
+                new_tokens[id(req)] = ids
+                if req.finish_reason is None:
+                    req.handle._post_delta(req.delta(ids))
+            self._deliver_finished(new_tokens)
+        self._deliver_finished({})  # aborts
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
@@ -254,10 +309,20 @@ class Engine:
             self._scheduler.add(req)
         elif kind == "abort":
             self._scheduler.abort(cmd[1])
+        elif kind == "drain":
+            self._drain_waiters.append(cmd[1])
         elif kind == "call":
             fn, fut = cmd[1], cmd[2]
             try:
                 fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - reported to the caller
+                fut.set_exception(e)
+
+    def _resolve_drain_waiters(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for fut in waiters:
+            try:
+                fut.set_result(self._check_invariants())
             except BaseException as e:  # noqa: BLE001 - reported to the caller
                 fut.set_exception(e)
 
@@ -288,3 +353,8 @@ class Engine:
                 cmd[1].handle._post_error(err)
             elif cmd[0] == "call":
                 cmd[2].set_exception(err)
+            elif cmd[0] == "drain":
+                cmd[1].set_exception(err)
+        for fut in self._drain_waiters:
+            fut.set_exception(err)
+        self._drain_waiters.clear()

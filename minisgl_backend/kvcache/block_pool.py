@@ -20,6 +20,8 @@ import enum
 from collections import deque
 from typing import Iterable
 
+from minisgl_backend.kvcache.reclaim import FencedReclaim
+
 
 class InvariantError(AssertionError):
     """The block accounting is inconsistent (an engine bug, never a user error)."""
@@ -56,9 +58,8 @@ class BlockPool:
         self.state = [BlockState.FREE] * num_blocks
         self.refcount = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._pending: deque[tuple[int, list[int]]] = deque()  # (fence iteration id, blocks), fence-ordered
-        # Debug only: skip the fence and free at release time (reproduces the seed's ghost-reply bug).
-        self._unsafe = unsafe_immediate_reclaim
+        # Debug only (unsafe_immediate_reclaim): skip the fence, reproducing the seed's ghost-reply bug.
+        self._reclaim: FencedReclaim[int] = FencedReclaim(self._free_now, immediate=unsafe_immediate_reclaim)
 
     # ---- the single place where states change ----
     def _transition(self, block: int, event: BlockEvent) -> None:
@@ -105,25 +106,11 @@ class BlockPool:
             if self.refcount[b] == 0:
                 self._transition(b, BlockEvent.OWNER_RELEASED)
                 orphaned.append(b)
-        if not orphaned:
-            return
-        if self._unsafe:
-            self._free_now(orphaned)
-        elif self._pending and self._pending[-1][0] == fence:
-            self._pending[-1][1].extend(orphaned)
-        else:
-            if self._pending and self._pending[-1][0] > fence:
-                raise InvariantError(f"fence {fence} older than pending fence {self._pending[-1][0]}")
-            self._pending.append((fence, orphaned))
+        self._reclaim.release(orphaned, fence)
 
     def retire(self, completed_iteration: int) -> int:
         """Every iteration with id <= completed_iteration has finished: free what waited for them."""
-        freed = 0
-        while self._pending and self._pending[0][0] <= completed_iteration:
-            _, blocks = self._pending.popleft()
-            self._free_now(blocks)
-            freed += len(blocks)
-        return freed
+        return self._reclaim.retire(completed_iteration)
 
     def _free_now(self, blocks: list[int]) -> None:
         for b in blocks:
@@ -142,11 +129,10 @@ class BlockPool:
         free = list(self._free)
         if len(set(free)) != len(free):
             raise InvariantError("free list holds a block twice")
-        pending = [b for _, bs in self._pending for b in bs]
+        pending = self._reclaim.pending()
         if len(set(pending)) != len(pending) or set(pending) & set(free):
             raise InvariantError("a block is pending reclaim twice, or pending and free")
-        fences = [f for f, _ in self._pending]
-        if fences != sorted(fences):
+        if not self._reclaim.fences_ordered():
             raise InvariantError("reclaim fences out of order")
         free_set, pending_set = set(free), set(pending)
         for b in range(self.num_blocks):

@@ -82,10 +82,15 @@ class Request:
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.status = RequestStatus.WAITING
-        self.output_ids: list[int] = []
+        self.output_ids: list[int] = []  # committed: results the scheduler has processed
         self.block_table: list[int] = []
-        self.num_computed = 0  # tokens whose K/V are in the cache
-        self.num_readonly_blocks = 0  # leading blocks already marked write-completed
+        self.row: int | None = None  # token-table row, held from admission to finish
+        # Planning runs ahead of results (overlap): these count work submitted but maybe not done.
+        self.num_computed = 0  # positions whose K/V computation has been submitted
+        self.pending_samples = 0  # submitted iterations that will draw a token for this request
+        self.last_sample_iteration = 0  # the newest of them: later reads of this row wait for it (S6)
+        self.epoch = 0  # bumped on preemption: results planned in an older epoch are discarded
+        self.num_readonly_blocks = 0  # leading blocks whose writes completed (READ_ONLY)
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.error: Exception | None = None  # set when the request failed on its own (logits processor)
@@ -98,22 +103,18 @@ class Request:
 
     @property
     def seq_len(self) -> int:
+        """Committed length: prompt plus processed output tokens."""
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_ids)
-        if end <= n:
-            return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+    @property
+    def planned_len(self) -> int:
+        """Length once every submitted iteration has drawn its token."""
+        return self.seq_len + self.pending_samples
 
     @property
     def is_decode(self) -> bool:
-        """Only the last sampled token lacks K/V: a one-token decode row."""
-        return bool(self.output_ids) and self.num_computed == self.seq_len - 1
+        """Only the newest (maybe still in-flight) token lacks K/V: a one-token decode row."""
+        return self.planned_len > len(self.prompt_ids) and self.num_computed == self.planned_len - 1
 
     def needs_prompt_logprob(self, target: int) -> bool:
         """Whether the prompt token at index `target` still needs its logprob (computed at target-1)."""

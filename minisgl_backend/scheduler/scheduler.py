@@ -2,9 +2,14 @@
 
 Each step builds one batch under a token budget: one decode token per running request, plus prompt
 chunks of at most `chunk_size` tokens (mixed batches), or — with `mixed_batches=False` — a batch of
-only one kind, prompts first (the serial policy when `chunk_size=None` as well). Admission needs free
-blocks for the whole remaining prompt; a decode that finds no free block preempts the youngest
-running request (its blocks are released and it is requeued for recompute).
+only one kind, prompts first (the serial policy when `chunk_size=None` as well). Admission needs a
+token-table row and free blocks for the whole remaining prompt; a decode that finds no free block
+preempts the youngest running request (blocks released, requeued for recompute).
+
+Planning uses lengths only, so with overlap it runs ahead of results: a request that drew EOS in
+iteration N may still have a decode row in N+1.. (planned before N's result was processed). Those
+rows compute into blocks the request still owns or that wait in PENDING_RECLAIM behind their fence,
+and their results are dropped when processed — EOS is seen late, never acted on twice.
 """
 
 from __future__ import annotations
@@ -14,15 +19,17 @@ from typing import NamedTuple
 
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.kvcache.block_pool import BlockPool
+from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.scheduler.request import Request, RequestStatus
 from minisgl_backend.types import TokenLogprob
 
 
 class ScheduledRow(NamedTuple):
     req: Request
-    start: int  # first position computed in this step (= req.num_computed at planning time)
+    start: int  # first position computed in this step
     length: int  # tokens computed in this step
     samples: bool  # the step reaches the end of the sequence, so it draws the next token
+    epoch: int  # req.epoch at planning time
 
 
 class StepOutput(NamedTuple):
@@ -30,7 +37,7 @@ class StepOutput(NamedTuple):
 
     sampled: dict[int, int]  # id(request) -> drawn token
     logprobs: dict[int, TokenLogprob]  # id(request) -> logprob of the drawn token (when asked)
-    prompt_logprobs: list[tuple[Request, int, TokenLogprob]]  # (request, prompt index, logprob)
+    prompt_logprobs: list[tuple[int, int, TokenLogprob]]  # (id(request), prompt index, logprob)
     errors: dict[int, Exception]  # id(request) -> its logits processor's exception
 
 
@@ -38,6 +45,8 @@ class Batch(NamedTuple):
     iteration: int
     decode: list[ScheduledRow]
     prefill: list[ScheduledRow]
+    depends_on: int  # newest earlier iteration that draws a token some row here reads
+    prompt_writes: tuple[tuple[int, list[int]], ...]  # rows admitted by this batch: (row, prompt ids)
 
     @property
     def num_tokens(self) -> int:
@@ -49,15 +58,21 @@ def _blocks_for(tokens: int, block_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, pool: BlockPool, rows: RowPool, max_model_len: int) -> None:
         self.cfg = config
         self.pool = pool
+        self.rows = rows
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.finished: list[Request] = []  # finished this step; blocks released, output not yet delivered
+        self.finished: list[Request] = []  # finished; blocks released, output not yet delivered
         self.next_iteration = 1
         self.last_completed = 0
+        self._admitted: list[tuple[int, list[int]]] = []
+
+    @property
+    def newest_submitted(self) -> int:
+        return self.next_iteration - 1
 
     # ---- queue events (scheduler thread) ----
     def add(self, req: Request) -> None:
@@ -81,20 +96,29 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         self._release_blocks(req)
+        if req.row is not None:
+            self.rows.release(req.row, fence=self.newest_submitted)
+            req.row = None
         req.status = RequestStatus.FINISHED
         self.finished.append(req)
 
     def _release_blocks(self, req: Request) -> None:
         # Fence = newest submitted iteration: the last one that may still read these blocks (S18).
-        self.pool.release(req.block_table, fence=self.next_iteration - 1)
-        self.pool.retire(self.last_completed)
+        self.pool.release(req.block_table, fence=self.newest_submitted)
+        self.retire()
         req.block_table = []
         req.num_computed = 0
         req.num_readonly_blocks = 0
 
+    def retire(self) -> None:
+        self.pool.retire(self.last_completed)
+        self.rows.retire(self.last_completed)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release_blocks(req)
+        req.epoch += 1  # in-flight results of the old epoch are dropped; the row keeps committed tokens
+        req.pending_samples = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -111,7 +135,7 @@ class Scheduler:
 
     # ---- planning ----
     def schedule(self) -> Batch | None:
-        self.pool.retire(self.last_completed)
+        self.retire()
         budget = self.cfg.max_num_batched_tokens
         decode: list[ScheduledRow] = []
         prefill: list[ScheduledRow] = []
@@ -122,41 +146,51 @@ class Scheduler:
             prefill = self._schedule_prefill(budget)
             if not prefill:
                 decode = self._schedule_decode(budget)
+        admitted, self._admitted = tuple(self._admitted), []
         if not decode and not prefill:
             return None
-        batch = Batch(self.next_iteration, decode, prefill)
+        it = self.next_iteration
         self.next_iteration += 1
-        return batch
+        depends_on = max((r.req.last_sample_iteration for r in decode + prefill), default=0)
+        for r in decode + prefill:
+            r.req.num_computed = r.start + r.length
+            if r.samples:
+                r.req.pending_samples += 1
+                r.req.last_sample_iteration = it
+        return Batch(it, decode, prefill, depends_on, admitted)
+
+    def _wants_decode(self, req: Request) -> bool:
+        drawn = req.planned_len - len(req.prompt_ids)
+        # KV of the newest token goes to position planned_len - 1, which must stay < max_model_len.
+        return req.is_decode and drawn < req.params.max_tokens and req.planned_len <= self.max_model_len
 
     def _schedule_decode(self, budget: int) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
         for req in list(self.running):
             if len(rows) >= budget:
                 break
-            if req.status != RequestStatus.RUNNING or not req.is_decode:
-                continue  # preempted earlier in this loop, or still prefilling
-            while not self._grow(req, req.seq_len):
+            if req.status != RequestStatus.RUNNING or not self._wants_decode(req):
+                continue  # preempted earlier in this loop, still prefilling, or has all its tokens planned
+            while not self._grow(req, req.planned_len):
                 victim = self.running[-1]
-                if victim is not req and any(r.req is victim for r in rows):
-                    rows = [r for r in rows if r.req is not victim]
+                rows = [r for r in rows if r.req is not victim]
                 self._preempt(victim)
-                self.pool.retire(self.last_completed)
                 if victim is req:
                     break
             if req.status == RequestStatus.RUNNING:
-                rows.append(ScheduledRow(req, req.num_computed, 1, True))
+                rows.append(ScheduledRow(req, req.num_computed, 1, True, req.epoch))
         return rows
 
     def _schedule_prefill(self, budget: int) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
         chunk, bs = self.cfg.chunk_size, self.cfg.block_size
-        partial = [r for r in self.running if not r.is_decode]
+        partial = [r for r in self.running if not r.is_decode]  # admitted, prompt not fully planned
         # Blocks that admitted prompts will still claim: new admissions must leave them free.
-        reserved = sum(_blocks_for(r.seq_len, bs) - len(r.block_table) for r in partial)
+        reserved = sum(_blocks_for(r.planned_len, bs) - len(r.block_table) for r in partial)
         for req in partial + list(self.waiting):
             if budget <= 0:
                 break
-            pending = req.seq_len - req.num_computed
+            pending = req.planned_len - req.num_computed
             if chunk is None:  # whole-prompt prefill: never split (a lone prompt may exceed the budget)
                 if pending > budget and rows:
                     break
@@ -164,9 +198,14 @@ class Scheduler:
             else:
                 n = min(pending, chunk, budget)
             if req.status == RequestStatus.WAITING:
-                need = _blocks_for(req.seq_len, bs)
+                need = _blocks_for(req.planned_len, bs)
                 if len(self.running) >= self.cfg.max_num_seqs or need > self.pool.num_free - reserved:
                     break  # FCFS: later arrivals do not overtake the head of the queue
+                if req.row is None:
+                    if not self.rows.num_free:
+                        break
+                    req.row = self.rows.allocate()
+                    self._admitted.append((req.row, req.prompt_ids))
                 self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
@@ -174,43 +213,46 @@ class Scheduler:
             if not self._grow(req, req.num_computed + n):
                 break
             reserved -= _blocks_for(req.num_computed + n, bs) - _blocks_for(req.num_computed, bs)
-            rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n == req.seq_len))
+            rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n == req.planned_len, req.epoch))
             budget -= n
         return rows
 
     # ---- results ----
     def complete(self, batch: Batch, out: StepOutput) -> list[tuple[Request, list[int]]]:
-        """Apply a finished iteration: advance KV, record logprobs, append sampled tokens, mark
-        full blocks READ_ONLY, finish requests. Returns (request, new token ids) to deliver."""
-        self.last_completed = max(self.last_completed, batch.iteration)
+        """Apply a finished iteration (iterations complete in order): mark written blocks READ_ONLY,
+        record logprobs, append drawn tokens, finish requests. Returns (request, new ids) to deliver."""
+        self.last_completed = batch.iteration
         bs = self.cfg.block_size
-        for req, index, lp in out.prompt_logprobs:
+        by_key = {id(r.req): r.req for r in batch.decode + batch.prefill}
+        for key, index, lp in out.prompt_logprobs:
+            req = by_key[key]
             if req.status == RequestStatus.RUNNING:
                 req.prompt_logprobs[index] = lp
         updates: list[tuple[Request, list[int]]] = []
         for row in batch.decode + batch.prefill:
             req = row.req
-            if req.status != RequestStatus.RUNNING:
-                continue  # aborted while in flight; its blocks were already released
-            req.num_computed = row.start + row.length
-            full = min(req.num_computed // bs, len(req.block_table))
+            if req.status != RequestStatus.RUNNING or row.epoch != req.epoch:
+                continue  # finished, aborted or preempted after planning: a late result, dropped
+            full = min((row.start + row.length) // bs, len(req.block_table))
             for i in range(req.num_readonly_blocks, full):
                 self.pool.write_completed(req.block_table[i])
             req.num_readonly_blocks = max(req.num_readonly_blocks, full)
+            if not row.samples:
+                continue
+            req.pending_samples -= 1
             if id(req) in out.errors:
                 req.error = out.errors[id(req)]
                 req.finish_reason = "abort"
                 self._finish(req)
                 continue
-            if row.samples:
-                token = out.sampled[id(req)]
-                if req.logprobs is not None:
-                    req.logprobs.append(out.logprobs[id(req)])
-                req.append_token(token, self.max_model_len)
-                updates.append((req, [token]))
-                if req.finish_reason is not None:
-                    self._finish(req)
-        self.pool.retire(self.last_completed)
+            token = out.sampled[id(req)]
+            if req.logprobs is not None:
+                req.logprobs.append(out.logprobs[id(req)])
+            req.append_token(token, self.max_model_len)
+            updates.append((req, [token]))
+            if req.finish_reason is not None:
+                self._finish(req)
+        self.retire()
         return updates
 
     def take_finished(self) -> list[Request]:

@@ -1,0 +1,114 @@
+"""The CPU executor: two worker threads stand in for a compute stream and a copy stream (S11).
+
+    scheduler thread --submit--> [compute worker]  wait sampled(depends_on) -> gather inputs -> forward
+                                        | logits
+                                        v
+                                 [copy worker]     logits to host fp32 -> sample -> write token table
+                                        |           -> result slot -> tracker.complete(id)
+                                        v
+    scheduler thread <--wait/drain completion ids (bulk)-- tracker
+
+Torch releases the GIL inside its kernels, so the scheduler thread plans iteration N+1 and processes
+the results of N-1 while the compute worker runs N. Workers never touch request state (S7): they
+read immutable IterationInputs and post results keyed by iteration id.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+
+import torch
+
+from minisgl_backend.executor.inputs import IterationInputs
+from minisgl_backend.executor.token_table import TokenTable
+from minisgl_backend.executor.tracker import InflightTracker
+from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.model.llama import CausalLM, ForwardBatch
+from minisgl_backend.sampling.stage import sample_iteration
+from minisgl_backend.scheduler.scheduler import StepOutput
+
+_STOP = None
+
+
+class CPUExecutor:
+    def __init__(self, model: CausalLM, kv: KVCache, table: TokenTable, tracker: InflightTracker,
+                 *, debug_delay_ms: float = 0.0) -> None:
+        self.model, self.kv, self.table, self.tracker = model, kv, table, tracker
+        self.results: dict[int, StepOutput] = {}
+        self.error: BaseException | None = None
+        self._delay_s = debug_delay_ms / 1000.0
+        self._compute_q: queue.SimpleQueue[IterationInputs | None] = queue.SimpleQueue()
+        self._copy_q: queue.SimpleQueue[tuple[IterationInputs, torch.Tensor] | None] = queue.SimpleQueue()
+        # The "event" the compute stream waits on: the newest iteration whose tokens are written.
+        self._sampled_upto = 0
+        self._sampled_cv = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._compute_loop, name="minisgl-compute", daemon=True),
+            threading.Thread(target=self._copy_loop, name="minisgl-copy", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, inputs: IterationInputs) -> None:
+        self.tracker.begin()
+        self._compute_q.put(inputs)
+
+    def take_result(self, iteration: int) -> StepOutput:
+        return self.results.pop(iteration)
+
+    def close(self) -> None:
+        self._compute_q.put(_STOP)
+        for t in self._threads:
+            t.join(timeout=60)
+
+    # ---- compute stream ----
+    def _compute_loop(self) -> None:
+        while (inp := self._compute_q.get()) is not _STOP:
+            try:
+                with self._sampled_cv:  # S6: the tokens this iteration reads are written first
+                    self._sampled_cv.wait_for(lambda: self._sampled_upto >= inp.depends_on or self.error)
+                if self.error:
+                    return
+                for row, tokens in inp.prompt_writes:
+                    self.table.write_prompt(row, tokens)
+                batch = ForwardBatch(
+                    input_ids=self.table.gather(inp.token_rows, inp.positions),
+                    positions=inp.positions,
+                    slot_mapping=inp.slot_mapping,
+                    num_decode=inp.num_decode,
+                    decode_block_tables=inp.decode_block_tables,
+                    decode_mask=inp.decode_mask,
+                    prefill_rows=inp.prefill_rows,
+                    logits_index=inp.logits_index,
+                )
+                self._copy_q.put((inp, self.model(batch, self.kv)))
+            except BaseException as e:  # noqa: BLE001 - reported to the scheduler thread
+                self._fail(e)
+                return
+        self._copy_q.put(_STOP)
+
+    # ---- copy stream ----
+    def _copy_loop(self) -> None:
+        while (item := self._copy_q.get()) is not _STOP:
+            inp, logits = item
+            try:
+                if self._delay_s:  # test hook: a slow copy stream widens every race window
+                    time.sleep(random.uniform(0, self._delay_s))
+                out = sample_iteration(inp, logits.to("cpu", torch.float32), self.table)
+            except BaseException as e:  # noqa: BLE001 - reported to the scheduler thread
+                self._fail(e)
+                return
+            self.results[inp.iteration] = out
+            with self._sampled_cv:
+                self._sampled_upto = inp.iteration
+                self._sampled_cv.notify_all()
+            self.tracker.complete(inp.iteration)
+
+    def _fail(self, e: BaseException) -> None:
+        self.error = e
+        with self._sampled_cv:
+            self._sampled_cv.notify_all()
+        self.tracker.wake()

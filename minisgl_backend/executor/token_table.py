@@ -1,0 +1,43 @@
+"""Per-request token rows: how a drawn token reaches the next iteration without the CPU planner.
+
+Row r holds request r's prompt and every token drawn for it, at their absolute positions. The
+sampling stage writes token p at [r, p]; a later iteration gathers its inputs from [r, positions].
+`ready[r]` counts the leading positions written: it is the sequence's step counter, and reading
+position p before ready[r] > p is the S6 violation the compute stage asserts against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from minisgl_backend.kvcache.block_pool import InvariantError
+
+
+class TokenTable:
+    def __init__(self, num_rows: int, width: int) -> None:
+        self.ids = torch.zeros(num_rows, width, dtype=torch.int64)
+        self.ready = np.zeros(num_rows, dtype=np.int64)
+
+    def write_prompt(self, row: int, tokens: list[int]) -> None:
+        self.ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        self.ready[row] = len(tokens)
+
+    def write_drawn(self, rows: list[int], positions: list[int], tokens: list[int]) -> None:
+        self.ids[rows, positions] = torch.tensor(tokens, dtype=torch.int64)
+        for r, p in zip(rows, positions):
+            self.ready[r] = max(self.ready[r], p + 1)
+
+    def gather(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Input ids of one iteration; asserts every one was written before it is read (S6)."""
+        r, p = rows.numpy(), positions.numpy()
+        late = p >= self.ready[r]
+        if late.any():
+            i = int(np.argmax(late))
+            raise InvariantError(
+                f"S6 violated: row {r[i]} position {p[i]} read before its token was written (ready={self.ready[r[i]]})"
+            )
+        return self.ids[rows, positions]
+
+    def history(self, row: int, start: int, end: int) -> list[int]:
+        return self.ids[row, start:end].tolist()

@@ -1,0 +1,76 @@
+"""Fenced reclaim: the one rule behind every lifetime in the engine (S5, S18).
+
+Anything an in-flight iteration may read — KV blocks, token-table rows, staging buffers — is
+released with a *fence*: the id of the newest iteration submitted at release time. It becomes
+reusable only when `retire(completed)` reports that iteration complete (iterations complete in
+order). "Better waste one iteration of memory than let reclamation cross a sync boundary."
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Generic, Iterable, TypeVar
+
+T = TypeVar("T")
+
+
+class FencedReclaim(Generic[T]):
+    def __init__(self, on_reusable: Callable[[list[T]], None], *, immediate: bool = False) -> None:
+        self._on_reusable = on_reusable
+        self._pending: deque[tuple[int, list[T]]] = deque()  # (fence, items), fences ascending
+        # Debug only (`debug_unsafe_reclaim`): ignore the fence, reproducing the seed's ghost-reply bug.
+        self._immediate = immediate
+
+    def release(self, items: Iterable[T], fence: int) -> None:
+        items = list(items)
+        if not items:
+            return
+        if self._immediate:
+            self._on_reusable(items)
+        elif self._pending and self._pending[-1][0] == fence:
+            self._pending[-1][1].extend(items)
+        elif self._pending and self._pending[-1][0] > fence:
+            raise AssertionError(f"fence {fence} is older than pending fence {self._pending[-1][0]}")
+        else:
+            self._pending.append((fence, items))
+
+    def retire(self, completed: int) -> int:
+        """Every iteration with id <= completed has finished: hand back what waited for them."""
+        n = 0
+        while self._pending and self._pending[0][0] <= completed:
+            _, items = self._pending.popleft()
+            self._on_reusable(items)
+            n += len(items)
+        return n
+
+    def pending(self) -> list[T]:
+        return [x for _, items in self._pending for x in items]
+
+    def fences_ordered(self) -> bool:
+        fences = [f for f, _ in self._pending]
+        return fences == sorted(fences)
+
+
+class RowPool:
+    """Rows of the per-request token table, reclaimed through the same fence rule as KV blocks."""
+
+    def __init__(self, num_rows: int, *, immediate: bool = False) -> None:
+        self.num_rows = num_rows
+        self._free: deque[int] = deque(range(num_rows))
+        self._reclaim: FencedReclaim[int] = FencedReclaim(self._free.extend, immediate=immediate)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        return self._free.popleft()
+
+    def release(self, row: int, fence: int) -> None:
+        self._reclaim.release([row], fence)
+
+    def retire(self, completed: int) -> None:
+        self._reclaim.retire(completed)
+
+    def num_pending(self) -> int:
+        return len(self._reclaim.pending())
