@@ -36,7 +36,7 @@ def chat(tiny_model_dir):
     model = ChatMiniSGL(model=str(tiny_model_dir), temperature=1.0, seed=0, max_tokens=160, engine_config={"num_blocks": 512})
     yield model
     eng = model.engine
-    counts = eng.check_invariants()
+    counts = eng.drain(timeout=60)
     assert counts["running"] == counts["waiting"] == 0 and counts["FREE"] == eng.num_blocks
     langchain_minisgl.close_all()
 

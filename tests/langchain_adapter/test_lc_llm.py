@@ -22,7 +22,7 @@ def tiny(tiny_model_dir):
     llm = MiniSGL(model=str(tiny_model_dir), temperature=0, max_tokens=12, engine_config={"num_blocks": 256})
     yield llm
     eng = llm.engine
-    counts = eng.check_invariants()
+    counts = eng.drain(timeout=60)
     assert counts["running"] == counts["waiting"] == 0 and counts["FREE"] == eng.num_blocks
     langchain_minisgl.close_all()
 
@@ -173,13 +173,33 @@ def test_engine_closing_mid_request_fails_the_waiting_caller(tiny_model_dir):
     assert len(errors) == 1 and isinstance(errors[0], EngineDeadError)
 
 
-async def test_cancelling_an_async_stream_aborts_the_request(tiny):
+def _spy_aborts(eng, monkeypatch) -> list[str]:
+    aborted: list[str] = []
+    real = eng.abort
+
+    def spy(request_id: str) -> None:
+        aborted.append(request_id)
+        real(request_id)
+
+    monkeypatch.setattr(eng, "abort", spy)
+    return aborted
+
+
+def _assert_aborted_and_freed(eng, aborted: list[str]) -> None:
+    assert len(aborted) == 1
+    counts = eng.drain(timeout=60)
+    assert counts["running"] == counts["waiting"] == 0
+    assert counts["FREE"] == eng.num_blocks
+
+
+async def test_cancelling_an_async_stream_aborts_the_request(tiny, monkeypatch):
     eng = tiny.engine
+    aborted = _spy_aborts(eng, monkeypatch)
     seen = 0
 
     async def consume() -> None:
         nonlocal seen
-        async for _ in tiny.astream("Tell me everything", max_tokens=400):
+        async for _ in tiny.astream("Tell me everything", max_tokens=900):
             seen += 1
 
     task = asyncio.create_task(consume())
@@ -188,23 +208,15 @@ async def test_cancelling_an_async_stream_aborts_the_request(tiny):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(200):  # the abort is processed on the engine's next scheduler turn
-        counts = await asyncio.to_thread(eng.check_invariants)
-        if counts["running"] == counts["waiting"] == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert counts["running"] == counts["waiting"] == 0
-    assert counts["FREE"] == eng.num_blocks
+    await asyncio.to_thread(_assert_aborted_and_freed, eng, aborted)
 
 
-def test_breaking_out_of_a_sync_stream_aborts_the_request(tiny):
+def test_breaking_out_of_a_sync_stream_aborts_the_request(tiny, monkeypatch):
     eng = tiny.engine
-    for i, _ in enumerate(tiny.stream("Tell me everything", max_tokens=400)):
+    aborted = _spy_aborts(eng, monkeypatch)
+    stream = tiny.stream("Tell me everything", max_tokens=900)
+    for i, _ in enumerate(stream):
         if i == 2:
             break
-    for _ in range(200):
-        counts = eng.check_invariants()
-        if counts["running"] == counts["waiting"] == 0:
-            break
-        time.sleep(0.02)
-    assert counts["FREE"] == eng.num_blocks
+    stream.close()  # what leaving a `for` over a generator does once it is collected
+    _assert_aborted_and_freed(eng, aborted)
