@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
@@ -117,23 +115,17 @@ def test_unknown_field_and_call_option_are_rejected(tiny_model_dir, chat):
         chat.invoke("hi", frequency_penalty=1.0)
 
 
-def test_failing_request_surfaces_as_an_exception(chat):
-    """A logits processor that raises fails its request; the caller sees that exception, no hang."""
-    from langchain_minisgl import _grammar
+def test_failing_request_surfaces_as_an_exception(chat, monkeypatch):
+    """A logits processor that raises fails its request in the engine; the caller sees that exception."""
+    import langchain_minisgl.chat_models as chat_models
 
-    class Boom(_grammar.GrammarProcessor):
+    class Boom(chat_models.GrammarProcessor):
         def __call__(self, output_ids, logits):
             raise RuntimeError("boom in the engine")
 
-    real = _grammar.GrammarProcessor
-    import langchain_minisgl.chat_models as cm
-
-    cm.GrammarProcessor = Boom
-    try:
-        with pytest.raises(RuntimeError, match="boom in the engine"):
-            chat.bind_tools([add], tool_choice="add").invoke("Add 1 and 2.")
-    finally:
-        cm.GrammarProcessor = real
+    monkeypatch.setattr(chat_models, "GrammarProcessor", Boom)
+    with pytest.raises(RuntimeError, match="boom in the engine"):
+        chat.bind_tools([add], tool_choice="add").invoke("Add 1 and 2.")
 
 
 def test_parse_tool_calls_handles_tags_bare_json_and_garbage():
