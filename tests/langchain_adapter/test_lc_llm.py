@@ -220,3 +220,19 @@ def test_breaking_out_of_a_sync_stream_aborts_the_request(tiny, monkeypatch):
             break
     stream.close()  # what leaving a `for` over a generator does once it is collected
     _assert_aborted_and_freed(eng, aborted)
+
+
+def test_timeout_aborts_the_request(tiny, tiny_model_dir, monkeypatch):
+    impatient = MiniSGL(model=str(tiny_model_dir), max_tokens=900, timeout=0.05, engine_config={"num_blocks": 256})
+    assert impatient.engine is tiny.engine
+    aborted = _spy_aborts(tiny.engine, monkeypatch)
+    with pytest.raises(TimeoutError):
+        impatient.invoke("Tell me everything")
+    _assert_aborted_and_freed(tiny.engine, aborted)
+
+
+def test_per_call_model_override_uses_that_models_engine(tiny, tiny_model_dir):
+    llm = MiniSGL(**REAL, temperature=0, max_tokens=4)
+    res = llm.generate(["Hello"], model=str(tiny_model_dir))
+    assert res.llm_output["model_name"] == str(tiny_model_dir)
+    assert llm._config.replace(model=str(tiny_model_dir)) in langchain_minisgl.running_configs()
