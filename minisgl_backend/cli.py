@@ -25,8 +25,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="any EngineConfig field (repeatable), value parsed as YAML: --set num_blocks=512")
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    overrides: dict[str, Any] = {}
+def _engine_config(args: argparse.Namespace, base: dict[str, Any] | None = None) -> EngineConfig:
+    """EngineConfig from --config, then `base` (a command's own defaults), then flags and --set."""
+    overrides: dict[str, Any] = dict(base or {})
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
@@ -87,6 +88,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_stress(args: argparse.Namespace) -> int:
+    from minisgl_backend.stress import run_stress
+    from minisgl_backend.tiny import make_tiny_llama
+
+    # A pool small enough that blocks and rows are reused constantly (S18), and prompt-only batches
+    # (mixed_batches off) that do not wait for the copy stage: the widest race window. Overridable.
+    base = {"model": str(make_tiny_llama()), "num_blocks": 40, "block_size": 4, "chunk_size": 4,
+            "max_num_batched_tokens": 64, "max_num_seqs": 4, "max_model_len": 64, "mixed_batches": False}
+    cfg = _engine_config(args, base)
+    report = run_stress(cfg, args.num_requests, abort_prob=args.abort_prob, seed=args.seed, progress=True)
+    print(f"requests={report.requests} completed={report.completed} aborted={report.aborted} "
+          f"mismatches={report.mismatches} wall={report.wall_s:.1f}s")
+    print(f"KV after drain: {report.kv_after_drain}")
+    for ex in report.examples:
+        print("  mismatch:", ex)
+    failed = report.leaked or (report.mismatches > 0) != cfg.debug_unsafe_reclaim
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minisgl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="also write the results to this JSON file")
     _engine_args(b)
     b.set_defaults(fn=_cmd_bench)
+
+    st = sub.add_parser("stress", help="lifetime stress harness on a tiny random model (S18)")
+    st.add_argument("--num-requests", type=int, default=20000)
+    st.add_argument("--abort-prob", type=float, default=0.1)
+    st.add_argument("--seed", type=int, default=0)
+    _engine_args(st)
+    st.set_defaults(fn=_cmd_stress)
     return parser
 
 

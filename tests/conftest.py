@@ -6,7 +6,6 @@ Load engines once per module (module-scoped fixtures in each test file): start-u
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")
@@ -20,17 +19,6 @@ def smollm_dir():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm_dir):
     """A 2-layer random-weight Llama with SmolLM2's tokenizer: fast, exercises every engine path."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from minisgl_backend.tiny import make_tiny_llama
 
-    out = tmp_path_factory.mktemp("tiny-llama")
-    cfg = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5,
-        initializer_range=0.25,  # large weights: outputs depend on context, greedy choices well separated
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(smollm_dir).save_pretrained(out)
-    return out
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -75,6 +75,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_pending(self) -> int:
+        """Blocks in PENDING_RECLAIM: free again once in-flight iterations complete."""
+        return self._reclaim.num_pending
+
     def allocate(self, n: int) -> list[int]:
         """FREE -> WRITING for n blocks owned by one request; the caller checked `num_free`."""
         if n > len(self._free):

@@ -18,6 +18,7 @@ class FencedReclaim(Generic[T]):
     def __init__(self, on_reusable: Callable[[list[T]], None], *, immediate: bool = False) -> None:
         self._on_reusable = on_reusable
         self._pending: deque[tuple[int, list[T]]] = deque()  # (fence, items), fences ascending
+        self.num_pending = 0
         # Debug only (`debug_unsafe_reclaim`): ignore the fence, reproducing the seed's ghost-reply bug.
         self._immediate = immediate
 
@@ -27,7 +28,9 @@ class FencedReclaim(Generic[T]):
             return
         if self._immediate:
             self._on_reusable(items)
-        elif self._pending and self._pending[-1][0] == fence:
+            return
+        self.num_pending += len(items)
+        if self._pending and self._pending[-1][0] == fence:
             self._pending[-1][1].extend(items)
         elif self._pending and self._pending[-1][0] > fence:
             raise AssertionError(f"fence {fence} is older than pending fence {self._pending[-1][0]}")
@@ -41,6 +44,7 @@ class FencedReclaim(Generic[T]):
             _, items = self._pending.popleft()
             self._on_reusable(items)
             n += len(items)
+        self.num_pending -= n
         return n
 
     def pending(self) -> list[T]:
@@ -56,7 +60,7 @@ class RowPool:
 
     def __init__(self, num_rows: int, *, immediate: bool = False) -> None:
         self.num_rows = num_rows
-        self._free: deque[int] = deque(range(num_rows))
+        self._free: list[int] = list(range(num_rows))[::-1]  # LIFO: the newest freed row is reused first
         self._reclaim: FencedReclaim[int] = FencedReclaim(self._free.extend, immediate=immediate)
 
     @property
@@ -64,7 +68,7 @@ class RowPool:
         return len(self._free)
 
     def allocate(self) -> int:
-        return self._free.popleft()
+        return self._free.pop()
 
     def release(self, row: int, fence: int) -> None:
         self._reclaim.release([row], fence)
@@ -73,4 +77,4 @@ class RowPool:
         self._reclaim.retire(completed)
 
     def num_pending(self) -> int:
-        return len(self._reclaim.pending())
+        return self._reclaim.num_pending

@@ -172,12 +172,14 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or not self._wants_decode(req):
                 continue  # preempted earlier in this loop, still prefilling, or has all its tokens planned
             while not self._grow(req, req.planned_len):
+                if self.pool.num_pending:
+                    break  # blocks come back when in-flight iterations complete: wait, don't preempt
                 victim = self.running[-1]
                 rows = [r for r in rows if r.req is not victim]
                 self._preempt(victim)
                 if victim is req:
                     break
-            if req.status == RequestStatus.RUNNING:
+            if req.status == RequestStatus.RUNNING and len(req.block_table) * self.cfg.block_size >= req.planned_len:
                 rows.append(ScheduledRow(req, req.num_computed, 1, True, req.epoch))
         return rows
 
