@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run generate test bench stress clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# The main job: an offline lm-eval run of the local tasks on the embedded model, through `--model minisgl`.
 run: setup
+	$(BIN)/lm_eval --model minisgl --model_args pretrained=smollm2-135m-instruct,dtype=bfloat16 \
+		--include_path configs/tasks --tasks minisgl_mc,minisgl_gen,minisgl_ppl
+
+generate: setup
 	$(BIN)/minisgl generate --max-tokens 48 --temperature 0 --chat \
 		"What is the capital of France?" "Write a haiku about the sea."
 
@@ -27,6 +32,9 @@ test: setup
 
 bench: setup
 	$(BIN)/minisgl bench --dtype bfloat16 --num-requests 32 --input-len 100 --output-len 64
+
+stress: setup
+	$(BIN)/minisgl stress --num-requests 20000
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -63,25 +63,32 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, config.dtype, config.device)
-        spec = loaded.model.spec
+        self._max_inflight = config.max_inflight if config.overlap else 1
+        self._tracker = make_tracker(config.callback_impl, self._max_inflight)
+        self._executor = CPUExecutor(self._tracker, debug_delay_ms=config.debug_delay_ms)
+        try:
+            # Heavy torch work runs on the compute thread, the only one with an OpenMP team (see executor).
+            loaded = self._executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
+            spec = loaded.model.spec
+            per_block = kv_bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim,
+                                           DTYPES[config.dtype])
+            self.num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+            kv = self._executor.run_on_compute(lambda: KVCache(
+                spec.num_layers, self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
+                DTYPES[config.dtype], config.device))
+        except BaseException:
+            self._executor.close()
+            raise
         self.model_dir = loaded.model_dir
         self.tokenizer = loaded.tokenizer
         self.vocab_size = spec.vocab_size
-        per_block = kv_bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, DTYPES[config.dtype])
-        self.num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
         limits = [spec.max_position_embeddings, self.num_blocks * config.block_size]
         self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
-        kv = KVCache(spec.num_layers, self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
-                     DTYPES[config.dtype], config.device)
+        self._executor.attach(loaded.model, kv, TokenTable(config.max_num_seqs, self.max_model_len + 1))
         unsafe = config.debug_unsafe_reclaim
         self._pool = BlockPool(self.num_blocks, unsafe_immediate_reclaim=unsafe)
         self._rows = RowPool(config.max_num_seqs, immediate=unsafe)
         self._scheduler = Scheduler(config, self._pool, self._rows, self.max_model_len)
-        self._max_inflight = config.max_inflight if config.overlap else 1
-        self._tracker = make_tracker(config.callback_impl, self._max_inflight)
-        self._executor = CPUExecutor(loaded.model, kv, TokenTable(config.max_num_seqs, self.max_model_len + 1),
-                                     self._tracker, debug_delay_ms=config.debug_delay_ms)
         self._inflight: dict[int, Batch] = {}  # submitted, not yet processed (scheduler thread only)
         self._drain_waiters: list[Future] = []
         self._eos_ids = loaded.eos_token_ids

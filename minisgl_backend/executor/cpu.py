@@ -11,6 +11,11 @@
 Torch releases the GIL inside its kernels, so the scheduler thread plans iteration N+1 and processes
 the results of N-1 while the compute worker runs N. Workers never touch request state (S7): they
 read immutable IterationInputs and post results keyed by iteration id.
+
+Every multi-threaded torch op — loading the model, allocating the KV pool, the forward pass, the
+logits conversion — runs on the compute thread; the other threads use numpy or tiny tensors. A
+second OpenMP thread team (one per thread that runs a parallel torch op) makes the forward ~30%
+slower on a 2-core machine (measured): the teams' idle workers no longer spin-wait.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import queue
 import random
 import threading
 import time
+from concurrent.futures import Future
+from typing import Any, Callable
 
 import torch
 
@@ -34,14 +41,16 @@ _STOP = None
 
 
 class CPUExecutor:
-    def __init__(self, model: CausalLM, kv: KVCache, table: TokenTable, tracker: InflightTracker,
-                 *, debug_delay_ms: float = 0.0) -> None:
-        self.model, self.kv, self.table, self.tracker = model, kv, table, tracker
+    def __init__(self, tracker: InflightTracker, *, debug_delay_ms: float = 0.0) -> None:
+        self.tracker = tracker
+        self.model: CausalLM | None = None
+        self.kv: KVCache | None = None
+        self.table: TokenTable | None = None
         self.results: dict[int, StepOutput] = {}
         self.error: BaseException | None = None
         self._delay_s = debug_delay_ms / 1000.0
-        self._compute_q: queue.SimpleQueue[IterationInputs | None] = queue.SimpleQueue()
-        self._copy_q: queue.SimpleQueue[tuple[IterationInputs, torch.Tensor] | None] = queue.SimpleQueue()
+        self._compute_q: queue.SimpleQueue[IterationInputs | tuple | None] = queue.SimpleQueue()
+        self._copy_q: queue.SimpleQueue[tuple[IterationInputs, Any] | None] = queue.SimpleQueue()
         # The "event" the compute stream waits on: the newest iteration whose tokens are written.
         self._sampled_upto = 0
         self._sampled_cv = threading.Condition()
@@ -51,6 +60,15 @@ class CPUExecutor:
         ]
         for t in self._threads:
             t.start()
+
+    def run_on_compute(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the compute thread (model loading, KV allocation) and return its result."""
+        fut: Future = Future()
+        self._compute_q.put((fn, fut))
+        return fut.result()
+
+    def attach(self, model: CausalLM, kv: KVCache, table: TokenTable) -> None:
+        self.model, self.kv, self.table = model, kv, table
 
     def submit(self, inputs: IterationInputs) -> None:
         self.tracker.begin()
@@ -67,6 +85,13 @@ class CPUExecutor:
     # ---- compute stream ----
     def _compute_loop(self) -> None:
         while (inp := self._compute_q.get()) is not _STOP:
+            if not isinstance(inp, IterationInputs):  # run_on_compute
+                fn, fut = inp
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - raised in the caller
+                    fut.set_exception(e)
+                continue
             try:
                 with self._sampled_cv:  # S6: the tokens this iteration reads are written first
                     self._sampled_cv.wait_for(lambda: self._sampled_upto >= inp.depends_on or self.error)
@@ -84,7 +109,9 @@ class CPUExecutor:
                     prefill_rows=inp.prefill_rows,
                     logits_index=inp.logits_index,
                 )
-                self._copy_q.put((inp, self.model(batch, self.kv)))
+                # S16: only the rows that sample or score leave the device, as float32 on the host.
+                logits = self.model(batch, self.kv).to("cpu", torch.float32).numpy()
+                self._copy_q.put((inp, logits))
             except BaseException as e:  # noqa: BLE001 - reported to the scheduler thread
                 self._fail(e)
                 return
@@ -97,7 +124,7 @@ class CPUExecutor:
             try:
                 if self._delay_s:  # test hook: a slow copy stream widens every race window
                     time.sleep(random.uniform(0, self._delay_s))
-                out = sample_iteration(inp, logits.to("cpu", torch.float32), self.table)
+                out = sample_iteration(inp, logits, self.table)
             except BaseException as e:  # noqa: BLE001 - reported to the scheduler thread
                 self._fail(e)
                 return

@@ -98,10 +98,7 @@ def build_inputs(batch: Batch, block_size: int) -> IterationInputs:
         rows.extend([req.row] * n)
         pos.extend(range(s, end))
         slots.append(_slots(req.block_table, s, end, bs))
-        mask = None
-        if s > 0:  # a later chunk: causal over the cached prefix plus itself
-            mask = torch.arange(end)[None, :] <= torch.arange(s, end)[:, None]
-        prefill.append(PrefillRow(base, n, end, torch.tensor(req.block_table[: -(-end // bs)]), mask))
+        prefill.append(PrefillRow(base, n, end, torch.tensor(req.block_table[: -(-end // bs)])))
         for p in range(s, end):
             if req.needs_prompt_logprob(p + 1):
                 scores.append(ScoreSpec(len(logits_index), id(req), p + 1, req.prompt_ids[p + 1],

@@ -15,16 +15,18 @@ from minisgl_backend.kvcache.block_pool import InvariantError
 
 
 class TokenTable:
+    """numpy-backed on the host: the copy stage writes it without starting a torch thread team."""
+
     def __init__(self, num_rows: int, width: int) -> None:
-        self.ids = torch.zeros(num_rows, width, dtype=torch.int64)
+        self.ids = np.zeros((num_rows, width), dtype=np.int64)
         self.ready = np.zeros(num_rows, dtype=np.int64)
 
     def write_prompt(self, row: int, tokens: list[int]) -> None:
-        self.ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        self.ids[row, : len(tokens)] = tokens
         self.ready[row] = len(tokens)
 
     def write_drawn(self, rows: list[int], positions: list[int], tokens: list[int]) -> None:
-        self.ids[rows, positions] = torch.tensor(tokens, dtype=torch.int64)
+        self.ids[rows, positions] = tokens
         for r, p in zip(rows, positions):
             self.ready[r] = max(self.ready[r], p + 1)
 
@@ -37,7 +39,7 @@ class TokenTable:
             raise InvariantError(
                 f"S6 violated: row {r[i]} position {p[i]} read before its token was written (ready={self.ready[r[i]]})"
             )
-        return self.ids[rows, positions]
+        return torch.from_numpy(self.ids[r, p])
 
     def history(self, row: int, start: int, end: int) -> list[int]:
         return self.ids[row, start:end].tolist()

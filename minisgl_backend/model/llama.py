@@ -17,13 +17,21 @@ from minisgl_backend.kvcache.storage import KVCache
 
 
 class PrefillRow(NamedTuple):
-    """One prompt chunk: tokens [start, start+length) of the batch, ending at context length ctx_len."""
+    """One prompt chunk: tokens [start, start+length) of the batch, ending at context length ctx_len
+    (a later chunk, ctx_len > length, also attends to the cached prefix)."""
 
     start: int
     length: int
     ctx_len: int
     block_table: torch.Tensor  # [ceil(ctx_len / block_size)] block ids
-    mask: torch.Tensor | None  # [length, ctx_len] bool; None when the chunk is the whole context
+
+
+def chunk_mask(row: PrefillRow) -> torch.Tensor | None:
+    """[length, ctx_len] causal mask of a later chunk; None for a first chunk (plain causal)."""
+    if row.ctx_len == row.length:
+        return None
+    prefix = row.ctx_len - row.length
+    return torch.arange(row.ctx_len)[None, :] <= torch.arange(prefix, row.ctx_len)[:, None]
 
 
 class ForwardBatch(NamedTuple):
@@ -136,7 +144,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, kv: KVCache,
+                masks: list[torch.Tensor | None]) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.h, self.d)
         k = self.k_proj(x).view(n, self.kvh, self.d)
@@ -152,17 +161,17 @@ class Attention(nn.Module):
         b = batch.num_decode
         if b:
             out[:b] = self._decode_attention(q[:b], batch, kv)
-        for row in batch.prefill_rows:
+        for row, mask in zip(batch.prefill_rows, masks):
             s, e = row.start, row.start + row.length
             qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
-            if row.mask is None:  # first chunk: its own K/V are the whole context
+            if mask is None:  # first chunk: its own K/V are the whole context
                 kr, vr = k[s:e], v[s:e]
             else:
                 kr, vr = kv.gather(self.layer_id, row.block_table)
                 kr, vr = kr[: row.ctx_len], vr[: row.ctx_len]
             o = F.scaled_dot_product_attention(
                 qr, kr.transpose(0, 1)[None], vr.transpose(0, 1)[None],
-                attn_mask=row.mask, is_causal=row.mask is None, enable_gqa=True,
+                attn_mask=mask, is_causal=mask is None, enable_gqa=True,
             )
             out[s:e] = o[0].transpose(0, 1)
         return self.o_proj(out.reshape(n, self.h * self.d))
@@ -201,8 +210,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, x, rope, batch, kv):
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch, kv)
+    def forward(self, x, rope, batch, kv, masks):
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, kv, masks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -233,8 +242,9 @@ class CausalLM(nn.Module):
         m = self.model
         x = m.embed_tokens(batch.input_ids)
         rope = m.rotary(batch.positions, x.dtype)
+        masks = [chunk_mask(row) for row in batch.prefill_rows]  # built once, shared by every layer
         for layer in m.layers:
-            x = layer(x, rope, batch, kv)
+            x = layer(x, rope, batch, kv, masks)
         # Only rows that sample or score need the LM head (the largest matmul at this model size).
         return self.lm_head(m.norm(x[batch.logits_index]))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Iterable, TypeVar
 
-import torch
+import numpy as np
 
 from minisgl_backend.executor.inputs import IterationInputs
 from minisgl_backend.executor.token_table import TokenTable
@@ -23,9 +23,9 @@ def _group(items: Iterable[T], key: Callable[[T], int]) -> dict[int, list[T]]:
     return groups
 
 
-def sample_iteration(inp: IterationInputs, logits: torch.Tensor, table: TokenTable) -> StepOutput:
-    """Draw the tokens of one iteration from float32 CPU logits, write them into the token table
-    (where the next iteration reads them) and score prompt logprobs."""
+def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable) -> StepOutput:
+    """Draw the tokens of one iteration from float32 logits [rows, vocab], write them into the token
+    table (where the next iteration reads them) and score prompt logprobs."""
     sampled: dict[int, int] = {}
     logprobs: dict[int, TokenLogprob] = {}
     errors: dict[int, Exception] = {}
