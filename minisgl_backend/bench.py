@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import threading
 import time
 from typing import Any, Sequence
 
@@ -75,6 +76,63 @@ def run_hf(model_dir: str, dtype: str, prompts: list[list[int]], output_len: int
     gen = sum(run_batch(prompts[i : i + batch_size], output_len) for i in range(0, len(prompts), batch_size))
     wall = time.perf_counter() - t0
     return {"requests": len(prompts), "wall_s": wall, "req_per_s": len(prompts) / wall, "output_tok_per_s": gen / wall}
+
+
+# The seed's four rows (section 5.3) as plain config overrides.
+SEED_TABLE: dict[str, dict[str, Any]] = {
+    "serial, no chunking": {"overlap": False, "chunk_size": None, "mixed_batches": False, "max_inflight": 1},
+    "overlap, chunk too small": {"overlap": True, "chunk_size": 32, "mixed_batches": True, "max_inflight": 4},
+    "overlap, moderate chunk": {"overlap": True, "chunk_size": 256, "mixed_batches": True, "max_inflight": 4},
+    "overlap, over-synchronised": {"overlap": True, "chunk_size": 256, "mixed_batches": True, "max_inflight": 1},
+}
+
+
+def mixed_prompts(n: int, vocab: int, short: int = 64, long: int = 768, long_every: int = 4,
+                  seed: int = 0) -> list[list[int]]:
+    """Mostly short prompts with a long one every `long_every`: long prefills arrive while others decode."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 1) for _ in range(long if i % long_every == long_every - 1 else short)]
+            for i in range(n)]
+
+
+def run_closed_loop(engine: Engine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict[str, float]:
+    """`concurrency` clients, each sending its next request when the previous one finished."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    queue_ = list(reversed(prompts))
+    lock = threading.Lock()
+    outs: list[RequestOutput] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue_:
+                    return
+                prompt = queue_.pop()
+            out = engine.submit(prompt, params).result()
+            with lock:
+                outs.append(out)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return summarize(outs, time.perf_counter() - t0)
+
+
+def bench_configs(base: EngineConfig, variants: dict[str, dict[str, Any]], num_requests: int,
+                  output_len: int, concurrency: int) -> dict[str, dict[str, Any]]:
+    """The same mixed-length workload under each config variant, one engine at a time."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name, overrides in variants.items():
+        with Engine(base.replace(**overrides)) as engine:
+            prompts = mixed_prompts(num_requests, engine.vocab_size)
+            rows[name] = run_closed_loop(engine, prompts, output_len, concurrency)
+            engine.drain()
+        print(f"  {name}: {rows[name]['req_per_s']:.2f} req/s", flush=True)
+    return rows
 
 
 def format_table(rows: dict[str, dict[str, Any]]) -> str:

@@ -75,8 +75,25 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from minisgl_backend.bench import bench, format_table
+    from minisgl_backend.bench import SEED_TABLE, bench, bench_configs, format_table
 
+    if args.scenario or args.sweep:
+        if args.sweep:
+            key, _, values = args.sweep.partition("=")
+            if key not in EngineConfig.field_names() or not values:
+                raise MiniSGLError(f"--sweep expects FIELD=v1,v2,... with an EngineConfig field, got {args.sweep!r}")
+            variants = {f"{key}={v}": {key: yaml.safe_load(v)} for v in values.split(",")}
+        else:
+            variants = SEED_TABLE
+        rows = bench_configs(_engine_config(args), variants, args.num_requests, args.output_len, args.concurrency)
+        result = {"workload": {"num_requests": args.num_requests, "output_len": args.output_len,
+                               "concurrency": args.concurrency, "prompts": "64 tokens, every 4th 768"},
+                  "results": rows}
+        print(format_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
     result = bench(_engine_config(args), args.num_requests, args.input_len, args.output_len,
                    hf=not args.no_hf, hf_batch_size=args.hf_batch_size)
     print(format_table(result["results"]))
@@ -133,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-batch-size", type=int, help="HF static batch size (default: all requests)")
     b.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     b.add_argument("--json", help="also write the results to this JSON file")
+    b.add_argument("--scenario", choices=["seed-table"],
+                   help="the seed's four rows (serial / chunk too small / moderate / over-synchronised) "
+                        "on a mixed-length closed-loop workload")
+    b.add_argument("--sweep", metavar="FIELD=v1,v2,..", help="the mixed workload under each value of one field "
+                   "(e.g. chunk_size=32,128,256,512 or max_inflight=1,2,4,8 or callback_impl=python,native)")
+    b.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for --scenario/--sweep")
     _engine_args(b)
     b.set_defaults(fn=_cmd_bench)
 

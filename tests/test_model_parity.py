@@ -89,7 +89,7 @@ def test_paged_attention_with_scattered_blocks_equals_contiguous():
     """Chunked prefill and decode read K/V through a shuffled block table; the outputs equal one
     contiguous causal pass over the whole sequence (which touches no cache)."""
     from minisgl_backend.kvcache.storage import KVCache
-    from minisgl_backend.model.llama import Attention, ForwardBatch, ModelSpec, PrefillRow
+    from minisgl_backend.model.llama import Attention, ForwardBatch, ModelSpec, PrefillRow, chunk_mask
 
     torch.manual_seed(0)
     spec = ModelSpec(vocab_size=10, hidden_size=32, intermediate_size=8, num_layers=1, num_heads=4,
@@ -107,16 +107,15 @@ def test_paged_attention_with_scattered_blocks_equals_contiguous():
         fb = ForwardBatch(pos, pos, slots, num_decode, table[None] if num_decode else None, dec_mask, rows,
                           torch.arange(hi - lo))
         with torch.inference_mode():
-            return attn(x[lo:hi], rotary(pos, x.dtype), fb, kv)
+            return attn(x[lo:hi], rotary(pos, x.dtype), fb, kv, [chunk_mask(r) for r in rows])
 
     contiguous = torch.arange(5)
-    ref = run(KVCache(1, 5, bs, 2, 8, torch.float32, "cpu"), (PrefillRow(0, n, n, contiguous, None),), 0, 0, n,
+    ref = run(KVCache(1, 5, bs, 2, 8, torch.float32, "cpu"), (PrefillRow(0, n, n, contiguous),), 0, 0, n,
               contiguous)
     kv = KVCache(1, 16, bs, 2, 8, torch.float32, "cpu")
     table = torch.randperm(16)[:5]
-    first = run(kv, (PrefillRow(0, 10, 10, table[:3], None),), 0, 0, 10, table)
-    mask = torch.arange(18)[None, :] <= torch.arange(10, 18)[:, None]
-    second = run(kv, (PrefillRow(0, 8, 18, table, mask),), 0, 10, 18, table)
+    first = run(kv, (PrefillRow(0, 10, 10, table[:3]),), 0, 0, 10, table)
+    second = run(kv, (PrefillRow(0, 8, 18, table),), 0, 10, 18, table)
     dec_mask = (torch.arange(5 * bs) < n)[None, None, None, :]
     last = run(kv, (), 1, 18, 19, table, dec_mask)
     paged = torch.cat([first, second, last])
