@@ -29,7 +29,7 @@ from minisgl_backend.kvcache.block_pool import BlockPool, BlockState, InvariantE
 from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
 from minisgl_backend.model.loader import DTYPES, load_model
-from minisgl_backend.scheduler.request import Request, RequestHandle, RequestStatus
+from minisgl_backend.scheduler.request import Request, RequestHandle
 from minisgl_backend.scheduler.scheduler import Batch, Scheduler
 from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
 

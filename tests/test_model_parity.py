@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from minisgl_backend import Engine, EngineConfig, SamplingParams
 

@@ -53,6 +53,15 @@ class MiniSGLParams(BaseModel):
 
     _config: EngineConfig = PrivateAttr()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown(cls, values: Any) -> Any:
+        return reject_unknown_fields(cls, values)
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model_name, "engine_config": self._config, **self._sampling_dict({}), "stop": self.stop}
+
     @model_validator(mode="after")
     def _build_engine_config(self) -> "MiniSGLParams":
         # Validated at construction (ConfigError on a bad key/value); the engine itself starts lazily.

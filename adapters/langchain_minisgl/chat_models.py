@@ -29,13 +29,12 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from minisgl_backend import Engine, RequestOutput, SamplingParams
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict
 
 from langchain_minisgl._base import (
     MiniSGLParams,
     await_handle,
     check_call_kwargs,
-    reject_unknown_fields,
     stream_async,
     stream_sync,
 )
@@ -123,18 +122,9 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
     streaming: bool = False
     """Make invoke() stream internally (callbacks see every token)."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown(cls, values: Any) -> Any:
-        return reject_unknown_fields(cls, values)
-
     @property
     def _llm_type(self) -> str:
         return "minisgl-chat"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model_name, "engine_config": self._config, **self._sampling_dict({}), "stop": self.stop}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
@@ -271,6 +261,17 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
             "seed": out.seed,
         }
 
+    def _submitter(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any],
+                   prepared: dict[str, Any]) -> Callable[[Engine], list]:
+        """Render and submit one conversation once the engine is known; tool names land in `prepared`."""
+
+        def submit(engine: Engine) -> list:
+            _, ids, params, names = self._prepare(messages, stop, kwargs)
+            prepared["names"] = names
+            return [engine.submit(ids, params)]
+
+        return submit
+
     # ------------------------------------------------------------------ LangChain entry points
     def _generate(
         self,
@@ -280,12 +281,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         prepared: dict[str, Any] = {}
-
-        def submit(engine: Engine) -> list:
-            _, ids, params, names = self._prepare(messages, stop, kwargs)
-            prepared["names"] = names
-            return [engine.submit(ids, params)]
-
+        submit = self._submitter(messages, stop, kwargs, prepared)
         out = self.run_sync(kwargs, submit)[0]
         return ChatResult(generations=[ChatGeneration(message=self._message(out, prepared["names"], kwargs))])
 
@@ -297,12 +293,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         prepared: dict[str, Any] = {}
-
-        def submit(engine: Engine) -> list:
-            _, ids, params, names = self._prepare(messages, stop, kwargs)
-            prepared["names"] = names
-            return [engine.submit(ids, params)]
-
+        submit = self._submitter(messages, stop, kwargs, prepared)
         out = (await self.run_async(kwargs, submit))[0]
         return ChatResult(generations=[ChatGeneration(message=self._message(out, prepared["names"], kwargs))])
 

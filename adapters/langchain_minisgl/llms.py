@@ -8,13 +8,12 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from minisgl_backend import RequestOutput, StreamDelta
-from pydantic import ConfigDict, model_validator
+from pydantic import ConfigDict
 
 from langchain_minisgl._base import (
     MiniSGLParams,
     await_handle,
     check_call_kwargs,
-    reject_unknown_fields,
     stream_async,
     stream_sync,
     usage_of,
@@ -32,18 +31,9 @@ class MiniSGL(MiniSGLParams, BaseLLM):
 
     model_config = ConfigDict(protected_namespaces=())
 
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown(cls, values: Any) -> Any:
-        return reject_unknown_fields(cls, values)
-
     @property
     def _llm_type(self) -> str:
         return "minisgl"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model_name, "engine_config": self._config, **self._sampling_dict({}), "stop": self.stop}
 
     def _generate(
         self,

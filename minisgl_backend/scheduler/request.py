@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import queue
-import threading
 import time
 from concurrent.futures import Future
 from typing import Iterator
