@@ -38,6 +38,9 @@ class EngineConfig:
     callback_impl: str = "native"  # completion callbacks: native (csrc/) | python
     debug_unsafe_reclaim: bool = False  # DEBUG: free blocks/rows at release, ignoring fences (ghost bug)
     debug_delay_ms: float = 0.0  # DEBUG: random delay up to this in the copy stage (widens races)
+    # --- relaxed bookkeeping (S9) ---
+    metrics_exact: bool = False  # exact metric totals under a lock (profiling) instead of ~1 s folds
+    stats_interval_s: float = 10.0  # period of the one-line stats log; 0 turns it off
     # --- sampling (S8) ---
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh random seeds
     # --- runtime ---
@@ -65,6 +68,8 @@ class EngineConfig:
             bad(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.callback_impl not in ("native", "python"):
             bad(f"callback_impl must be 'native' or 'python', got {self.callback_impl!r}")
+        if self.stats_interval_s < 0:
+            bad(f"stats_interval_s must be >= 0, got {self.stats_interval_s}")
         if self.debug_delay_ms < 0:
             bad(f"debug_delay_ms must be >= 0, got {self.debug_delay_ms}")
         if self.max_model_len is not None and self.max_model_len < 1:

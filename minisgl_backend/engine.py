@@ -28,6 +28,7 @@ from minisgl_backend.executor.tracker import make_tracker
 from minisgl_backend.kvcache.block_pool import BlockPool, BlockState, InvariantError
 from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
+from minisgl_backend.metrics import DEBUG_LOG, Metrics, install_logging
 from minisgl_backend.model.loader import DTYPES, load_model
 from minisgl_backend.scheduler.request import Request, RequestHandle
 from minisgl_backend.scheduler.scheduler import Batch, Scheduler
@@ -63,9 +64,12 @@ class Engine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        install_logging()
         self._max_inflight = config.max_inflight if config.overlap else 1
         self._tracker = make_tracker(config.callback_impl, self._max_inflight)
-        self._executor = CPUExecutor(self._tracker, debug_delay_ms=config.debug_delay_ms)
+        self._metrics = Metrics(exact=config.metrics_exact, stats_line=self._stats_line,
+                                stats_every_s=config.stats_interval_s)
+        self._executor = CPUExecutor(self._tracker, self._metrics, debug_delay_ms=config.debug_delay_ms)
         try:
             # Heavy torch work runs on the compute thread, the only one with an OpenMP team (see executor).
             loaded = self._executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
@@ -78,6 +82,7 @@ class Engine:
                 DTYPES[config.dtype], config.device))
         except BaseException:
             self._executor.close()
+            self._metrics.close()
             raise
         self.model_dir = loaded.model_dir
         self.tokenizer = loaded.tokenizer
@@ -169,12 +174,19 @@ class Engine:
         self._send("drain", fut)
         return fut.result(timeout)
 
+    def metrics(self) -> dict[str, float]:
+        """Counters (iterations, prefill/decode/generated tokens, requests_finished, forward_s,
+        sample_s) and gauges (running, waiting, kv_used_blocks), folded about once per second
+        (exact at any moment with `metrics_exact`)."""
+        return self._metrics.snapshot()
+
     def close(self) -> None:
         if self._thread.is_alive():
             self._inbox.put(("stop",))
             self._tracker.wake()
             self._thread.join()
         self._executor.close()
+        self._metrics.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -292,18 +304,40 @@ class Engine:
                 break
             self._inflight[batch.iteration] = batch
             self._executor.submit(build_inputs(batch, self.config.block_size))
+            prefill = sum(r.length for r in batch.prefill)
+            self._metrics.add("iterations")
+            self._metrics.add("prefill_tokens", prefill)
+            self._metrics.add("decode_tokens", len(batch.decode))
+            if DEBUG_LOG:
+                log.debug("iteration %d: %d decode rows, %d prefill tokens, waits for %d",
+                          batch.iteration, len(batch.decode), prefill, batch.depends_on)
 
     def _process(self, done: list[int]) -> None:
         """Apply completed iterations in order and deliver what they produced."""
         for it in done:
             batch = self._inflight.pop(it)
             new_tokens: dict[int, list[int]] = {}
-            for req, ids in self._scheduler.complete(batch, self._executor.take_result(it)):
+            updates = self._scheduler.complete(batch, self._executor.take_result(it))
+            self._metrics.add("generated_tokens", len(updates))
+            for req, ids in updates:
                 new_tokens[id(req)] = ids
                 if req.finish_reason is None:
                     req.handle._post_delta(req.delta(ids))
             self._deliver_finished(new_tokens)
         self._deliver_finished({})  # aborts
+        sched = self._scheduler
+        self._metrics.set("running", len(sched.running))
+        self._metrics.set("waiting", len(sched.waiting))
+        self._metrics.set("kv_used_blocks", self.num_blocks - self._pool.num_free)
+
+    def _stats_line(self, cur: dict[str, float], prev: dict[str, float], dt: float) -> str:
+        def rate(key: str) -> float:
+            return (cur.get(key, 0.0) - prev.get(key, 0.0)) / dt
+
+        return (f"running={cur.get('running', 0):.0f} waiting={cur.get('waiting', 0):.0f} "
+                f"kv={cur.get('kv_used_blocks', 0) / self.num_blocks:.0%} "
+                f"gen={rate('generated_tokens'):.1f} tok/s prefill={rate('prefill_tokens'):.1f} tok/s "
+                f"iterations={rate('iterations'):.1f}/s")
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
@@ -336,6 +370,7 @@ class Engine:
     def _deliver_finished(self, new_tokens: dict[int, list[int]]) -> None:
         for req in self._scheduler.take_finished():
             self._handles.pop(req.request_id, None)
+            self._metrics.add("requests_finished")
             if req.error is not None:
                 req.handle._post_error(req.error)
                 continue

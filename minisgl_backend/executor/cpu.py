@@ -33,6 +33,7 @@ from minisgl_backend.executor.inputs import IterationInputs
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.executor.tracker import InflightTracker
 from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.metrics import Metrics
 from minisgl_backend.model.llama import CausalLM, ForwardBatch
 from minisgl_backend.sampling.stage import sample_iteration
 from minisgl_backend.scheduler.scheduler import StepOutput
@@ -41,8 +42,9 @@ _STOP = None
 
 
 class CPUExecutor:
-    def __init__(self, tracker: InflightTracker, *, debug_delay_ms: float = 0.0) -> None:
+    def __init__(self, tracker: InflightTracker, metrics: Metrics, *, debug_delay_ms: float = 0.0) -> None:
         self.tracker = tracker
+        self.metrics = metrics
         self.model: CausalLM | None = None
         self.kv: KVCache | None = None
         self.table: TokenTable | None = None
@@ -110,7 +112,9 @@ class CPUExecutor:
                     logits_index=inp.logits_index,
                 )
                 # S16: only the rows that sample or score leave the device, as float32 on the host.
+                t0 = time.perf_counter()
                 logits = self.model(batch, self.kv).to("cpu", torch.float32).numpy()
+                self.metrics.add("forward_s", time.perf_counter() - t0)
                 self._copy_q.put((inp, logits))
             except BaseException as e:  # noqa: BLE001 - reported to the scheduler thread
                 self._fail(e)
@@ -124,7 +128,9 @@ class CPUExecutor:
             try:
                 if self._delay_s:  # test hook: a slow copy stream widens every race window
                     time.sleep(random.uniform(0, self._delay_s))
+                t0 = time.perf_counter()
                 out = sample_iteration(inp, logits, self.table)
+                self.metrics.add("sample_s", time.perf_counter() - t0)
             except BaseException as e:  # noqa: BLE001 - reported to the scheduler thread
                 self._fail(e)
                 return
