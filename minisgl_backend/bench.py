@@ -98,7 +98,6 @@ def mixed_prompts(n: int, vocab: int, short: int = 64, long: int = 768, long_eve
 def run_closed_loop(engine: Engine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict[str, float]:
     """`concurrency` clients, each sending its next request when the previous one finished."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     queue_ = list(reversed(prompts))
     lock = threading.Lock()
     outs: list[RequestOutput] = []
@@ -123,21 +122,30 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], output_len: int, c
 
 
 def bench_configs(base: EngineConfig, variants: dict[str, dict[str, Any]], num_requests: int,
-                  output_len: int, concurrency: int) -> dict[str, dict[str, Any]]:
-    """The same mixed-length workload under each config variant, one engine at a time."""
+                  output_len: int, concurrency: int,
+                  trace_events: list[dict] | None = None) -> dict[str, dict[str, Any]]:
+    """The same mixed-length workload under each config variant, one engine at a time. With
+    `trace_events`, every run's timeline is appended (one trace process per variant) and each row
+    reports how much of the scheduler thread's busy time overlapped a running forward pass."""
     rows: dict[str, dict[str, Any]] = {}
-    for name, overrides in variants.items():
-        with Engine(base.replace(**overrides)) as engine:
+    for i, (name, overrides) in enumerate(variants.items()):
+        cfg = base.replace(**overrides, **({"trace": True} if trace_events is not None else {}))
+        with Engine(cfg) as engine:
             prompts = mixed_prompts(num_requests, engine.vocab_size)
+            engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+            engine.tracer.spans.clear()
             rows[name] = run_closed_loop(engine, prompts, output_len, concurrency)
             engine.drain()
+            if trace_events is not None:
+                trace_events.extend(engine.tracer.chrome_events(pid=i, process_name=name))
+                rows[name]["sched_overlap"] = engine.tracer.busy_overlap()
         print(f"  {name}: {rows[name]['req_per_s']:.2f} req/s", flush=True)
     return rows
 
 
 def format_table(rows: dict[str, dict[str, Any]]) -> str:
     cols = ["requests", "wall_s", "req_per_s", "output_tok_per_s", "ttft_ms_mean", "ttft_ms_p50",
-            "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99"]
+            "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "sched_overlap"]
     width = max(map(len, rows)) + 2
     lines = ["".ljust(width) + "".join(c.rjust(17) for c in cols)]
     for name, row in rows.items():

@@ -85,7 +85,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             variants = {f"{key}={v}": {key: yaml.safe_load(v)} for v in values.split(",")}
         else:
             variants = SEED_TABLE
-        rows = bench_configs(_engine_config(args), variants, args.num_requests, args.output_len, args.concurrency)
+        events: list[dict] | None = [] if args.trace else None
+        rows = bench_configs(_engine_config(args), variants, args.num_requests, args.output_len, args.concurrency,
+                             trace_events=events)
+        if args.trace:
+            with open(args.trace, "w") as f:
+                json.dump({"traceEvents": events}, f)
+            print(f"wrote {args.trace} (open in chrome://tracing or ui.perfetto.dev)")
         result = {"workload": {"num_requests": args.num_requests, "output_len": args.output_len,
                                "concurrency": args.concurrency, "prompts": "64 tokens, every 4th 768"},
                   "results": rows}
@@ -156,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep", metavar="FIELD=v1,v2,..", help="the mixed workload under each value of one field "
                    "(e.g. chunk_size=32,128,256,512 or max_inflight=1,2,4,8 or callback_impl=python,native)")
     b.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for --scenario/--sweep")
+    b.add_argument("--trace", metavar="OUT.json", help="with --scenario/--sweep: Chrome-trace timeline "
+                   "(scheduler, compute, copy lanes per iteration, one process per config)")
     _engine_args(b)
     b.set_defaults(fn=_cmd_bench)
 

@@ -41,6 +41,7 @@ class EngineConfig:
     # --- relaxed bookkeeping (S9) ---
     metrics_exact: bool = False  # exact metric totals under a lock (profiling) instead of ~1 s folds
     stats_interval_s: float = 10.0  # period of the one-line stats log; 0 turns it off
+    trace: bool = False  # record scheduler / compute / copy spans per iteration (Engine.tracer)
     # --- sampling (S8) ---
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh random seeds
     # --- runtime ---

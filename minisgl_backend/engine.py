@@ -8,6 +8,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence, Union
 
@@ -28,7 +29,7 @@ from minisgl_backend.executor.tracker import make_tracker
 from minisgl_backend.kvcache.block_pool import BlockPool, BlockState, InvariantError
 from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
-from minisgl_backend.metrics import DEBUG_LOG, Metrics, install_logging
+from minisgl_backend.metrics import DEBUG_LOG, Metrics, Tracer, install_logging
 from minisgl_backend.model.loader import DTYPES, load_model
 from minisgl_backend.scheduler.request import Request, RequestHandle
 from minisgl_backend.scheduler.scheduler import Batch, Scheduler
@@ -69,7 +70,8 @@ class Engine:
         self._tracker = make_tracker(config.callback_impl, self._max_inflight)
         self._metrics = Metrics(exact=config.metrics_exact, stats_line=self._stats_line,
                                 stats_every_s=config.stats_interval_s)
-        self._executor = CPUExecutor(self._tracker, self._metrics, debug_delay_ms=config.debug_delay_ms)
+        self.tracer = Tracer(config.trace)
+        self._executor = CPUExecutor(self._tracker, self._metrics, self.tracer, debug_delay_ms=config.debug_delay_ms)
         try:
             # Heavy torch work runs on the compute thread, the only one with an OpenMP team (see executor).
             loaded = self._executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
@@ -299,11 +301,13 @@ class Engine:
     def _fill_pipeline(self, limit: int) -> None:
         """Plan and submit iterations while fewer than `limit` are in flight (S13 backpressure)."""
         while self._tracker.inflight < limit:
+            t0 = time.perf_counter()
             batch = self._scheduler.schedule()
             if batch is None:
                 break
             self._inflight[batch.iteration] = batch
             self._executor.submit(build_inputs(batch, self.config.block_size))
+            self.tracer.span("scheduler", f"plan {batch.iteration}", t0, time.perf_counter())
             prefill = sum(r.length for r in batch.prefill)
             self._metrics.add("iterations")
             self._metrics.add("prefill_tokens", prefill)
@@ -315,6 +319,7 @@ class Engine:
     def _process(self, done: list[int]) -> None:
         """Apply completed iterations in order and deliver what they produced."""
         for it in done:
+            t0 = time.perf_counter()
             batch = self._inflight.pop(it)
             new_tokens: dict[int, list[int]] = {}
             updates = self._scheduler.complete(batch, self._executor.take_result(it))
@@ -324,6 +329,7 @@ class Engine:
                 if req.finish_reason is None:
                     req.handle._post_delta(req.delta(ids))
             self._deliver_finished(new_tokens)
+            self.tracer.span("scheduler", f"process {it}", t0, time.perf_counter())
         self._deliver_finished({})  # aborts
         sched = self._scheduler
         self._metrics.set("running", len(sched.running))

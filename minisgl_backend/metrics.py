@@ -94,6 +94,41 @@ class Metrics:
         self._fold()
 
 
+class Tracer:
+    """Chrome-trace spans per lane (scheduler / compute / copy) when `trace` is on (S17: see the
+    overlap on a timeline instead of assuming it). Appending to a list is atomic under the GIL."""
+
+    LANES = ("scheduler", "compute", "copy")
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.spans: list[tuple[str, str, float, float]] = []  # (lane, name, start, end) perf_counter s
+
+    def span(self, lane: str, name: str, start: float, end: float) -> None:
+        if self.enabled:
+            self.spans.append((lane, name, start, end))
+
+    def chrome_events(self, pid: int = 0, process_name: str = "minisgl", t0: float | None = None) -> list[dict]:
+        t0 = min((s[2] for s in self.spans), default=0.0) if t0 is None else t0
+        events: list[dict] = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process_name}}]
+        events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": i, "args": {"name": lane}}
+                   for i, lane in enumerate(self.LANES)]
+        events += [{"name": name, "ph": "X", "pid": pid, "tid": self.LANES.index(lane),
+                    "ts": (a - t0) * 1e6, "dur": (b - a) * 1e6} for lane, name, a, b in self.spans]
+        return events
+
+    def busy_overlap(self) -> float:
+        """Fraction of the scheduler lane's busy time during which the compute lane was busy too."""
+        def busy(lane: str) -> list[tuple[float, float]]:
+            return sorted((a, b) for ln, _, a, b in self.spans if ln == lane)
+
+        compute, total, both = busy("compute"), 0.0, 0.0
+        for a, b in busy("scheduler"):
+            total += b - a
+            both += sum(max(0.0, min(b, d) - max(a, c)) for c, d in compute if c < b and d > a)
+        return both / total if total else 0.0
+
+
 class RingBufferHandler(logging.Handler):
     """Keeps the newest `capacity` records; a background thread hands them to `target` (S9)."""
 

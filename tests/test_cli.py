@@ -19,14 +19,21 @@ def test_generate_json(tiny_model_dir):
 
 
 def test_seed_table_scenario_writes_all_four_rows(tiny_model_dir, tmp_path):
-    out = tmp_path / "table.json"
+    out, trace = tmp_path / "table.json", tmp_path / "trace.json"
     r = _minisgl("bench", "--scenario", "seed-table", "--model", str(tiny_model_dir), "--num-requests", "8",
-                 "--output-len", "4", "--concurrency", "4", "--json", str(out))
+                 "--output-len", "4", "--concurrency", "4", "--json", str(out), "--trace", str(trace))
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["results"]
     assert list(rows) == ["serial, no chunking", "overlap, chunk too small", "overlap, moderate chunk",
                           "overlap, over-synchronised"]
     assert all(row["requests"] == 8 and row["req_per_s"] > 0 for row in rows.values())
+    # The timeline has the three lanes for all four configs, one complete span per forward pass.
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3} and {e["tid"] for e in spans} == {0, 1, 2}
+    assert all(e["dur"] >= 0 for e in spans) and any(e["name"].startswith("forward") for e in spans)
+    # A serial engine never plans while a forward pass runs.
+    assert rows["serial, no chunking"]["sched_overlap"] < 0.05
 
 
 def test_bad_config_key_is_a_clear_error(tiny_model_dir):

@@ -33,7 +33,7 @@ from minisgl_backend.executor.inputs import IterationInputs
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.executor.tracker import InflightTracker
 from minisgl_backend.kvcache.storage import KVCache
-from minisgl_backend.metrics import Metrics
+from minisgl_backend.metrics import Metrics, Tracer
 from minisgl_backend.model.llama import CausalLM, ForwardBatch
 from minisgl_backend.sampling.stage import sample_iteration
 from minisgl_backend.scheduler.scheduler import StepOutput
@@ -42,9 +42,11 @@ _STOP = None
 
 
 class CPUExecutor:
-    def __init__(self, tracker: InflightTracker, metrics: Metrics, *, debug_delay_ms: float = 0.0) -> None:
+    def __init__(self, tracker: InflightTracker, metrics: Metrics, tracer: Tracer, *,
+                 debug_delay_ms: float = 0.0) -> None:
         self.tracker = tracker
         self.metrics = metrics
+        self.tracer = tracer
         self.model: CausalLM | None = None
         self.kv: KVCache | None = None
         self.table: TokenTable | None = None
@@ -114,7 +116,9 @@ class CPUExecutor:
                 # S16: only the rows that sample or score leave the device, as float32 on the host.
                 t0 = time.perf_counter()
                 logits = self.model(batch, self.kv).to("cpu", torch.float32).numpy()
-                self.metrics.add("forward_s", time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                self.metrics.add("forward_s", t1 - t0)
+                self.tracer.span("compute", f"forward {inp.iteration}", t0, t1)
                 self._copy_q.put((inp, logits))
             except BaseException as e:  # noqa: BLE001 - reported to the scheduler thread
                 self._fail(e)
@@ -130,7 +134,9 @@ class CPUExecutor:
                     time.sleep(random.uniform(0, self._delay_s))
                 t0 = time.perf_counter()
                 out = sample_iteration(inp, logits, self.table)
-                self.metrics.add("sample_s", time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                self.metrics.add("sample_s", t1 - t0)
+                self.tracer.span("copy", f"sample {inp.iteration}", t0, t1)
             except BaseException as e:  # noqa: BLE001 - reported to the scheduler thread
                 self._fail(e)
                 return
