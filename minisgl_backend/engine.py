@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import itertools
 import logging
@@ -9,6 +10,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence, Union
 
@@ -39,6 +41,18 @@ log = logging.getLogger("minisgl")
 
 Prompt = Union[str, Sequence[int]]
 ParamsLike = Union[SamplingParams, dict, None]
+
+
+_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    # Engine threads are daemons blocked in native waits with the GIL released. Left running into
+    # interpreter finalisation, such a thread is unwound by pthread_exit through a noexcept pybind11
+    # destructor -> std::terminate ("terminate called without an active exception"). Stop them first.
+    for engine in list(_LIVE_ENGINES):
+        engine.close()
 
 
 def _as_params(params: ParamsLike) -> SamplingParams:
@@ -111,6 +125,7 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}  # scheduler thread only
         self._thread = threading.Thread(target=self._loop, name="minisgl-scheduler", daemon=True)
         self._thread.start()
+        _LIVE_ENGINES.add(self)
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt: Prompt, params: ParamsLike = None, request_id: str | None = None) -> RequestHandle:
