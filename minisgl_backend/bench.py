@@ -31,7 +31,7 @@ def _pct(xs: Sequence[float], q: float) -> float:
 
 
 def summarize(outputs: Sequence[RequestOutput], wall: float) -> dict[str, float]:
-    ttft = [o.timings.first_token - o.timings.arrival for o in outputs]
+    ttft = [o.timings.ttft for o in outputs]
     tpot = [
         (o.timings.finish - o.timings.first_token) / (len(o.token_ids) - 1)
         for o in outputs

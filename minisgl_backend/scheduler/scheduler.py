@@ -48,10 +48,6 @@ class Batch(NamedTuple):
     depends_on: int  # newest earlier iteration that draws a token some row here reads
     prompt_writes: tuple[tuple[int, list[int]], ...]  # rows admitted by this batch: (row, prompt ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(r.length for r in self.prefill)
-
 
 def _blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
