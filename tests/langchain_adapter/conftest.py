@@ -22,3 +22,18 @@ def pytest_pycollect_makeitem(collector: Any, name: str, obj: object) -> Generat
     for node in nodes:
         if isinstance(node, pytest.Function) and inspect.iscoroutinefunction(getattr(node, "obj", None)):
             node.add_marker(pytest.mark.asyncio)
+
+
+@pytest.fixture(scope="session")
+def close_drained():
+    """Teardown for a module's model: its engine drains with every KV block FREE, then all close."""
+
+    def close(model: Any) -> None:
+        import langchain_minisgl
+
+        eng = model.engine
+        counts = eng.drain(timeout=60)
+        assert counts["running"] == counts["waiting"] == 0 and counts["FREE"] == eng.num_blocks
+        langchain_minisgl.close_all()
+
+    return close

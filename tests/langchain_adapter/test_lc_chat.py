@@ -9,7 +9,6 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-import langchain_minisgl
 from langchain_minisgl import ChatMiniSGL
 from langchain_minisgl._tools import ToolCallStreamSplitter, parse_tool_calls
 
@@ -29,14 +28,11 @@ class Reading(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def chat(tiny_model_dir):
+def chat(tiny_model_dir, close_drained):
     """Seeded sampling (temperature 1) on the tiny random model: the worst case for well-formed output."""
     model = ChatMiniSGL(model=str(tiny_model_dir), temperature=1.0, seed=0, max_tokens=160, engine_config={"num_blocks": 512})
     yield model
-    eng = model.engine
-    counts = eng.drain(timeout=60)
-    assert counts["running"] == counts["waiting"] == 0 and counts["FREE"] == eng.num_blocks
-    langchain_minisgl.close_all()
+    close_drained(model)
 
 
 def test_forced_tool_call_always_parses_even_from_a_random_model(chat):

@@ -17,14 +17,11 @@ REAL = {"model": "smollm2-135m-instruct", "engine_config": {"dtype": "bfloat16"}
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
+def tiny(tiny_model_dir, close_drained):
     """Greedy MiniSGL on the tiny random model: fast, context-dependent, rarely hits EOS."""
     llm = MiniSGL(model=str(tiny_model_dir), temperature=0, max_tokens=12, engine_config={"num_blocks": 256})
     yield llm
-    eng = llm.engine
-    counts = eng.drain(timeout=60)
-    assert counts["running"] == counts["waiting"] == 0 and counts["FREE"] == eng.num_blocks
-    langchain_minisgl.close_all()
+    close_drained(llm)
 
 
 class Tokens(BaseCallbackHandler):
