@@ -10,7 +10,7 @@ import random
 import statistics
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -95,6 +95,18 @@ def mixed_prompts(n: int, vocab: int, short: int = 64, long: int = 768, long_eve
             for i in range(n)]
 
 
+# The prefix-cache scenario: every mode on one shared-prefix workload, in one run.
+PREFIX_TABLE: dict[str, dict[str, Any]] = {f"prefix_cache={m}": {"prefix_cache": m} for m in ("off", "sync", "async")}
+
+
+def shared_prefix_prompts(n: int, vocab: int, num_stems: int = 4, stem_len: int = 512, tail_len: int = 32,
+                          seed: int = 0) -> list[list[int]]:
+    """Few-shot shape: each prompt is one of a few long shared stems plus its own short question."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(100, vocab - 1) for _ in range(stem_len)] for _ in range(num_stems)]
+    return [stems[i % num_stems] + [rng.randrange(100, vocab - 1) for _ in range(tail_len)] for i in range(n)]
+
+
 def run_closed_loop(engine: Engine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict[str, float]:
     """`concurrency` clients, each sending its next request when the previous one finished."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -123,19 +135,23 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], output_len: int, c
 
 def bench_configs(base: EngineConfig, variants: dict[str, dict[str, Any]], num_requests: int,
                   output_len: int, concurrency: int,
-                  trace_events: list[dict] | None = None) -> dict[str, dict[str, Any]]:
-    """The same mixed-length workload under each config variant, one engine at a time. With
-    `trace_events`, every run's timeline is appended (one trace process per variant) and each row
-    reports how much of the scheduler thread's busy time overlapped a running forward pass."""
+                  trace_events: list[dict] | None = None,
+                  workload: Callable[[int, int], list[list[int]]] = mixed_prompts) -> dict[str, dict[str, Any]]:
+    """The same workload (`workload(num_requests, vocab)`) under each config variant, one engine at
+    a time. With `trace_events`, every run's timeline is appended (one trace process per variant) and
+    each row reports how much of the scheduler thread's busy time overlapped a running forward pass."""
     rows: dict[str, dict[str, Any]] = {}
     for i, (name, overrides) in enumerate(variants.items()):
-        cfg = base.replace(**overrides, **({"trace": True} if trace_events is not None else {}))
+        cfg = base.replace(**overrides, metrics_exact=True, **({"trace": True} if trace_events is not None else {}))
         with Engine(cfg) as engine:
-            prompts = mixed_prompts(num_requests, engine.vocab_size)
-            engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up
+            prompts = workload(num_requests, engine.vocab_size)
+            warm = [[101, 102, 103]]  # shares no prefix with the workload: the cache starts cold
+            engine.generate(warm, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
             engine.tracer.spans.clear()
+            before = engine.metrics()
             rows[name] = run_closed_loop(engine, prompts, output_len, concurrency)
             engine.drain()
+            rows[name].update(_prefill_stats(before, engine.metrics()))
             if trace_events is not None:
                 trace_events.extend(engine.tracer.chrome_events(pid=i, process_name=name))
                 rows[name]["sched_overlap"] = engine.tracer.busy_overlap()
@@ -143,9 +159,21 @@ def bench_configs(base: EngineConfig, variants: dict[str, dict[str, Any]], num_r
     return rows
 
 
-def format_table(rows: dict[str, dict[str, Any]]) -> str:
+def _prefill_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Prefill work and prefix-cache effect of one run: tokens computed, tokens and requests served
+    from the cache, evictions, and the scheduler time spent inserting into the tree."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return {"prefill_tokens": d.get("prefill_tokens", 0.0),
+            "prefix_hit_tokens": d.get("prefix_hit_tokens", 0.0),
+            "prefix_token_hit_rate": d.get("prefix_hit_tokens", 0.0) / max(d.get("prefix_query_tokens", 0.0), 1.0),
+            "prefix_request_hit_rate": d.get("prefix_hits", 0.0) / max(d.get("prefix_queries", 0.0), 1.0),
+            "prefix_evicted_blocks": d.get("prefix_evicted_blocks", 0.0),
+            "prefix_insert_ms": 1000 * d.get("prefix_insert_s", 0.0)}
+
+
+def format_table(rows: dict[str, dict[str, Any]], extra: Sequence[str] = ()) -> str:
     cols = ["requests", "wall_s", "req_per_s", "output_tok_per_s", "ttft_ms_mean", "ttft_ms_p50",
-            "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "sched_overlap"]
+            "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "sched_overlap", *extra]
     width = max(map(len, rows)) + 2
     lines = ["".ljust(width) + "".join(c.rjust(17) for c in cols)]
     for name, row in rows.items():

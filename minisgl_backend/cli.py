@@ -75,7 +75,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from minisgl_backend.bench import SEED_TABLE, bench, bench_configs, format_table
+    from minisgl_backend.bench import (PREFIX_TABLE, SEED_TABLE, bench, bench_configs, format_table,
+                                       mixed_prompts, shared_prefix_prompts)
 
     if args.scenario or args.sweep:
         if args.sweep:
@@ -84,18 +85,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 raise MiniSGLError(f"--sweep expects FIELD=v1,v2,... with an EngineConfig field, got {args.sweep!r}")
             variants = {f"{key}={v}": {key: yaml.safe_load(v)} for v in values.split(",")}
         else:
-            variants = SEED_TABLE
+            variants = PREFIX_TABLE if args.scenario == "prefix" else SEED_TABLE
+        prefix = args.scenario == "prefix"
+        workload = shared_prefix_prompts if prefix else mixed_prompts
         events: list[dict] | None = [] if args.trace else None
         rows = bench_configs(_engine_config(args), variants, args.num_requests, args.output_len, args.concurrency,
-                             trace_events=events)
+                             trace_events=events, workload=workload)
         if args.trace:
             with open(args.trace, "w") as f:
                 json.dump({"traceEvents": events}, f)
             print(f"wrote {args.trace} (open in chrome://tracing or ui.perfetto.dev)")
+        prompts = "4 shared 512-token stems + 32 own tokens" if prefix else "64 tokens, every 4th 768"
         result = {"workload": {"num_requests": args.num_requests, "output_len": args.output_len,
-                               "concurrency": args.concurrency, "prompts": "64 tokens, every 4th 768"},
+                               "concurrency": args.concurrency, "prompts": prompts},
                   "results": rows}
-        print(format_table(rows))
+        print(format_table(rows, extra=["prefill_tokens", "prefix_token_hit_rate", "prefix_request_hit_rate",
+                                        "prefix_evicted_blocks", "prefix_insert_ms"] if prefix else []))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
@@ -120,9 +125,11 @@ def _cmd_stress(args: argparse.Namespace) -> int:
     base = {"model": str(make_tiny_llama()), "num_blocks": 40, "block_size": 4, "chunk_size": 4,
             "max_num_batched_tokens": 64, "max_num_seqs": 4, "max_model_len": 64, "mixed_batches": False}
     cfg = _engine_config(args, base)
-    report = run_stress(cfg, args.num_requests, abort_prob=args.abort_prob, seed=args.seed, progress=True)
+    report = run_stress(cfg, args.num_requests, abort_prob=args.abort_prob, seed=args.seed,
+                        shared_prefixes=args.shared_prefixes, progress=True)
     print(f"requests={report.requests} completed={report.completed} aborted={report.aborted} "
-          f"mismatches={report.mismatches} wall={report.wall_s:.1f}s")
+          f"mismatches={report.mismatches} wall={report.wall_s:.1f}s prefix_hit_tokens={report.prefix_hit_tokens} "
+          f"prefix_evicted_blocks={report.prefix_evicted_blocks}")
     print(f"KV after drain: {report.kv_after_drain}")
     for ex in report.examples:
         print("  mismatch:", ex)
@@ -156,9 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-batch-size", type=int, help="HF static batch size (default: all requests)")
     b.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     b.add_argument("--json", help="also write the results to this JSON file")
-    b.add_argument("--scenario", choices=["seed-table"],
-                   help="the seed's four rows (serial / chunk too small / moderate / over-synchronised) "
-                        "on a mixed-length closed-loop workload")
+    b.add_argument("--scenario", choices=["seed-table", "prefix"],
+                   help="seed-table: the seed's four rows (serial / chunk too small / moderate / "
+                        "over-synchronised) on a mixed-length closed-loop workload; prefix: prefix_cache "
+                        "off / sync / async on a shared-prefix (few-shot) workload")
     b.add_argument("--sweep", metavar="FIELD=v1,v2,..", help="the mixed workload under each value of one field "
                    "(e.g. chunk_size=32,128,256,512 or max_inflight=1,2,4,8 or callback_impl=python,native)")
     b.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for --scenario/--sweep")
@@ -171,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--num-requests", type=int, default=20000)
     st.add_argument("--abort-prob", type=float, default=0.1)
     st.add_argument("--seed", type=int, default=0)
+    st.add_argument("--shared-prefixes", action="store_true",
+                    help="prompts grow from a few shared stems: the prefix cache hits, evicts and reuses blocks")
     _engine_args(st)
     st.set_defaults(fn=_cmd_stress)
     return parser

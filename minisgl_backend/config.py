@@ -32,6 +32,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     chunk_size: int | None = 256  # None = whole-prompt prefill (no chunking)
     mixed_batches: bool = True  # prefill chunks and decode rows share one batch
+    # --- prefix cache (S1, S9) ---
+    prefix_cache: str = "async"  # off | sync (insert on the completion path) | async (insert while idle)
     # --- overlap scheduling (S11-S14, S18) ---
     overlap: bool = True  # plan and post-process on the scheduler thread while iterations run
     max_inflight: int = 4  # iterations submitted but not finished (overlap=False means 1)
@@ -67,6 +69,10 @@ class EngineConfig:
             bad(f"chunk_size must be >= 1 or None, got {self.chunk_size}")
         if self.max_inflight < 1:
             bad(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.prefix_cache is False:  # YAML 1.1 reads a bare `off` as false
+            object.__setattr__(self, "prefix_cache", "off")
+        if self.prefix_cache not in ("off", "sync", "async"):
+            bad(f"prefix_cache must be 'off', 'sync' or 'async', got {self.prefix_cache!r}")
         if self.callback_impl not in ("native", "python"):
             bad(f"callback_impl must be 'native' or 'python', got {self.callback_impl!r}")
         if self.stats_interval_s < 0:

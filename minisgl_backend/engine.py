@@ -28,7 +28,7 @@ from minisgl_backend.executor.cpu import CPUExecutor
 from minisgl_backend.executor.inputs import build_inputs
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.executor.tracker import make_tracker
-from minisgl_backend.kvcache.block_pool import BlockPool, BlockState, InvariantError
+from minisgl_backend.kvcache.block_pool import BlockPool, InvariantError
 from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
 from minisgl_backend.metrics import DEBUG_LOG, Metrics, Tracer, install_logging
@@ -109,9 +109,9 @@ class Engine:
         unsafe = config.debug_unsafe_reclaim
         self._pool = BlockPool(self.num_blocks, unsafe_immediate_reclaim=unsafe)
         self._rows = RowPool(config.max_num_seqs, immediate=unsafe)
-        self._scheduler = Scheduler(config, self._pool, self._rows, self.max_model_len)
+        self._scheduler = Scheduler(config, self._pool, self._rows, self.max_model_len, metrics=self._metrics)
         self._inflight: dict[int, Batch] = {}  # submitted, not yet processed (scheduler thread only)
-        self._drain_waiters: list[Future] = []
+        self._drain_waiters: list[tuple[Future, bool]] = []  # (future, flush_cache)
         self._eos_ids = loaded.eos_token_ids
         # The scheduler thread detokenises with its own copy: callers may be encoding concurrently.
         self._detok_tokenizer = copy.deepcopy(self.tokenizer)
@@ -184,11 +184,13 @@ class Engine:
         'running' and 'waiting'; raises InvariantError when anything is inconsistent."""
         return self._call(self._check_invariants)
 
-    def drain(self, timeout: float | None = None) -> dict[str, int]:
+    def drain(self, timeout: float | None = None, flush_cache: bool = False) -> dict[str, int]:
         """Wait until no request is queued or running and no iteration is in flight (so every fenced
-        block and row has been reclaimed), then return `check_invariants()`."""
+        block and row has been reclaimed), then return `check_invariants()`. Blocks the prefix cache
+        holds stay READ_ONLY (`cached` in the result) unless `flush_cache`, which evicts them all so
+        that every block is FREE."""
         fut: Future = Future()
-        self._send("drain", fut)
+        self._send("drain", fut, flush_cache)
         return fut.result(timeout)
 
     def metrics(self) -> dict[str, float]:
@@ -260,17 +262,19 @@ class Engine:
         holders = [r for r in list(sched.running) + list(sched.waiting) if r.row is not None]
         if len(holders) + self._rows.num_free + self._rows.num_pending() != self._rows.num_rows:
             raise InvariantError("token-table rows leaked or double-counted")
-        owned = [b for r in sched.running for b in r.block_table]
-        if len(owned) != len(set(owned)):
-            raise InvariantError("two running requests share a WRITING block")
-        live = counts["WRITING"] + counts["READ_ONLY"]
-        if len(owned) != live:
-            raise InvariantError(f"running requests own {len(owned)} blocks but {live} are WRITING/READ_ONLY")
-        if any(self._pool.state[b] == BlockState.FREE for b in owned):
-            raise InvariantError("a running request owns a FREE block")
         if any(r.block_table for r in sched.waiting):
             raise InvariantError("a waiting request holds blocks")
-        return {**counts, "running": len(sched.running), "waiting": len(sched.waiting),
+        # Every reference is accounted for: running requests' block tables plus the prefix cache.
+        refs = sched.cache_holders()
+        for r in sched.running:
+            for b in r.block_table:
+                refs[b] = refs.get(b, 0) + 1
+        for b, rc in enumerate(self._pool.refcount):
+            if rc != refs.get(b, 0):
+                raise InvariantError(f"block {b} ({self._pool.state[b].name}) has refcount {rc} "
+                                     f"but {refs.get(b, 0)} holders")
+        cached = sched.cache.num_blocks if sched.cache is not None else 0
+        return {**counts, "cached": cached, "running": len(sched.running), "waiting": len(sched.waiting),
                 "rows_free": self._rows.num_free, "inflight": len(self._inflight)}
 
     def _loop(self) -> None:
@@ -302,6 +306,10 @@ class Engine:
                 else:  # serial: plan -> run -> sample -> process, one iteration at a time
                     self._process(done)
                     self._fill_pipeline(1)
+                # The idle point: the device has its work. Deferred (async) prefix-cache inserts go
+                # here, off the completion -> plan path; what they unblock is planned at once.
+                if sched.flush_deferred_inserts():
+                    self._fill_pipeline(limit)
                 done = []
                 if self._drain_waiters and not sched.has_work() and not self._inflight:
                     self._resolve_drain_waiters()
@@ -350,6 +358,8 @@ class Engine:
         self._metrics.set("running", len(sched.running))
         self._metrics.set("waiting", len(sched.waiting))
         self._metrics.set("kv_used_blocks", self.num_blocks - self._pool.num_free)
+        if sched.cache is not None:
+            self._metrics.set("prefix_cache_blocks", sched.cache.num_blocks)
 
     def _stats_line(self, cur: dict[str, float], prev: dict[str, float], dt: float) -> str:
         def rate(key: str) -> float:
@@ -358,7 +368,9 @@ class Engine:
         return (f"running={cur.get('running', 0):.0f} waiting={cur.get('waiting', 0):.0f} "
                 f"kv={cur.get('kv_used_blocks', 0) / self.num_blocks:.0%} "
                 f"gen={rate('generated_tokens'):.1f} tok/s prefill={rate('prefill_tokens'):.1f} tok/s "
-                f"iterations={rate('iterations'):.1f}/s")
+                f"iterations={rate('iterations'):.1f}/s"
+                + (f" prefix_hit={rate('prefix_hit_tokens') / max(rate('prefix_query_tokens'), 1e-9):.0%}"
+                   if self.config.prefix_cache != "off" else ""))
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
@@ -372,7 +384,7 @@ class Engine:
         elif kind == "abort":
             self._scheduler.abort(cmd[1])
         elif kind == "drain":
-            self._drain_waiters.append(cmd[1])
+            self._drain_waiters.append(cmd[1:])
         elif kind == "call":
             fn, fut = cmd[1], cmd[2]
             try:
@@ -382,7 +394,9 @@ class Engine:
 
     def _resolve_drain_waiters(self) -> None:
         waiters, self._drain_waiters = self._drain_waiters, []
-        for fut in waiters:
+        if any(flush for _, flush in waiters):
+            self._scheduler.flush_cache()  # nothing is in flight, so evicted blocks are FREE at once
+        for fut, _ in waiters:
             try:
                 fut.set_result(self._check_invariants())
             except BaseException as e:  # noqa: BLE001 - reported to the caller
@@ -418,6 +432,6 @@ class Engine:
                 cmd[2].set_exception(err)
             elif cmd[0] == "drain":
                 cmd[1].set_exception(err)
-        for fut in self._drain_waiters:
+        for fut, _ in self._drain_waiters:
             fut.set_exception(err)
         self._drain_waiters.clear()

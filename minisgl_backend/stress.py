@@ -31,6 +31,8 @@ class StressReport:
     mismatches: int = 0
     wall_s: float = 0.0
     kv_after_drain: dict[str, int] = field(default_factory=dict)
+    prefix_hit_tokens: int = 0
+    prefix_evicted_blocks: int = 0
     examples: list[str] = field(default_factory=list)
 
     @property
@@ -38,10 +40,13 @@ class StressReport:
         return self.kv_after_drain.get("FREE") != self.kv_after_drain.get("total")
 
 
-def _templates(n: int, vocab: int, rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
+def _templates(n: int, vocab: int, rng: random.Random, shared_prefixes: bool) -> list[tuple[list[int], SamplingParams]]:
+    # shared_prefixes: prompts grow from a few stems, so the prefix cache hits, evicts and reuses.
+    stems = [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 36))] for _ in range(6 * shared_prefixes)]
     out = []
     for i in range(n):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40))]
+        prompt = rng.choice(stems)[:] if shared_prefixes else []
+        prompt += [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40 - len(prompt) // 2))]
         max_tokens = rng.randint(1, 24)
         if i % 2:
             params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=rng.randrange(2**31),
@@ -53,11 +58,13 @@ def _templates(n: int, vocab: int, rng: random.Random) -> list[tuple[list[int], 
 
 
 def run_stress(config: EngineConfig, num_requests: int, *, num_templates: int = 200, abort_prob: float = 0.1,
-               seed: int = 0, progress: bool = False) -> StressReport:
+               seed: int = 0, shared_prefixes: bool = False, progress: bool = False) -> StressReport:
     rng = random.Random(seed)
-    reference_cfg = config.replace(overlap=False, debug_unsafe_reclaim=False, debug_delay_ms=0.0, num_blocks=None)
+    # The reference runs each request alone, serially, without the prefix cache.
+    reference_cfg = config.replace(overlap=False, debug_unsafe_reclaim=False, debug_delay_ms=0.0, num_blocks=None,
+                                   prefix_cache="off")
     with Engine(reference_cfg) as ref:
-        templates = _templates(num_templates, ref.vocab_size, rng)
+        templates = _templates(num_templates, ref.vocab_size, rng, shared_prefixes)
         solo = [ref.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in templates]
         # Half the templates stop on a token they really draw: a finish the planner cannot foresee
         # (like EOS), so iterations planned past it are in flight when the request ends.
@@ -88,7 +95,11 @@ def run_stress(config: EngineConfig, num_requests: int, *, num_templates: int = 
         for _, h in handles:
             h.result(timeout=600)
         report.wall_s = time.perf_counter() - t0
-        report.kv_after_drain = {**eng.drain(timeout=120), "total": eng.num_blocks}
+        metrics = eng.metrics()
+        report.prefix_hit_tokens = int(metrics.get("prefix_hit_tokens", 0))
+        report.prefix_evicted_blocks = int(metrics.get("prefix_evicted_blocks", 0))
+        # Flushing the prefix cache must bring every block back: anything else is a leak.
+        report.kv_after_drain = {**eng.drain(timeout=120, flush_cache=True), "total": eng.num_blocks}
     for k, out in results:
         expected = solo[k]
         if out.finish_reason == "abort":

@@ -27,7 +27,7 @@ def _prompts(n: int, base: int = 0) -> list[list[int]]:
 
 
 def _assert_drained(engine: Engine) -> None:
-    counts = engine.drain(timeout=60)
+    counts = engine.drain(timeout=60, flush_cache=True)
     assert counts["FREE"] == engine.num_blocks, counts
     assert counts["running"] == counts["waiting"] == 0
 

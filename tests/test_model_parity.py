@@ -34,7 +34,7 @@ def hf_model(smollm_dir):
 def engine():
     with Engine(EngineConfig(dtype="float32", chunk_size=64)) as eng:
         yield eng
-        assert eng.drain(timeout=60)["FREE"] == eng.num_blocks
+        assert eng.drain(timeout=60, flush_cache=True)["FREE"] == eng.num_blocks
 
 
 def _hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import Future
 from typing import Iterator
 
+from minisgl_backend.kvcache.prefix_cache import prefix_hashes
 from minisgl_backend.sampling.detokenizer import IncrementalDetokenizer
 from minisgl_backend.types import FinishReason, RequestOutput, RequestTimings, SamplingParams, StreamDelta, TokenLogprob
 
@@ -90,6 +91,9 @@ class Request:
         self.last_sample_iteration = 0  # the newest of them: later reads of this row wait for it (S6)
         self.epoch = 0  # bumped on preemption: results planned in an older epoch are discarded
         self.num_readonly_blocks = 0  # leading blocks whose writes completed (READ_ONLY)
+        self.num_cached_blocks = 0  # leading blocks already offered to the prefix cache
+        self.claims: list[int] = []  # prefix-block hashes this request computes for the cache
+        self._block_hashes: list[int] | None = None
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.error: Exception | None = None  # set when the request failed on its own (logits processor)
@@ -114,6 +118,20 @@ class Request:
     def is_decode(self) -> bool:
         """Only the newest (maybe still in-flight) token lacks K/V: a one-token decode row."""
         return self.planned_len > len(self.prompt_ids) and self.num_computed == self.planned_len - 1
+
+    def block_hashes(self, block_size: int) -> list[int]:
+        """Chained hashes of the prompt's full blocks: entry i names the prefix ending with block i."""
+        if self._block_hashes is None:
+            self._block_hashes = prefix_hashes(self.prompt_ids, block_size, len(self.prompt_ids) // block_size)
+        return self._block_hashes
+
+    def cacheable_blocks(self, block_size: int) -> int:
+        """Leading blocks a prefix-cache hit may cover: the last token is always recomputed (a query
+        row must remain), and so is every position whose logits score a requested prompt logprob."""
+        limit = self.planned_len - 1
+        if self.prompt_logprobs is not None:
+            limit = min(limit, self.params.prompt_logprobs_start - 1)
+        return max(0, limit) // block_size
 
     def needs_prompt_logprob(self, target: int) -> bool:
         """Whether the prompt token at index `target` still needs its logprob (computed at target-1)."""

@@ -10,18 +10,33 @@ Planning uses lengths only, so with overlap it runs ahead of results: a request 
 iteration N may still have a decode row in N+1.. (planned before N's result was processed). Those
 rows compute into blocks the request still owns or that wait in PENDING_RECLAIM behind their fence,
 and their results are dropped when processed — EOS is seen late, never acted on twice.
+
+Prefix cache (`prefix_cache: sync | async`): admission starts a request at its longest cached
+prefix. A request whose next uncached block is being computed right now by another running request
+(a *claim*) waits for it instead of computing it twice — the in-batch sharing that makes lm-eval's
+choices of one question, or many chats with one system prompt, cheap. Full blocks enter the tree as
+soon as their writes complete: inline on the completion path (`sync`), or queued and inserted at
+the scheduler's idle point while the device works (`async`, seed S9: a hit may come one loop later,
+but planning never waits for the tree).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import NamedTuple
 
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.kvcache.block_pool import BlockPool
+from minisgl_backend.kvcache.prefix_cache import PrefixCache, prefix_hashes
 from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.scheduler.request import Request, RequestStatus
 from minisgl_backend.types import TokenLogprob
+
+
+class _NoMetrics:
+    def add(self, name: str, value: float = 1.0) -> None:
+        pass
 
 
 class ScheduledRow(NamedTuple):
@@ -54,7 +69,8 @@ def _blocks_for(tokens: int, block_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, rows: RowPool, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, pool: BlockPool, rows: RowPool, max_model_len: int,
+                 metrics=None) -> None:
         self.cfg = config
         self.pool = pool
         self.rows = rows
@@ -65,6 +81,11 @@ class Scheduler:
         self.next_iteration = 1
         self.last_completed = 0
         self._admitted: list[tuple[int, list[int]]] = []
+        self.metrics = metrics or _NoMetrics()
+        self.cache = PrefixCache(pool, config.block_size) if config.prefix_cache != "off" else None
+        self._claims: dict[int, Request] = {}  # prefix-block hash -> the running request computing it
+        # async mode: (tokens, blocks) waiting for the idle point; each block holds one reference here
+        self._deferred_inserts: list[tuple[list[int], list[int]]] = []
 
     @property
     def newest_submitted(self) -> int:
@@ -105,6 +126,8 @@ class Scheduler:
         req.block_table = []
         req.num_computed = 0
         req.num_readonly_blocks = 0
+        req.num_cached_blocks = 0
+        self._drop_claims(req)
 
     def retire(self) -> None:
         self.pool.retire(self.last_completed)
@@ -119,12 +142,22 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _ensure_free(self, need: int) -> bool:
+        """Whether `need` blocks are FREE, evicting cached prefixes first. Evicted blocks wait behind
+        their fence, so they may become free only when in-flight iterations complete."""
+        if need > self.pool.num_free and self.cache is not None:
+            evicted = self.cache.evict(need - self.pool.num_free, fence=self.newest_submitted)
+            if evicted:
+                self.metrics.add("prefix_evicted_blocks", evicted)
+                self.retire()
+        return need <= self.pool.num_free
+
     def _grow(self, req: Request, tokens: int) -> bool:
         """Make the block table cover `tokens` positions; False if the pool is short."""
         need = _blocks_for(tokens, self.cfg.block_size) - len(req.block_table)
         if need <= 0:
             return True
-        if need > self.pool.num_free:
+        if not self._ensure_free(need):
             return False
         req.block_table.extend(self.pool.allocate(need))
         return True
@@ -196,17 +229,23 @@ class Scheduler:
             else:
                 n = min(pending, chunk, budget)
             if req.status == RequestStatus.WAITING:
-                need = _blocks_for(req.planned_len, bs)
-                if len(self.running) >= self.cfg.max_num_seqs or need > self.pool.num_free - reserved:
+                if len(self.running) >= self.cfg.max_num_seqs or (req.row is None and not self.rows.num_free):
+                    break
+                hit = self._match_prefix(req)
+                if hit is None:
+                    continue  # its next prefix block is being computed by another request: wait for it
+                need = _blocks_for(req.planned_len, bs) - len(hit)
+                if not self._ensure_free(need + reserved):
+                    self.pool.release(hit, fence=self.newest_submitted)  # the tree still holds them
                     break  # FCFS: later arrivals do not overtake the head of the queue
                 if req.row is None:
-                    if not self.rows.num_free:
-                        break
                     req.row = self.rows.allocate()
                     self._admitted.append((req.row, req.prompt_ids))
                 self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                self._start_from_prefix(req, hit)
+                n = min(n, req.planned_len - req.num_computed)
                 reserved += need
             if not self._grow(req, req.num_computed + n):
                 break
@@ -214,6 +253,104 @@ class Scheduler:
             rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n == req.planned_len, req.epoch))
             budget -= n
         return rows
+
+    # ---- prefix cache (scheduler thread only) ----
+    def _match_prefix(self, req: Request) -> list[int] | None:
+        """Cached blocks `req` can start from (each shared, so eviction cannot take them), or None
+        when another running request is computing the very next block of its prefix right now."""
+        if self.cache is None:
+            return []
+        bs = self.cfg.block_size
+        limit = req.cacheable_blocks(bs)
+        hit = self.cache.match(req.prompt_ids + req.output_ids, limit)
+        hashes = req.block_hashes(bs)
+        if len(hit) < min(limit, len(hashes)):
+            claimant = self._claims.get(hashes[len(hit)])
+            if claimant is not None and claimant is not req:
+                return None
+        for b in hit:
+            self.pool.share(b)
+        return hit
+
+    def _start_from_prefix(self, req: Request, hit: list[int]) -> None:
+        """Admit `req` at the end of its cached prefix and claim the prompt blocks it will compute."""
+        bs = self.cfg.block_size
+        req.block_table = list(hit)
+        req.num_computed = req.num_readonly_blocks = req.num_cached_blocks = len(hit)
+        req.num_computed *= bs
+        self.metrics.add("prefix_queries")
+        self.metrics.add("prefix_query_tokens", req.planned_len)
+        if hit:
+            self.metrics.add("prefix_hits")
+            self.metrics.add("prefix_hit_tokens", len(hit) * bs)
+        if self.cache is not None:
+            for h in req.block_hashes(bs)[len(hit):req.cacheable_blocks(bs)]:
+                if self._claims.setdefault(h, req) is req:
+                    req.claims.append(h)
+
+    def _drop_claims(self, req: Request) -> None:
+        for h in req.claims:
+            if self._claims.get(h) is req:
+                del self._claims[h]
+        req.claims = []
+
+    def _offer_to_cache(self, req: Request) -> None:
+        """Hand the request's newly completed full blocks to the tree (now, or at the idle point)."""
+        n = req.num_readonly_blocks
+        if self.cache is None or n <= req.num_cached_blocks:
+            return
+        req.num_cached_blocks = n
+        tokens = (req.prompt_ids + req.output_ids)[: n * self.cfg.block_size]
+        blocks = req.block_table[:n]
+        if self.cfg.prefix_cache == "sync":
+            self._insert(tokens, blocks)
+        else:
+            for b in blocks:
+                self.pool.share(b)  # the queued insertion keeps them alive even if the request ends
+            self._deferred_inserts.append((tokens, blocks))
+            # Its claims on these blocks now belong to the queued insertion, which settles them: a
+            # request waiting for them keeps waiting (until the flush) rather than missing.
+            offered = set(req.block_hashes(self.cfg.block_size)[:n])
+            req.claims = [h for h in req.claims if h not in offered]
+
+    def _insert(self, tokens: list[int], blocks: list[int]) -> None:
+        t0 = time.perf_counter()
+        self.metrics.add("prefix_cached_blocks", self.cache.insert(tokens, blocks))
+        # Claims on these prefixes are settled: requests waiting for them can now hit.
+        for h in prefix_hashes(tokens, self.cfg.block_size, len(blocks)):
+            claimant = self._claims.pop(h, None)
+            if claimant is not None and h in claimant.claims:
+                claimant.claims.remove(h)
+        self.metrics.add("prefix_insert_s", time.perf_counter() - t0)
+
+    def flush_deferred_inserts(self) -> bool:
+        """async mode: insert what completed since the last call; True if there was any. The engine
+        calls this at its idle point — after the pipeline is full, before it waits for the device —
+        never between a completion and the plan that follows it."""
+        pending, self._deferred_inserts = self._deferred_inserts, []
+        for tokens, blocks in pending:
+            self._insert(tokens, blocks)
+            self.pool.release(blocks, fence=self.newest_submitted)
+        return bool(pending)
+
+    def cache_holders(self) -> dict[int, int]:
+        """Block -> references held by the prefix cache and queued insertions (for invariant checks)."""
+        held: dict[int, int] = {}
+        for b in (self.cache.blocks() if self.cache is not None else []):
+            held[b] = held.get(b, 0) + 1
+        for _, blocks in self._deferred_inserts:
+            for b in blocks:
+                held[b] = held.get(b, 0) + 1
+        return held
+
+    def flush_cache(self) -> int:
+        """Evict every cached block no request holds (they go FREE once in-flight work completes)."""
+        self.flush_deferred_inserts()
+        if self.cache is None:
+            return 0
+        n = self.cache.evict(self.cache.num_blocks, fence=self.newest_submitted)
+        self.retire()
+        return n
 
     # ---- results ----
     def complete(self, batch: Batch, out: StepOutput) -> list[tuple[Request, list[int]]]:
@@ -235,6 +372,7 @@ class Scheduler:
             for i in range(req.num_readonly_blocks, full):
                 self.pool.write_completed(req.block_table[i])
             req.num_readonly_blocks = max(req.num_readonly_blocks, full)
+            self._offer_to_cache(req)
             if not row.samples:
                 continue
             req.pending_samples -= 1

@@ -32,7 +32,7 @@ def close_drained():
         import langchain_minisgl
 
         eng = model.engine
-        counts = eng.drain(timeout=60)
+        counts = eng.drain(timeout=60, flush_cache=True)
         assert counts["running"] == counts["waiting"] == 0 and counts["FREE"] == eng.num_blocks
         langchain_minisgl.close_all()
 

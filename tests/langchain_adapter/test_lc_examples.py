@@ -25,7 +25,7 @@ def _drain():
     yield
     for cfg in langchain_minisgl.running_configs():
         eng = langchain_minisgl._engines.get_engine(cfg)
-        assert eng.drain(timeout=60)["FREE"] == eng.num_blocks
+        assert eng.drain(timeout=60, flush_cache=True)["FREE"] == eng.num_blocks
     langchain_minisgl.close_all()
 
 

@@ -184,7 +184,7 @@ def _spy_aborts(eng, monkeypatch) -> list[str]:
 
 def _assert_aborted_and_freed(eng, aborted: list[str]) -> None:
     assert len(aborted) == 1
-    counts = eng.drain(timeout=60)
+    counts = eng.drain(timeout=60, flush_cache=True)
     assert counts["running"] == counts["waiting"] == 0
     assert counts["FREE"] == eng.num_blocks
 

@@ -22,7 +22,7 @@ def _engines():
     yield
     for cfg in langchain_minisgl.running_configs():
         eng = langchain_minisgl._engines.get_engine(cfg)
-        counts = eng.drain(timeout=60)  # every request of the suite finished or aborted, blocks reclaimed
+        counts = eng.drain(timeout=60, flush_cache=True)  # every request of the suite finished or aborted, blocks reclaimed
         assert counts["running"] == counts["waiting"] == 0 and counts["FREE"] == eng.num_blocks
     langchain_minisgl.close_all()
 
