@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_lm_eval.py                      # speed: minisgl_mc (600 requests), fp32
     .venv/bin/python scripts/bench_lm_eval.py --tasks minisgl_mc,minisgl_gen,minisgl_ppl   # full parity
+    .venv/bin/python scripts/bench_lm_eval.py --hf-batch-sizes "" --variant prefix_cache=off  # cache gain
 
 Each run is the stock CLI in a fresh subprocess (start-up and model load included), offline, on the
 same weights (the HF directory the engine resolves the model to). Prints a table and a JSON summary:
@@ -83,6 +84,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="engine model reference")
     ap.add_argument("--hf-batch-sizes", default="1,16", help="hf runs to time (lm-eval's default is 1)")
     ap.add_argument("--minisgl-args", default="", help="extra model_args for minisgl, e.g. chunk_size=512")
+    ap.add_argument("--variant", action="append", default=[], metavar="K=V[,K=V]",
+                    help="also run minisgl with these extra model_args (repeatable), e.g. prefix_cache=off")
     ap.add_argument("--limit", type=float, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = ap.parse_args()
@@ -96,13 +99,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mini_args = f"pretrained={args.model},dtype=float32" + (f",{args.minisgl_args}" if args.minisgl_args else "")
         runs["minisgl"] = run_lm_eval("minisgl", mini_args, args.tasks, Path(tmp, "minisgl"), extra)
-        for bs in args.hf_batch_sizes.split(","):
+        for i, variant in enumerate(args.variant):
+            runs[f"minisgl {variant}"] = run_lm_eval("minisgl", f"{mini_args},{variant}", args.tasks,
+                                                     Path(tmp, f"variant{i}"), extra)
+        for bs in filter(None, args.hf_batch_sizes.split(",")):
             runs[f"hf bs={bs}"] = run_lm_eval(
                 "hf", f"pretrained={hf_dir},dtype=float32", args.tasks, Path(tmp, f"hf{bs}"), extra + ["--batch_size", bs]
             )
     base_wall, base_metrics, base_resp = runs["minisgl"]
     summary = {"tasks": args.tasks, "limit": args.limit, "runs": {}}
-    print(f"{'run':<12} {'wall s':>8} {'minisgl speed-up':>17}  metrics")
+    width = max(map(len, runs)) + 1
+    print(f"{'run':<{width}} {'wall s':>8} {'minisgl speed-up':>17}  metrics")
     for name, (wall, metrics, resp) in runs.items():
         entry = {"wall_s": round(wall, 2), "metrics": metrics}
         if name != "minisgl":
@@ -112,7 +119,7 @@ def main() -> None:
         summary["runs"][name] = entry
         flat = ", ".join(f"{t}.{k}={v:.4g}" for t, m in metrics.items() for k, v in m.items())
         speed = f"{wall / base_wall:.2f}x" if name != "minisgl" else "-"
-        print(f"{name:<12} {wall:>8.1f} {speed:>17}  {flat}")
+        print(f"{name:<{width}} {wall:>8.1f} {speed:>17}  {flat}")
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
