@@ -24,7 +24,7 @@ from minisgl_backend.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
-from minisgl_backend.executor.cpu import CPUExecutor
+from minisgl_backend.executor import make_executor
 from minisgl_backend.executor.inputs import build_inputs
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.executor.tracker import make_tracker
@@ -85,7 +85,11 @@ class Engine:
         self._metrics = Metrics(exact=config.metrics_exact, stats_line=self._stats_line,
                                 stats_every_s=config.stats_interval_s)
         self.tracer = Tracer(config.trace)
-        self._executor = CPUExecutor(self._tracker, self._metrics, self.tracer, debug_delay_ms=config.debug_delay_ms)
+        try:
+            self._executor = make_executor(config, self._tracker, self._metrics, self.tracer)
+        except BaseException:
+            self._metrics.close()
+            raise
         try:
             # Heavy torch work runs on the compute thread, the only one with an OpenMP team (see executor).
             loaded = self._executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
