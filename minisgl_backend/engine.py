@@ -82,6 +82,8 @@ class Engine:
         install_logging()
         self._max_inflight = config.max_inflight if config.overlap else 1
         self._tracker = make_tracker(config.callback_impl, self._max_inflight)
+        # Known once the model is loaded; the stats line (a metrics thread) may fire before that.
+        self.num_blocks = 0
         self._metrics = Metrics(exact=config.metrics_exact, stats_line=self._stats_line,
                                 stats_every_s=config.stats_interval_s)
         self.tracer = Tracer(config.trace)
@@ -360,7 +362,7 @@ class Engine:
             return (cur.get(key, 0.0) - prev.get(key, 0.0)) / dt
 
         return (f"running={cur.get('running', 0):.0f} waiting={cur.get('waiting', 0):.0f} "
-                f"kv={cur.get('kv_used_blocks', 0) / self.num_blocks:.0%} "
+                f"kv={cur.get('kv_used_blocks', 0) / max(1, self.num_blocks):.0%} "
                 f"gen={rate('generated_tokens'):.1f} tok/s prefill={rate('prefill_tokens'):.1f} tok/s "
                 f"iterations={rate('iterations'):.1f}/s")
 
