@@ -10,6 +10,7 @@ an optional extra (`pip install 'minisgl[plot]'`), imported only when a plot is 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Sequence
@@ -24,7 +25,7 @@ LANES = ("compute", "scheduler")  # drawn lanes; Tracer.LANES gives their trace 
 def require_matplotlib() -> None:
     """Fail before any work is done when --plot cannot be drawn."""
     try:
-        import matplotlib  # noqa: F401
+        importlib.import_module("matplotlib")
     except ImportError as e:
         raise MissingExtraError("--plot needs matplotlib: pip install 'minisgl[plot]'") from e
 

@@ -30,7 +30,7 @@ import torch
 
 from minisgl_backend.executor.base import DualWorkerExecutor, forward_batch, index_tensors
 from minisgl_backend.executor.inputs import IterationInputs
-from minisgl_backend.executor.staging import StagingRing
+from minisgl_backend.executor.staging import StagingRing, StagingSlot
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.executor.tracker import InflightTracker
 from minisgl_backend.kvcache.storage import KVCache
@@ -91,7 +91,7 @@ class CUDAExecutor(DualWorkerExecutor):
         self._copied.begin()
         self._copied.cuda_host_complete(self._copy.cuda_stream, inp.iteration)
 
-    def _acquire_slot(self, iteration: int):
+    def _acquire_slot(self, iteration: int) -> StagingSlot | None:
         """A staging slot for `iteration`, waiting (rarely) until the oldest held slot's fence passed."""
         while (slot := self._ring.acquire(iteration, self._sampled_upto)) is None:
             if not self._wait_sampled(self._ring.oldest_fence()):
