@@ -4,6 +4,7 @@ from minisgl_backend.config import EngineConfig
 from minisgl_backend.engine import Engine
 from minisgl_backend.errors import (
     ConfigError,
+    DeviceUnavailableError,
     EmptyPromptError,
     EngineDeadError,
     InvalidRequestError,
@@ -19,6 +20,7 @@ from minisgl_backend.types import RequestOutput, RequestTimings, SamplingParams,
 __all__ = [
     "BlockState",
     "ConfigError",
+    "DeviceUnavailableError",
     "EmptyPromptError",
     "Engine",
     "EngineConfig",

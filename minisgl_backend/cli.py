@@ -78,6 +78,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from minisgl_backend.bench import (PREFIX_TABLE, SEED_TABLE, bench, bench_configs, format_table,
                                        mixed_prompts, shared_prefix_prompts)
 
+    if (args.trace or args.plot) and not (args.scenario or args.sweep):
+        raise MiniSGLError("--trace and --plot record the timeline of --scenario or --sweep runs; give one of them")
     if args.scenario or args.sweep:
         if args.sweep:
             key, _, values = args.sweep.partition("=")
@@ -88,13 +90,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             variants = PREFIX_TABLE if args.scenario == "prefix" else SEED_TABLE
         prefix = args.scenario == "prefix"
         workload = shared_prefix_prompts if prefix else mixed_prompts
-        events: list[dict] | None = [] if args.trace else None
+        if args.plot:
+            from minisgl_backend.plot import require_matplotlib
+
+            require_matplotlib()  # before minutes of benchmarking, not after
+        events: list[dict] | None = [] if args.trace or args.plot else None
         rows = bench_configs(_engine_config(args), variants, args.num_requests, args.output_len, args.concurrency,
                              trace_events=events, workload=workload)
         if args.trace:
             with open(args.trace, "w") as f:
                 json.dump({"traceEvents": events}, f)
             print(f"wrote {args.trace} (open in chrome://tracing or ui.perfetto.dev)")
+        if args.plot:
+            from minisgl_backend.plot import plot_utilisation
+
+            plot_utilisation(events, args.plot)
+            print(f"wrote {args.plot} (compute / scheduler busy over time, one row per config)")
         prompts = "4 shared 512-token stems + 32 own tokens" if prefix else "64 tokens, every 4th 768"
         result = {"workload": {"num_requests": args.num_requests, "output_len": args.output_len,
                                "concurrency": args.concurrency, "prompts": prompts},
@@ -172,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for --scenario/--sweep")
     b.add_argument("--trace", metavar="OUT.json", help="with --scenario/--sweep: Chrome-trace timeline "
                    "(scheduler, compute, copy lanes per iteration, one process per config)")
+    b.add_argument("--plot", metavar="OUT.png", help="with --scenario/--sweep: utilisation over time per config "
+                   "(compute busy fraction in small bins, the seed's ECG curve); needs minisgl[plot]")
     _engine_args(b)
     b.set_defaults(fn=_cmd_bench)
 

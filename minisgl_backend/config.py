@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from minisgl_backend.errors import ConfigError
@@ -55,6 +56,12 @@ class EngineConfig:
 
         if self.dtype not in ("float32", "bfloat16"):
             bad(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        try:
+            device_type = torch.device(self.device).type
+        except (RuntimeError, TypeError):
+            device_type = None
+        if device_type not in ("cpu", "cuda"):
+            bad(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.block_size < 1:
             bad(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

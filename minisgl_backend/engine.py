@@ -24,7 +24,7 @@ from minisgl_backend.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
-from minisgl_backend.executor.cpu import CPUExecutor
+from minisgl_backend.executor import make_executor
 from minisgl_backend.executor.inputs import build_inputs
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.executor.tracker import make_tracker
@@ -82,10 +82,16 @@ class Engine:
         install_logging()
         self._max_inflight = config.max_inflight if config.overlap else 1
         self._tracker = make_tracker(config.callback_impl, self._max_inflight)
+        # Known once the model is loaded; the stats line (a metrics thread) may fire before that.
+        self.num_blocks = 0
         self._metrics = Metrics(exact=config.metrics_exact, stats_line=self._stats_line,
                                 stats_every_s=config.stats_interval_s)
         self.tracer = Tracer(config.trace)
-        self._executor = CPUExecutor(self._tracker, self._metrics, self.tracer, debug_delay_ms=config.debug_delay_ms)
+        try:
+            self._executor = make_executor(config, self._tracker, self._metrics, self.tracer)
+        except BaseException:
+            self._metrics.close()
+            raise
         try:
             # Heavy torch work runs on the compute thread, the only one with an OpenMP team (see executor).
             loaded = self._executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
@@ -366,7 +372,7 @@ class Engine:
             return (cur.get(key, 0.0) - prev.get(key, 0.0)) / dt
 
         return (f"running={cur.get('running', 0):.0f} waiting={cur.get('waiting', 0):.0f} "
-                f"kv={cur.get('kv_used_blocks', 0) / self.num_blocks:.0%} "
+                f"kv={cur.get('kv_used_blocks', 0) / max(1, self.num_blocks):.0%} "
                 f"gen={rate('generated_tokens'):.1f} tok/s prefill={rate('prefill_tokens'):.1f} tok/s "
                 f"iterations={rate('iterations'):.1f}/s"
                 + (f" prefix_hit={rate('prefix_hit_tokens') / max(rate('prefix_query_tokens'), 1e-9):.0%}"

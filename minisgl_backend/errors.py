@@ -9,6 +9,14 @@ class ConfigError(MiniSGLError, ValueError):
     """An engine config value or key is invalid."""
 
 
+class DeviceUnavailableError(ConfigError):
+    """The configured device (e.g. `cuda`) is valid but this machine or this torch build lacks it."""
+
+
+class MissingExtraError(MiniSGLError, ImportError):
+    """An optional feature needs a package extra that is not installed; the message names it."""
+
+
 class ModelNotFoundError(MiniSGLError, FileNotFoundError):
     """The model reference is neither a known alias, a Hugging Face directory nor a .gguf file."""
 

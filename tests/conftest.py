@@ -5,6 +5,8 @@ Load engines once per module (module-scoped fixtures in each test file): start-u
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -17,8 +19,10 @@ def smollm_dir():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, smollm_dir):
-    """A 2-layer random-weight Llama with SmolLM2's tokenizer: fast, exercises every engine path."""
+def tiny_model_dir(tmp_path_factory):
+    """A 2-layer random-weight Llama with SmolLM2's tokenizer: fast, exercises every engine path.
+    MINISGL_TOKENIZER=DIR takes the tokenizer files from DIR instead of the embedded model (the GPU
+    machine cannot carry the model: scripts/gpu_check.sh)."""
     from minisgl_backend.tiny import make_tiny_llama
 
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer=os.environ.get("MINISGL_TOKENIZER"))

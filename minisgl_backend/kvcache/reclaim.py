@@ -47,6 +47,10 @@ class FencedReclaim(Generic[T]):
         self.num_pending -= n
         return n
 
+    def oldest_fence(self) -> int | None:
+        """The fence the next retire must pass to hand anything back (None: nothing pending)."""
+        return self._pending[0][0] if self._pending else None
+
     def pending(self) -> list[T]:
         return [x for _, items in self._pending for x in items]
 

@@ -31,7 +31,8 @@ def chunk_mask(row: PrefillRow) -> torch.Tensor | None:
     if row.ctx_len == row.length:
         return None
     prefix = row.ctx_len - row.length
-    return torch.arange(row.ctx_len)[None, :] <= torch.arange(prefix, row.ctx_len)[:, None]
+    dev = row.block_table.device  # built where attention runs: the block table is already there
+    return torch.arange(row.ctx_len, device=dev)[None, :] <= torch.arange(prefix, row.ctx_len, device=dev)[:, None]
 
 
 class ForwardBatch(NamedTuple):

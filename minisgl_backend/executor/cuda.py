@@ -1,0 +1,118 @@
+"""The CUDA back-end: a compute stream and a copy stream linked by events (S11).
+
+Per iteration N, on the compute worker (all launches are asynchronous; nothing here waits for the GPU
+except a staging slot that is still fenced):
+
+    copy stream     [H2D inputs N]                        [D2H logits N] -> host callback: N copied
+                          | event h2d                      ^ waits event fwd_end
+    compute stream        +--> [forward N, logits fp32] ---+
+                                                      (the compute worker goes on to N+1 at once)
+
+The inputs go through pinned staging buffers (staging.py), whose reuse is fenced like KV blocks and
+token rows. The end of the D2H is reported by a native host function on the copy stream
+(`cuda_host_complete`: cudaLaunchHostFunc in csrc/, S14) into a second, executor-private tracker: the
+copy worker sleeps on it with the GIL released instead of spinning in cudaEventSynchronize, and
+samples on the CPU (S16) as soon as an iteration's logits are on the host. Device memory made on one
+stream and read on the other is marked with record_stream, so the caching allocator does not hand it
+out again before the reading stream is done with it.
+
+Sampled tokens stay in the host token table, so a decode batch waits (on the compute worker, S6) for
+the previous iteration's sampling before it stages its input ids. Prompt-only batches do not wait.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from minisgl_backend.executor.base import DualWorkerExecutor, forward_batch, index_tensors
+from minisgl_backend.executor.inputs import IterationInputs
+from minisgl_backend.executor.staging import StagingRing, StagingSlot
+from minisgl_backend.executor.token_table import TokenTable
+from minisgl_backend.executor.tracker import InflightTracker
+from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.metrics import Metrics, Tracer
+from minisgl_backend.model.llama import CausalLM
+
+
+class CUDAExecutor(DualWorkerExecutor):
+    def __init__(self, device: torch.device, tracker: InflightTracker, copied: InflightTracker,
+                 metrics: Metrics, tracer: Tracer, *, debug_delay_ms: float = 0.0) -> None:
+        """`copied` is a tracker of its own: the copy stream's host callback reports there that an
+        iteration's logits reached the host. It holds at most `tracker.max_inflight` iterations."""
+        self.device = device
+        self._compute = torch.cuda.Stream(device)
+        self._copy = torch.cuda.Stream(device)
+        self._copied = copied
+        # Slots are held from launch to completion and at most max_inflight iterations are in flight,
+        # so this many slots never make the compute worker wait in steady state.
+        self._ring = StagingRing(tracker.max_inflight, pin=True)
+        self._pending: dict[int, tuple[IterationInputs, torch.Tensor, torch.cuda.Event, torch.cuda.Event]] = {}
+        self._stopping = False
+        self._clock: tuple[torch.cuda.Event, float] | None = None
+        super().__init__(tracker, metrics, tracer, debug_delay_ms=debug_delay_ms)
+
+    def attach(self, model: CausalLM, kv: KVCache, table: TokenTable) -> None:
+        # Loading and KV allocation ran on the compute thread's default stream; our streams do not
+        # wait for it. One device sync at start-up (never in the loop) orders them before iteration 1.
+        torch.cuda.synchronize(self.device)
+        ref = torch.cuda.Event(enable_timing=True)
+        ref.record(self._compute)
+        ref.synchronize()
+        self._clock = (ref, time.perf_counter())  # maps GPU event times onto the tracer's host clock
+        super().attach(model, kv, table)
+
+    @torch.inference_mode()
+    def _launch(self, inp: IterationInputs, input_ids: torch.Tensor) -> None:
+        slot = self._acquire_slot(inp.iteration)
+        if slot is None:
+            return  # a worker failed while we waited; the error is already reported
+        with torch.cuda.stream(self._copy):
+            tensors = slot.upload(index_tensors(inp, input_ids), self.device)
+            h2d = torch.cuda.Event()
+            h2d.record(self._copy)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._compute):
+            self._compute.wait_event(h2d)
+            start.record(self._compute)
+            logits = self.model(forward_batch(inp, tensors), self.kv).float()  # S16: fp32 on the host
+            end.record(self._compute)
+        for t in tensors:  # allocated on the copy stream, read on the compute stream
+            if t is not None:
+                t.record_stream(self._compute)
+        with torch.cuda.stream(self._copy):
+            self._copy.wait_event(end)
+            host_logits = slot.download(logits)
+        logits.record_stream(self._copy)  # allocated on the compute stream, read by the D2H
+        self._pending[inp.iteration] = (inp, host_logits, start, end)
+        self._copied.begin()
+        self._copied.cuda_host_complete(self._copy.cuda_stream, inp.iteration)
+
+    def _acquire_slot(self, iteration: int) -> StagingSlot | None:
+        """A staging slot for `iteration`, waiting (rarely) until the oldest held slot's fence passed."""
+        while (slot := self._ring.acquire(iteration, self._sampled_upto)) is None:
+            if not self._wait_sampled(self._ring.oldest_fence()):
+                return None
+        return slot
+
+    def _copy_items(self) -> Iterator[tuple[IterationInputs, np.ndarray]]:
+        while not (self._stopping and not self._pending) and self.error is None:
+            for it in self._copied.wait(1.0):  # host callbacks of one stream fire in order
+                inp, host_logits, start, end = self._pending.pop(it)
+                self._record_forward(inp.iteration, start, end)
+                yield inp, host_logits.numpy()
+
+    def _record_forward(self, iteration: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        """GPU time of the forward (both events passed: the D2H after them is done)."""
+        ref, t_ref = self._clock
+        t0 = t_ref + ref.elapsed_time(start) / 1000
+        t1 = t_ref + ref.elapsed_time(end) / 1000
+        self.metrics.add("forward_s", t1 - t0)
+        self.tracer.span("compute", f"forward {iteration}", t0, t1)
+
+    def _stop_copy(self) -> None:
+        self._stopping = True
+        self._copied.wake()
