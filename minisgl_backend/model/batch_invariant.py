@@ -1,0 +1,131 @@
+"""The batch-invariant forward pass (`EngineConfig.deterministic`).
+
+A request's logits must not depend on how many rows share its batch, where its chunk boundaries
+fall, which requests run beside it, or whether a token is computed by a prefill chunk or a decode
+row. The default forward breaks all four on this CPU (measured, `shared/notes/FIELD_NOTES.md` §5
+and `tests/test_batch_invariant.py`):
+
+- fp32 `F.linear` / `matmul` (MKL sgemm): a row's bits depend on the row count M when M < 12 and
+  M is not a multiple of 4 (the last M % 4 rows take a different kernel tail). Every multiple of 4,
+  up to 2048 rows and for every weight shape of the supported models, gives the same bits for a
+  given row at any position, whatever the other rows hold; bf16 was invariant for every M.
+  So: **every matmul runs on a row count padded to a multiple of 4** (`ROW_MULTIPLE`).
+- SDPA's reduction over keys depends on the number of queries and keys in the call (chunked prefill
+  differs from whole-prompt prefill, decode from prefill). So attention is computed here, in float32,
+  the same way for every query token: scores against keys padded to whole splits of `KV_SPLIT` keys,
+  an exact max, then per split a fixed-shape `[rows, KV_SPLIT] @ [KV_SPLIT, d]` product and a fixed
+  length sum, and the splits combined by sequential additions in key order. A query sees the same
+  splits with the same contents whether it is one decode row or one of 256 prefill rows; padding
+  splits hold exact zeros and add nothing.
+- RoPE comes from a per-position table computed once, so a position's cos/sin never depend on the
+  other positions in the batch.
+
+Row-wise ops built from torch reductions (RMSNorm, residual adds, SiLU) were measured invariant and
+are shared with the default path. The default path itself is left untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.model.llama import Attention, CausalLM, ForwardBatch
+
+ROW_MULTIPLE = 4  # matmul row counts are padded to this (see the module docstring)
+KV_SPLIT = 64  # keys per attention split: the fixed reduction length over keys
+QUERY_TILE = 256  # prefill queries per attention call: bounds the score matrix, not the result
+
+
+def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
+    """x [M, ...] with zero rows appended up to a multiple of `multiple` (x itself when aligned)."""
+    extra = -x.shape[0] % multiple
+    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])]) if extra else x
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention with bits that depend only on each query's own context.
+
+    q [B, M, h, d]; k, v [B, N, kvh, d] (key j of sequence b is absolute position j; keys past a
+    query's position are masked); q_pos [B, M]. Returns float32 [B, M, h, d].
+    """
+    bsz, m, h, d = q.shape
+    n, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    splits = -(-n // KV_SPLIT)
+    width = splits * KV_SPLIT
+    # Keys in float32, zero-padded to whole splits: a query's splits are the same in every call.
+    kf = k.new_zeros((bsz, width, kvh, d), dtype=torch.float32)
+    vf = torch.zeros_like(kf)
+    kf[:, :n], vf[:, :n] = k, v
+    # One matmul row per (query, head of the group), padded to a multiple of ROW_MULTIPLE rows.
+    rows = m * g
+    qg = q.float().view(bsz, m, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(bsz, kvh, rows, d)
+    pad = -rows % ROW_MULTIPLE
+    row_pos = q_pos.repeat_interleave(g, dim=1)  # [B, rows]
+    if pad:
+        qg = torch.cat([qg, qg.new_zeros(bsz, kvh, pad, d)], dim=2)
+        row_pos = torch.cat([row_pos, row_pos.new_zeros(bsz, pad)], dim=1)  # pad rows see key 0 only
+    scores = torch.matmul(qg, kf.permute(0, 2, 3, 1)) * scale  # [B, kvh, R, width]
+    hidden = torch.arange(width)[None, None, :] > row_pos[:, :, None]  # [B, R, width]
+    scores.masked_fill_(hidden[:, None], float("-inf"))
+    probs = torch.exp(scores - scores.amax(-1, keepdim=True))  # the max is exact in any order
+    r = probs.shape[2]
+    p5 = probs.view(bsz, kvh, r, splits, KV_SPLIT)
+    den_parts = p5.sum(-1)  # [B, kvh, R, splits]: fixed-length sums
+    num_parts = torch.matmul(p5.transpose(2, 3), vf.permute(0, 2, 1, 3).reshape(bsz, kvh, splits, KV_SPLIT, d))
+    num, den = num_parts[:, :, 0], den_parts[..., 0]
+    for s in range(1, splits):  # sequential combine in key order: padding splits add exact zeros
+        num = num + num_parts[:, :, s]
+        den = den + den_parts[..., s]
+    out = (num / den[..., None])[:, :, :rows]  # [B, kvh, rows, d]
+    return out.view(bsz, kvh, m, g, d).permute(0, 2, 1, 3, 4).reshape(bsz, m, h, d)
+
+
+class BatchInvariantForward:
+    """The deterministic forward of one CausalLM (holds its RoPE table)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        spec = model.spec
+        rotary = model.model.rotary
+        positions = torch.arange(spec.max_position_embeddings)
+        freqs = positions.float()[:, None] * rotary.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()  # [max_pos, head_dim] float32, computed once
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    def _attention(self, attn: Attention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        n = batch.input_ids.shape[0]
+        q, k, v = attn.qkv(x, rope, n)
+        kv.write(attn.layer_id, batch.slot_mapping, k, v)
+        scale = attn.d**-0.5
+        out = x.new_zeros(x.shape[0], attn.h, attn.d)  # row padding stays zero
+        b = batch.num_decode
+        if b:
+            kc, vc = kv.gather(attn.layer_id, batch.decode_block_tables)  # [B, L, kvh, d]
+            out[:b] = attend(q[:b, None], kc, vc, batch.positions[:b, None], scale)[:, 0]
+        for row in batch.prefill_rows:  # every chunk reads its whole context back from the cache
+            kr, vr = kv.gather(attn.layer_id, row.block_table)
+            kr, vr = kr[None, : row.ctx_len], vr[None, : row.ctx_len]
+            for s in range(row.start, row.start + row.length, QUERY_TILE):
+                e = min(s + QUERY_TILE, row.start + row.length)
+                out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale)[0]
+        return attn.o_proj(out.view(x.shape[0], attn.h * attn.d))
+
+    def forward(self, model: CausalLM, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Same contract as CausalLM.forward: logits [len(batch.logits_index), vocab], model dtype."""
+        m = model.model
+        x = pad_rows(m.embed_tokens(batch.input_ids))  # padded once: every layer's matmuls see it
+        rope = self._rope(batch.positions, x.dtype)
+        for layer in m.layers:
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, batch, kv)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        wanted = batch.logits_index.shape[0]
+        return model.lm_head(m.norm(pad_rows(x[batch.logits_index])))[:wanted]
+
+
+def enable(model: CausalLM) -> None:
+    """Switch `model` to the batch-invariant forward (call on the compute thread: builds a table)."""
+    model.batch_invariant = BatchInvariantForward(model)
