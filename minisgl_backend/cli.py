@@ -91,6 +91,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             variants = {f"{key}={v}": {key: yaml.safe_load(v)} for v in values.split(",")}
         else:
             variants = SEED_TABLE
+        if args.repeat > 1:  # interleaved (a, b, a, b): drift on a shared machine hits every variant alike
+            variants = {f"{name} #{i + 1}": ov for i in range(args.repeat) for name, ov in variants.items()}
         events: list[dict] | None = [] if args.trace else None
         rows = bench_configs(_engine_config(args), variants, args.num_requests, args.output_len, args.concurrency,
                              trace_events=events)
@@ -189,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep", metavar="FIELD=v1,v2,..", help="the mixed workload under each value of one field "
                    "(e.g. chunk_size=32,128,256,512 or max_inflight=1,2,4,8 or callback_impl=python,native)")
     b.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for --scenario/--sweep")
+    b.add_argument("--repeat", type=int, default=1, help="with --scenario/--sweep: run the variants this many "
+                   "times, interleaved (compare ratios on a noisy machine)")
     b.add_argument("--trace", metavar="OUT.json", help="with --scenario/--sweep: Chrome-trace timeline "
                    "(scheduler, compute, copy lanes per iteration, one process per config)")
     _engine_args(b)

@@ -43,6 +43,7 @@ TINY_GRID = {
         "max_num_batched_tokens": [8, 512],
         "max_num_seqs": [2, 16],
         "overlap": [True, False],
+        "block_size": [16, 12],  # 12 does not divide the attention split: the other gather path
     },
     "max_points": 5,
 }
@@ -72,6 +73,7 @@ def test_tiny_grid_deterministic_mode_gives_one_output_per_request(tiny_reports)
     on, _ = tiny_reports
     print(on.format_table())
     assert on.points_run == 10 and len(on.requests) == 2 * 8  # 2 dtypes x (4 prompts x 2 modes)
+    assert {c["block_size"] for c in on.configs} == {16, 12} and {c["chunk_size"] for c in on.configs} >= {None, 3}
     assert all(r.points == 5 for r in on.requests)
     assert on.num_differing == 0 and all(r.distinct_outputs == 1 for r in on.requests)
     # Decode logprobs (and top alternatives) are bitwise those of a fresh prefill of the same tokens.

@@ -42,43 +42,64 @@ def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(extra, *x.shape[1:])]) if extra else x
 
 
+def context(kv: KVCache, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of `length` keys per sequence through block_tables [B, nb], as float32 [B, kvh, W, d] with
+    W = `length` rounded up to whole splits. Keys past a sequence's own length are masked by
+    position in `attend`; they come from its table's padding (block 0) or hold zeros."""
+    width = -(-length // KV_SPLIT) * KV_SPLIT
+    bs = kv.block_size
+    if KV_SPLIT % bs == 0:  # pad the tables with block 0: the gather itself yields whole splits
+        need = width // bs - block_tables.shape[-1]
+        if need > 0:
+            block_tables = torch.cat([block_tables, block_tables.new_zeros(block_tables.shape[0], need)], dim=1)
+        kc, vc = kv.gather(layer, block_tables[:, : width // bs])
+    else:
+        kc, vc = kv.gather(layer, block_tables)
+    bsz, _, kvh, d = kc.shape
+    out = []
+    for c in (kc, vc):  # one pass: float32 and head-major, so every split below is a plain view
+        f = c.new_zeros((bsz, kvh, width, d), dtype=torch.float32) if c.shape[1] < width else \
+            torch.empty((bsz, kvh, width, d), dtype=torch.float32)
+        n = min(width, c.shape[1])
+        f[:, :, :n].copy_(c[:, :n].transpose(1, 2))
+        out.append(f)
+    return out[0], out[1]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention with bits that depend only on each query's own context.
 
-    q [B, M, h, d]; k, v [B, N, kvh, d] (key j of sequence b is absolute position j; keys past a
-    query's position are masked); q_pos [B, M]. Returns float32 [B, M, h, d].
+    q [B, M, h, d]; k, v float32 [B, kvh, W, d] from `context` (key j is absolute position j; keys
+    past a query's position are masked); q_pos [B, M]. Returns float32 [B, M, h, d].
     """
     bsz, m, h, d = q.shape
-    n, kvh = k.shape[1], k.shape[2]
-    g = h // kvh
-    splits = -(-n // KV_SPLIT)
-    width = splits * KV_SPLIT
-    # Keys in float32, zero-padded to whole splits: a query's splits are the same in every call.
-    kf = k.new_zeros((bsz, width, kvh, d), dtype=torch.float32)
-    vf = torch.zeros_like(kf)
-    kf[:, :n], vf[:, :n] = k, v
+    kvh, width = k.shape[1], k.shape[2]
+    g, splits = h // kvh, width // KV_SPLIT
     # One matmul row per (query, head of the group), padded to a multiple of ROW_MULTIPLE rows.
     rows = m * g
-    qg = q.float().view(bsz, m, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(bsz, kvh, rows, d)
+    qg = (q.float() * scale).view(bsz, m, kvh, g, d).transpose(1, 2).reshape(bsz, kvh, rows, d)
+    row_pos = q_pos[:, :, None].expand(bsz, m, g).reshape(bsz, rows)
     pad = -rows % ROW_MULTIPLE
-    row_pos = q_pos.repeat_interleave(g, dim=1)  # [B, rows]
     if pad:
         qg = torch.cat([qg, qg.new_zeros(bsz, kvh, pad, d)], dim=2)
         row_pos = torch.cat([row_pos, row_pos.new_zeros(bsz, pad)], dim=1)  # pad rows see key 0 only
-    scores = torch.matmul(qg, kf.permute(0, 2, 3, 1)) * scale  # [B, kvh, R, width]
-    hidden = torch.arange(width)[None, None, :] > row_pos[:, :, None]  # [B, R, width]
+    r = rows + pad
+    # Split-major scores [B, kvh, splits, R, KV_SPLIT]: each split is its own fixed-shape product.
+    ks = k.view(bsz, kvh, splits, KV_SPLIT, d)
+    scores = torch.matmul(qg[:, :, None], ks.transpose(-1, -2))
+    key_pos = torch.arange(width, device=row_pos.device).view(1, splits, 1, KV_SPLIT)
+    hidden = key_pos > row_pos.view(bsz, 1, r, 1)  # [B, splits, R, KV_SPLIT]
     scores.masked_fill_(hidden[:, None], float("-inf"))
-    probs = torch.exp(scores - scores.amax(-1, keepdim=True))  # the max is exact in any order
-    r = probs.shape[2]
-    p5 = probs.view(bsz, kvh, r, splits, KV_SPLIT)
-    den_parts = p5.sum(-1)  # [B, kvh, R, splits]: fixed-length sums
-    num_parts = torch.matmul(p5.transpose(2, 3), vf.permute(0, 2, 1, 3).reshape(bsz, kvh, splits, KV_SPLIT, d))
-    num, den = num_parts[:, :, 0], den_parts[..., 0]
+    top = scores.amax(dim=(2, 4), keepdim=True)  # the max is exact in any order
+    probs = torch.exp(scores - top)
+    den_parts = probs.sum(-1)  # [B, kvh, splits, R]: fixed-length sums
+    num_parts = torch.matmul(probs, v.view(bsz, kvh, splits, KV_SPLIT, d))  # [B, kvh, splits, R, d]
+    num, den = num_parts[:, :, 0], den_parts[:, :, 0]
     for s in range(1, splits):  # sequential combine in key order: padding splits add exact zeros
         num = num + num_parts[:, :, s]
-        den = den + den_parts[..., s]
+        den = den + den_parts[:, :, s]
     out = (num / den[..., None])[:, :, :rows]  # [B, kvh, rows, d]
-    return out.view(bsz, kvh, m, g, d).permute(0, 2, 1, 3, 4).reshape(bsz, m, h, d)
+    return out.view(bsz, kvh, m, g, d).transpose(1, 2).reshape(bsz, m, h, d)
 
 
 class BatchInvariantForward:
@@ -104,11 +125,11 @@ class BatchInvariantForward:
         out = x.new_zeros(x.shape[0], attn.h, attn.d)  # row padding stays zero
         b = batch.num_decode
         if b:
-            kc, vc = kv.gather(attn.layer_id, batch.decode_block_tables)  # [B, L, kvh, d]
-            out[:b] = attend(q[:b, None], kc, vc, batch.positions[:b, None], scale)[:, 0]
+            pos = batch.positions[:b]
+            kc, vc = context(kv, attn.layer_id, batch.decode_block_tables, int(pos.max()) + 1)
+            out[:b] = attend(q[:b, None], kc, vc, pos[:, None], scale)[:, 0]
         for row in batch.prefill_rows:  # every chunk reads its whole context back from the cache
-            kr, vr = kv.gather(attn.layer_id, row.block_table)
-            kr, vr = kr[None, : row.ctx_len], vr[None, : row.ctx_len]
+            kr, vr = context(kv, attn.layer_id, row.block_table[None], row.ctx_len)
             for s in range(row.start, row.start + row.length, QUERY_TILE):
                 e = min(s + QUERY_TILE, row.start + row.length)
                 out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale)[0]
