@@ -32,7 +32,7 @@ from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model.llama import Attention, CausalLM, ForwardBatch
 
 ROW_MULTIPLE = 4  # matmul row counts are padded to this (see the module docstring)
-KV_SPLIT = 64  # keys per attention split: the fixed reduction length over keys
+KV_SPLIT = 64  # keys per attention split: the fixed reduction length over keys (see attend)
 QUERY_TILE = 256  # prefill queries per attention call: bounds the score matrix, not the result
 
 
@@ -42,26 +42,38 @@ def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(extra, *x.shape[1:])]) if extra else x
 
 
-def context(kv: KVCache, layer: int, block_tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V of `length` keys per sequence through block_tables [B, nb], as float32 [B, kvh, W, d] with
+Scratch = dict[tuple, torch.Tensor]
+
+
+def _buffer(scratch: Scratch, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A buffer reused by every layer of one forward: a fresh multi-MB tensor per layer costs page
+    faults on every touch (measured: the K/V copies took ~3x longer than the copying itself)."""
+    full = (key, shape, dtype)
+    if full not in scratch:
+        scratch[full] = torch.empty(shape, dtype=dtype)
+    return scratch[full]
+
+
+def context(kv: KVCache, layer: int, block_tables: torch.Tensor, length: int,
+            scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of `length` keys per sequence through block_tables [B, nb], as [B, kvh, W, d] with
     W = `length` rounded up to whole splits. Keys past a sequence's own length are masked by
-    position in `attend`; they come from its table's padding (block 0) or hold zeros."""
+    position in `attend`; they hold whatever finite values their block (or block 0, which pads
+    the tables) holds."""
     width = -(-length // KV_SPLIT) * KV_SPLIT
     bs = kv.block_size
-    if KV_SPLIT % bs == 0:  # pad the tables with block 0: the gather itself yields whole splits
-        need = width // bs - block_tables.shape[-1]
-        if need > 0:
-            block_tables = torch.cat([block_tables, block_tables.new_zeros(block_tables.shape[0], need)], dim=1)
-        kc, vc = kv.gather(layer, block_tables[:, : width // bs])
-    else:
-        kc, vc = kv.gather(layer, block_tables)
-    bsz, _, kvh, d = kc.shape
+    nbk = -(-width // bs)
+    tables = block_tables[:, :nbk]
+    if tables.shape[1] < nbk:
+        tables = torch.cat([tables, tables.new_zeros(tables.shape[0], nbk - tables.shape[1])], dim=1)
+    bsz = tables.shape[0]
     out = []
-    for c in (kc, vc):  # one pass: float32 and head-major, so every split below is a plain view
-        f = c.new_zeros((bsz, kvh, width, d), dtype=torch.float32) if c.shape[1] < width else \
-            torch.empty((bsz, kvh, width, d), dtype=torch.float32)
-        n = min(width, c.shape[1])
-        f[:, :, :n].copy_(c[:, :n].transpose(1, 2))
+    for name, pool in (("k", kv.k[layer]), ("v", kv.v[layer])):
+        kvh, d = pool.shape[-2:]
+        raw = _buffer(scratch, name + "-raw", (bsz * nbk, bs, kvh, d), pool.dtype)
+        torch.index_select(pool, 0, tables.reshape(-1), out=raw)
+        f = _buffer(scratch, name, (bsz, kvh, width, d), pool.dtype)
+        f.copy_(raw.view(bsz, nbk * bs, kvh, d)[:, :width].transpose(1, 2))  # head-major
         out.append(f)
     return out[0], out[1]
 
@@ -69,31 +81,34 @@ def context(kv: KVCache, layer: int, block_tables: torch.Tensor, length: int) ->
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention with bits that depend only on each query's own context.
 
-    q [B, M, h, d]; k, v float32 [B, kvh, W, d] from `context` (key j is absolute position j; keys
-    past a query's position are masked); q_pos [B, M]. Returns float32 [B, M, h, d].
+    q [B, M, h, d]; k, v [B, kvh, W, d] from `context` (key j is absolute position j; keys past a
+    query's position are masked); q_pos [B, M]. The two products run in the K/V dtype (bf16 ones
+    were measured invariant for these shapes too, and skip a float32 copy of every key); softmax
+    and the combine run in float32. Returns float32 [B, M, h, d].
     """
     bsz, m, h, d = q.shape
     kvh, width = k.shape[1], k.shape[2]
     g, splits = h // kvh, width // KV_SPLIT
     # One matmul row per (query, head of the group), padded to a multiple of ROW_MULTIPLE rows.
     rows = m * g
-    qg = (q.float() * scale).view(bsz, m, kvh, g, d).transpose(1, 2).reshape(bsz, kvh, rows, d)
+    qg = (q.float() * scale).to(k.dtype).view(bsz, m, kvh, g, d).transpose(1, 2).reshape(bsz, kvh, rows, d)
     row_pos = q_pos[:, :, None].expand(bsz, m, g).reshape(bsz, rows)
     pad = -rows % ROW_MULTIPLE
     if pad:
         qg = torch.cat([qg, qg.new_zeros(bsz, kvh, pad, d)], dim=2)
         row_pos = torch.cat([row_pos, row_pos.new_zeros(bsz, pad)], dim=1)  # pad rows see key 0 only
     r = rows + pad
-    # Split-major scores [B, kvh, splits, R, KV_SPLIT]: each split is its own fixed-shape product.
-    ks = k.view(bsz, kvh, splits, KV_SPLIT, d)
-    scores = torch.matmul(qg[:, :, None], ks.transpose(-1, -2))
-    key_pos = torch.arange(width, device=row_pos.device).view(1, splits, 1, KV_SPLIT)
-    hidden = key_pos > row_pos.view(bsz, 1, r, 1)  # [B, splits, R, KV_SPLIT]
+    # A score is one length-d dot product: its bits do not depend on how many keys share the call
+    # (measured, see the module docstring), so all keys go in one product per (sequence, kv head).
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [B, kvh, R, W]
+    hidden = torch.arange(width, device=row_pos.device)[None, None, :] > row_pos[:, :, None]  # [B, R, W]
     scores.masked_fill_(hidden[:, None], float("-inf"))
-    top = scores.amax(dim=(2, 4), keepdim=True)  # the max is exact in any order
-    probs = torch.exp(scores - top)
-    den_parts = probs.sum(-1)  # [B, kvh, splits, R]: fixed-length sums
-    num_parts = torch.matmul(probs, v.view(bsz, kvh, splits, KV_SPLIT, d))  # [B, kvh, splits, R, d]
+    probs = torch.exp(scores - scores.amax(-1, keepdim=True))  # the max is exact in any order
+    # The sums over keys are where order matters: split-major [B, kvh, splits, R, KV_SPLIT], so each
+    # split is one fixed-shape product and one fixed-length sum.
+    probs = probs.view(bsz, kvh, r, splits, KV_SPLIT).transpose(2, 3).contiguous()
+    den_parts = probs.sum(-1)  # [B, kvh, splits, R]
+    num_parts = torch.matmul(probs.to(v.dtype), v.view(bsz, kvh, splits, KV_SPLIT, d)).float()  # [B,kvh,splits,R,d]
     num, den = num_parts[:, :, 0], den_parts[:, :, 0]
     for s in range(1, splits):  # sequential combine in key order: padding splits add exact zeros
         num = num + num_parts[:, :, s]
@@ -117,7 +132,7 @@ class BatchInvariantForward:
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     def _attention(self, attn: Attention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+                   batch: ForwardBatch, kv: KVCache, scratch: Scratch) -> torch.Tensor:
         n = batch.input_ids.shape[0]
         q, k, v = attn.qkv(x, rope, n)
         kv.write(attn.layer_id, batch.slot_mapping, k, v)
@@ -126,10 +141,10 @@ class BatchInvariantForward:
         b = batch.num_decode
         if b:
             pos = batch.positions[:b]
-            kc, vc = context(kv, attn.layer_id, batch.decode_block_tables, int(pos.max()) + 1)
+            kc, vc = context(kv, attn.layer_id, batch.decode_block_tables, int(pos.max()) + 1, scratch)
             out[:b] = attend(q[:b, None], kc, vc, pos[:, None], scale)[:, 0]
         for row in batch.prefill_rows:  # every chunk reads its whole context back from the cache
-            kr, vr = context(kv, attn.layer_id, row.block_table[None], row.ctx_len)
+            kr, vr = context(kv, attn.layer_id, row.block_table[None], row.ctx_len, scratch)
             for s in range(row.start, row.start + row.length, QUERY_TILE):
                 e = min(s + QUERY_TILE, row.start + row.length)
                 out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale)[0]
@@ -140,8 +155,9 @@ class BatchInvariantForward:
         m = model.model
         x = pad_rows(m.embed_tokens(batch.input_ids))  # padded once: every layer's matmuls see it
         rope = self._rope(batch.positions, x.dtype)
+        scratch: Scratch = {}
         for layer in m.layers:
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, batch, kv)
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, batch, kv, scratch)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         wanted = batch.logits_index.shape[0]
         return model.lm_head(m.norm(pad_rows(x[batch.logits_index])))[:wanted]
