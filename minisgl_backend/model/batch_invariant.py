@@ -11,12 +11,13 @@ and `tests/test_batch_invariant.py`):
   given row at any position, whatever the other rows hold; bf16 was invariant for every M.
   So: **every matmul runs on a row count padded to a multiple of 4** (`ROW_MULTIPLE`).
 - SDPA's reduction over keys depends on the number of queries and keys in the call (chunked prefill
-  differs from whole-prompt prefill, decode from prefill). So attention is computed here, in float32,
-  the same way for every query token: scores against keys padded to whole splits of `KV_SPLIT` keys,
-  an exact max, then per split a fixed-shape `[rows, KV_SPLIT] @ [KV_SPLIT, d]` product and a fixed
-  length sum, and the splits combined by sequential additions in key order. A query sees the same
-  splits with the same contents whether it is one decode row or one of 256 prefill rows; padding
-  splits hold exact zeros and add nothing.
+  differs from whole-prompt prefill, decode from prefill). So attention is computed here the same
+  way for every query token: scores against keys padded to whole splits of `KV_SPLIT` keys (a score
+  is one length-d dot product; measured invariant to the number of rows, keys and batched
+  sequences, in fp32 and bf16), an exact max, then per split a fixed-shape
+  `[rows, KV_SPLIT] @ [KV_SPLIT, d]` product and a fixed-length sum, and the splits combined by
+  sequential float32 additions in key order. A query sees the same splits with the same contents
+  whether it is one decode row or one of 256 prefill rows; padding splits add exact zeros.
 - RoPE comes from a per-position table computed once, so a position's cos/sin never depend on the
   other positions in the batch.
 
