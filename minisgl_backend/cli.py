@@ -147,9 +147,9 @@ def _cmd_determinism(args: argparse.Namespace) -> int:
     # compare_within and axes values still win at each point.
     overrides = _flag_overrides(args)
     if args.config:
-        preset = yaml.safe_load(open(args.config)) or {}
         EngineConfig.from_yaml(args.config, **overrides)  # validates the preset and the flags together
-        overrides = {**preset, **overrides}
+        with open(args.config) as f:
+            overrides = {**(yaml.safe_load(f) or {}), **overrides}
     report = run_check(grid, workload, overrides, progress=print_progress)
     print(report.format_table())
     if args.json:
