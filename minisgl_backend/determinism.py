@@ -258,10 +258,11 @@ class DeterminismReport:
 
 
 # ---------------------------------------------------------------- running
-def _fillers(rng: random.Random, n: int, vocab: int, max_tokens: int) -> list[tuple[Prompt, SamplingParams]]:
+def _fillers(rng: random.Random, n: int, vocab: int, max_tokens: int,
+             max_len: int) -> list[tuple[Prompt, SamplingParams]]:
     """Random co-running requests: random token prompts and lengths, unseeded random sampling
     (so seeded requests of the set are batched with unseeded ones)."""
-    return [([rng.randrange(100, vocab - 1) for _ in range(rng.randrange(1, 96))],
+    return [([rng.randrange(100, vocab - 1) for _ in range(rng.randrange(1, max(2, min(96, max_len))))],
              SamplingParams(temperature=1.0, max_tokens=rng.randrange(1, 2 * max_tokens + 1), ignore_eos=True))
             for _ in range(n)]
 
@@ -270,7 +271,7 @@ def run_point(engine: Engine, workload: Workload, rng: random.Random, num_filler
     """Submit the set plus fillers in a shuffled order, in random bursts; the set's outputs by name."""
     max_tokens = max(r.params.max_tokens for r in workload.requests)
     items: list[tuple[str | None, Prompt, SamplingParams]] = [(r.name, r.prompt, r.params) for r in workload.requests]
-    items += [(None, p, sp) for p, sp in _fillers(rng, num_fillers, engine.vocab_size, max_tokens)]
+    items += [(None, p, sp) for p, sp in _fillers(rng, num_fillers, engine.vocab_size, max_tokens, engine.max_model_len)]
     rng.shuffle(items)
     handles = []
     i = 0
