@@ -1,4 +1,4 @@
-"""`minisgl` command line: generate text, run the benchmark."""
+"""`minisgl` command line: generate text, run the benchmark, the stress harness and the determinism check."""
 
 from __future__ import annotations
 
@@ -27,7 +27,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_config(args: argparse.Namespace, base: dict[str, Any] | None = None) -> EngineConfig:
     """EngineConfig from --config, then `base` (a command's own defaults), then flags and --set."""
-    overrides: dict[str, Any] = dict(base or {})
+    overrides = {**(base or {}), **_flag_overrides(args)}
+    if args.config:
+        return EngineConfig.from_yaml(args.config, **overrides)
+    return EngineConfig.from_dict(overrides)
+
+
+def _flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine fields given by flags and --set (not --config)."""
+    overrides: dict[str, Any] = {}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
@@ -38,9 +46,7 @@ def _engine_config(args: argparse.Namespace, base: dict[str, Any] | None = None)
             overrides[key] = getattr(args, key)
     if hasattr(args, "chunk_size"):  # absent unless given: None is a real value (whole-prompt prefill)
         overrides["chunk_size"] = args.chunk_size
-    if args.config:
-        return EngineConfig.from_yaml(args.config, **overrides)
-    return EngineConfig.from_dict(overrides)
+    return overrides
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -88,6 +94,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             variants = {f"{key}={v}": {key: yaml.safe_load(v)} for v in values.split(",")}
         else:
             variants = PREFIX_TABLE if args.scenario == "prefix" else SEED_TABLE
+        if args.repeat > 1:  # interleaved (a, b, a, b): drift on a shared machine hits every variant alike
+            variants = {f"{name} #{i + 1}": ov for i in range(args.repeat) for name, ov in variants.items()}
         prefix = args.scenario == "prefix"
         workload = shared_prefix_prompts if prefix else mixed_prompts
         if args.plot:
@@ -148,6 +156,27 @@ def _cmd_stress(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_determinism(args: argparse.Namespace) -> int:
+    from minisgl_backend.determinism import Grid, Workload, print_progress, run_check
+
+    grid = Grid.from_yaml(args.grid)
+    workload = Workload.from_yaml(args.prompts)
+    # Only what the user gave (--config keys, flags, --set) overrides the grid's base; the grid's
+    # compare_within and axes values still win at each point.
+    overrides = _flag_overrides(args)
+    if args.config:
+        EngineConfig.from_yaml(args.config, **overrides)  # validates the preset and the flags together
+        with open(args.config) as f:
+            overrides = {**(yaml.safe_load(f) or {}), **overrides}
+    report = run_check(grid, workload, overrides, progress=print_progress)
+    print(report.format_table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=2)
+        print(f"wrote {args.json}")
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minisgl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep", metavar="FIELD=v1,v2,..", help="the mixed workload under each value of one field "
                    "(e.g. chunk_size=32,128,256,512 or max_inflight=1,2,4,8 or callback_impl=python,native)")
     b.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for --scenario/--sweep")
+    b.add_argument("--repeat", type=int, default=1, help="with --scenario/--sweep: run the variants this many "
+                   "times, interleaved (compare ratios on a noisy machine)")
     b.add_argument("--trace", metavar="OUT.json", help="with --scenario/--sweep: Chrome-trace timeline "
                    "(scheduler, compute, copy lanes per iteration, one process per config)")
     b.add_argument("--plot", metavar="OUT.png", help="with --scenario/--sweep: utilisation over time per config "
@@ -196,6 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts grow from a few shared stems: the prefix cache hits, evicts and reuses blocks")
     _engine_args(st)
     st.set_defaults(fn=_cmd_stress)
+
+    from minisgl_backend.determinism import DEFAULT_GRID, DEFAULT_PROMPTS
+
+    det = sub.add_parser("determinism", help="run one request set under a grid of scheduling configs and count "
+                         "distinct outputs per request (exit 1 if any request has more than one)")
+    det.add_argument("--grid", default=str(DEFAULT_GRID), help="grid YAML (default: configs/determinism/default.yaml)")
+    det.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
+                     help="request-set YAML (default: configs/determinism/prompts.yaml)")
+    det.add_argument("--json", help="also write the report to this JSON file")
+    _engine_args(det)
+    det.set_defaults(fn=_cmd_determinism)
     return parser
 
 

@@ -45,6 +45,8 @@ class EngineConfig:
     metrics_exact: bool = False  # exact metric totals under a lock (profiling) instead of ~1 s folds
     stats_interval_s: float = 10.0  # period of the one-line stats log; 0 turns it off
     trace: bool = False  # record scheduler / compute / copy spans per iteration (Engine.tracer)
+    # --- determinism (G3) ---
+    deterministic: bool = False  # batch-invariant forward: logits independent of batching and chunking
     # --- sampling (S8) ---
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh random seeds
     # --- runtime ---
@@ -86,6 +88,8 @@ class EngineConfig:
             bad(f"stats_interval_s must be >= 0, got {self.stats_interval_s}")
         if self.debug_delay_ms < 0:
             bad(f"debug_delay_ms must be >= 0, got {self.debug_delay_ms}")
+        if not isinstance(self.deterministic, bool):  # a truthy string must not silently turn it on
+            bad(f"deterministic must be true or false, got {self.deterministic!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             bad(f"max_model_len must be >= 1 or None, got {self.max_model_len}")
 

@@ -32,6 +32,7 @@ from minisgl_backend.kvcache.block_pool import BlockPool, InvariantError
 from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
 from minisgl_backend.metrics import DEBUG_LOG, Metrics, Tracer, install_logging
+from minisgl_backend.model import batch_invariant
 from minisgl_backend.model.loader import DTYPES, load_model
 from minisgl_backend.scheduler.request import Request, RequestHandle
 from minisgl_backend.scheduler.scheduler import Batch, Scheduler
@@ -95,6 +96,8 @@ class Engine:
         try:
             # Heavy torch work runs on the compute thread, the only one with an OpenMP team (see executor).
             loaded = self._executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
+            if config.deterministic:
+                self._executor.run_on_compute(lambda: batch_invariant.enable(loaded.model))
             spec = loaded.model.spec
             per_block = kv_bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim,
                                            DTYPES[config.dtype])

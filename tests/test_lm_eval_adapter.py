@@ -94,6 +94,15 @@ def test_engine_knobs_and_presets_reach_the_engine_config(tmp_path):
         build_engine_config({"config": "no-such-preset"})
 
 
+def test_deterministic_mode_is_a_model_arg():
+    from lm_eval.utils import simple_parse_args_string
+
+    assert build_engine_config(simple_parse_args_string("pretrained=x,deterministic=true")).deterministic is True
+    assert build_engine_config({"pretrained": "x"}).deterministic is False
+    with pytest.raises(ConfigError, match="deterministic must be true or false"):
+        build_engine_config({"pretrained": "x", "deterministic": "yes"})
+
+
 # ---------------------------------------------------------------------------------------------- request types
 def test_loglikelihood_matches_hf(lm, hf):
     reqs = _ll(

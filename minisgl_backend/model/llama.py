@@ -7,13 +7,16 @@ the block pool, and every query reads its whole context back through its block t
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl_backend.kvcache.storage import KVCache
+
+if TYPE_CHECKING:
+    from minisgl_backend.model.batch_invariant import BatchInvariantForward
 
 
 class PrefillRow(NamedTuple):
@@ -145,17 +148,21 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, kv: KVCache,
-                masks: list[torch.Tensor | None]) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.h, self.d)
-        k = self.k_proj(x).view(n, self.kvh, self.d)
-        v = self.v_proj(x).view(n, self.kvh, self.d)
+    def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], n: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections of the first n rows of x (the rest is row padding), normed and rotated."""
+        q = self.q_proj(x)[:n].view(n, self.h, self.d)
+        k = self.k_proj(x)[:n].view(n, self.kvh, self.d)
+        v = self.v_proj(x)[:n].view(n, self.kvh, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, kv: KVCache,
+                masks: list[torch.Tensor | None]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x, rope, n)
         kv.write(self.layer_id, batch.slot_mapping, k, v)
 
         out = torch.empty_like(q)
@@ -231,6 +238,8 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.model = Decoder(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # Set by model.batch_invariant.enable(): the deterministic forward pass (None = default path).
+        self.batch_invariant: "BatchInvariantForward | None" = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -240,6 +249,8 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Run one mixed batch; returns logits [len(batch.logits_index), vocab] in the model dtype."""
+        if self.batch_invariant is not None:  # EngineConfig.deterministic
+            return self.batch_invariant.forward(self, batch, kv)
         m = self.model
         x = m.embed_tokens(batch.input_ids)
         rope = m.rotary(batch.positions, x.dtype)

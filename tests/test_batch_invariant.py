@@ -1,0 +1,51 @@
+"""The measured facts the batch-invariant forward rests on, checked op by op (fast, no engine).
+
+If a torch or BLAS upgrade changes a kernel choice, these fail before the grid tests do, and say which
+op broke.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl_backend.model.batch_invariant import KV_SPLIT, attend, pad_rows
+
+# (out, in) of SmolLM2-135M's projections and LM head, and of the tiny test model.
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576), (128, 64), (64, 128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_linear_rows_do_not_depend_on_the_batch(dtype):
+    g = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+        target = torch.randn(1, k, generator=g).to(dtype)
+        ref = F.linear(pad_rows(target), w)[0]
+        for m in (2, 3, 5, 7, 13, 64, 130):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            pos = (7 * m // 3) % m  # somewhere inside, not always row 0
+            x[pos] = target[0]
+            assert torch.equal(F.linear(pad_rows(x), w)[pos], ref), (n, k, m, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_row_is_the_same_alone_in_a_prefill_tile_and_in_a_decode_batch(dtype):
+    """A query at position p: alone (decode row, keys up to p), among 37 other prefill queries over a
+    longer context, and as one of 5 decode rows whose contexts are longer: bitwise equal."""
+    g = torch.Generator().manual_seed(1)
+    h, kvh, d, ctx = 9, 3, 64, 150
+    k = torch.randn(1, kvh, 3 * KV_SPLIT, d, generator=g).to(dtype)
+    v = torch.randn(1, kvh, 3 * KV_SPLIT, d, generator=g).to(dtype)
+    q = torch.randn(1, 40, h, d, generator=g).to(dtype)
+    pos = torch.arange(ctx - 40, ctx)[None]
+    p = 25  # query index inside the tile
+    width = -(-(int(pos[0, p]) + 1) // KV_SPLIT) * KV_SPLIT
+    alone = attend(q[:, p : p + 1], k[:, :, :width], v[:, :, :width], pos[:, p : p + 1], d**-0.5)[0, 0]
+    tile = attend(q[:, 3:], k, v, pos[:, 3:], d**-0.5)[0, p - 3]
+    batch_q = q[0, p - 2 : p + 3, None]  # 5 decode rows, same K/V, other positions
+    batch_pos = pos[0, p - 2 : p + 3, None].clone()
+    batch_pos[[0, 1, 3, 4]] = ctx - 1
+    rows = attend(batch_q, k.expand(5, -1, -1, -1), v.expand(5, -1, -1, -1), batch_pos, d**-0.5)[2, 0]
+    assert torch.equal(alone, tile) and torch.equal(alone, rows)
