@@ -175,12 +175,13 @@ def format_table(rows: dict[str, dict[str, Any]], extra: Sequence[str] = ()) -> 
     cols = ["requests", "wall_s", "req_per_s", "output_tok_per_s", "ttft_ms_mean", "ttft_ms_p50",
             "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "sched_overlap", *extra]
     width = max(map(len, rows)) + 2
-    lines = ["".ljust(width) + "".join(c.rjust(17) for c in cols)]
+    widths = [max(17, len(c) + 2) for c in cols]
+    lines = ["".ljust(width) + "".join(c.rjust(w) for c, w in zip(cols, widths))]
     for name, row in rows.items():
         cells = []
-        for c in cols:
+        for c, w in zip(cols, widths):
             v = row.get(c)
-            cells.append(("-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)).rjust(17))
+            cells.append(("-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)).rjust(w))
         lines.append(name.ljust(width) + "".join(cells))
     return "\n".join(lines)
 

@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="K=V[,K=V]",
                     help="also run minisgl with these extra model_args (repeatable), e.g. prefix_cache=off")
     ap.add_argument("--limit", type=float, default=None)
+    ap.add_argument("--num-fewshot", type=int, default=None, help="lm-eval --num_fewshot (longer shared contexts)")
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = ap.parse_args()
 
@@ -95,6 +96,8 @@ def main() -> None:
 
     hf_dir = resolve_model_dir(args.model)
     extra = ["--limit", str(args.limit)] if args.limit else []
+    if args.num_fewshot is not None:
+        extra += ["--num_fewshot", str(args.num_fewshot)]
     runs: dict[str, tuple[float, dict, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         mini_args = f"pretrained={args.model},dtype=float32" + (f",{args.minisgl_args}" if args.minisgl_args else "")
@@ -107,7 +110,7 @@ def main() -> None:
                 "hf", f"pretrained={hf_dir},dtype=float32", args.tasks, Path(tmp, f"hf{bs}"), extra + ["--batch_size", bs]
             )
     base_wall, base_metrics, base_resp = runs["minisgl"]
-    summary = {"tasks": args.tasks, "limit": args.limit, "runs": {}}
+    summary = {"tasks": args.tasks, "limit": args.limit, "num_fewshot": args.num_fewshot, "runs": {}}
     width = max(map(len, runs)) + 1
     print(f"{'run':<{width}} {'wall s':>8} {'minisgl speed-up':>17}  metrics")
     for name, (wall, metrics, resp) in runs.items():

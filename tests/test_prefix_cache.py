@@ -121,3 +121,17 @@ def test_yaml_off_is_off(tmp_path):
     assert EngineConfig.from_yaml(tmp_path / "c.yaml").prefix_cache == "off"
     with pytest.raises(Exception, match="prefix_cache must be"):
         EngineConfig(prefix_cache="radix")
+
+
+def test_deterministic_mode_makes_cached_prefixes_bitwise_invisible(tiny_model_dir):
+    """With the batch-invariant forward, K/V computed in another request's chunks equal our own to
+    the bit: token ids and every logprob are identical with and without the cache."""
+    params = SamplingParams(temperature=0.8, seed=9, max_tokens=6, logprobs=0)
+    results, hits = {}, 0
+    for mode in ("off", "sync", "async"):
+        with Engine(_tiny(tiny_model_dir, prefix_cache=mode, deterministic=True)) as eng:
+            outs = eng.generate(PROMPTS, params, use_tqdm=False)
+            results[mode] = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+            hits += eng.metrics().get("prefix_hit_tokens", 0)
+    assert hits > 0
+    assert results["sync"] == results["off"] and results["async"] == results["off"]
