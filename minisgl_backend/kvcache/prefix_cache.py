@@ -87,9 +87,6 @@ class PrefixCache:
         # refcount 1 = only the tree holds it: no running request reads this prefix.
         return not node.children and self.pool.refcount[node.block] == 1
 
-    def num_evictable(self) -> int:
-        return sum(1 for n in self._nodes() if self._evictable(n))
-
     def _nodes(self):
         stack = list(self._root.children.values())
         while stack:

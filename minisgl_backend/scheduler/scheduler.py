@@ -276,8 +276,8 @@ class Scheduler:
         """Admit `req` at the end of its cached prefix and claim the prompt blocks it will compute."""
         bs = self.cfg.block_size
         req.block_table = list(hit)
-        req.num_computed = req.num_readonly_blocks = req.num_cached_blocks = len(hit)
-        req.num_computed *= bs
+        req.num_computed = len(hit) * bs
+        req.num_readonly_blocks = req.num_cached_blocks = len(hit)  # the tree holds them READ_ONLY
         self.metrics.add("prefix_queries")
         self.metrics.add("prefix_query_tokens", req.planned_len)
         if hit:
