@@ -204,8 +204,9 @@ class Engine:
 
     def metrics(self) -> dict[str, float]:
         """Counters (iterations, prefill/decode/generated tokens, requests_finished, forward_s,
-        sample_s) and gauges (running, waiting, kv_used_blocks), folded about once per second
-        (exact at any moment with `metrics_exact`)."""
+        sample_s; prefix_queries, prefix_hits, prefix_query_tokens, prefix_hit_tokens,
+        prefix_evicted_blocks, prefix_insert_s) and gauges (running, waiting, kv_used_blocks,
+        prefix_cache_blocks), folded about once per second (exact at any moment with `metrics_exact`)."""
         return self._metrics.snapshot()
 
     def close(self) -> None:
