@@ -12,6 +12,8 @@ from minisgl_backend.errors import (
     MiniSGLError,
     ModelNotFoundError,
     PromptTooLongError,
+    ReentrantCallError,
+    RequestFailedError,
 )
 from minisgl_backend.kvcache.block_pool import BlockState, InvariantError
 from minisgl_backend.scheduler.request import RequestHandle
@@ -31,6 +33,8 @@ __all__ = [
     "MiniSGLError",
     "ModelNotFoundError",
     "PromptTooLongError",
+    "ReentrantCallError",
+    "RequestFailedError",
     "RequestHandle",
     "RequestOutput",
     "RequestTimings",

@@ -40,3 +40,14 @@ class InvalidSamplingParamsError(InvalidRequestError):
 class EngineDeadError(MiniSGLError, RuntimeError):
     """The engine stopped (closed, or its scheduler thread failed); the cause is chained."""
 
+
+
+class RequestFailedError(MiniSGLError, RuntimeError):
+    """One request failed while it was sampled or scored (its logits processor raised or returned an
+    unusable row, or its draw had no candidate token). Only that request ends; the cause is chained
+    (`__cause__`) and named in the message. The engine keeps serving."""
+
+
+class ReentrantCallError(MiniSGLError, RuntimeError):
+    """A blocking Engine / RequestHandle method was called from one of the engine's own threads
+    (e.g. from a logits processor), where waiting would deadlock the engine."""
