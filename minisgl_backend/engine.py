@@ -59,22 +59,34 @@ def _close_live_engines() -> None:
         engine.close()
 
 
+# Engines whose idle scheduler thread has a command coming: the command's sender may drop the
+# Engine right after sending, and the thread must still find it alive to serve that command.
+_PINNED: "set[Engine]" = set()
+
+
 def _scheduler_main(ref: "weakref.ref[Engine]") -> None:
     """The scheduler thread. It holds the Engine strongly only while there is work: when idle it
     waits for the next command through a weak reference, so an Engine dropped without close() is
     collected and its finaliser stops every thread (nothing can be pending then: idle means every
-    request was delivered)."""
+    request was delivered, and a command sent to an idle engine pins it until the thread wakes)."""
     while True:
         engine = ref()
         if engine is None:
             return
+        _PINNED.discard(engine)
         inbox = engine._inbox
         if not engine._loop():  # False: stopped for good; True: idle
             return
+        with engine._life_lock:  # pairs with _send: from here on a sender pins the engine
+            try:
+                engine._resumed.append(inbox.get_nowait())  # a command raced in: stay busy
+                continue
+            except queue.Empty:
+                engine._idle = True
         del engine
         cmd = inbox.get()
         engine = ref()
-        if engine is None:
+        if engine is None:  # only the finaliser's stop arrives unpinned
             return
         engine._resumed.append(cmd)
         del engine
@@ -186,6 +198,7 @@ class Engine:
         self._life_lock = threading.Lock()
         self._handles: dict[str, RequestHandle] = {}  # scheduler thread only
         self._resumed: list[tuple] = []  # the command that woke an idle scheduler thread (_scheduler_main)
+        self._idle = False  # the scheduler thread waits without holding the Engine (under _life_lock)
         # The thread holds only a weak reference (see _scheduler_main): dropping the Engine closes it.
         self._thread = threading.Thread(target=_scheduler_main, args=(weakref.ref(self),),
                                         name="minisgl-scheduler", daemon=True)
@@ -299,6 +312,9 @@ class Engine:
         with self._life_lock:  # pairs with _fail_all: nothing is queued after the final drain
             if self._dead is not None:
                 raise EngineDeadError(f"engine is not running: {self._dead}") from self._dead
+            if self._idle:  # keep the Engine alive until its thread has taken this command
+                self._idle = False
+                _PINNED.add(self)
             self._inbox.put(cmd)
         self._tracker.wake()  # the scheduler may be blocked waiting for completions
 

@@ -51,3 +51,8 @@ class RequestFailedError(MiniSGLError, RuntimeError):
 class ReentrantCallError(MiniSGLError, RuntimeError):
     """A blocking Engine / RequestHandle method was called from one of the engine's own threads
     (e.g. from a logits processor), where waiting would deadlock the engine."""
+
+
+class ModelLoadError(ModelNotFoundError):
+    """The model reference resolves to files that cannot be loaded (corrupt or truncated safetensors
+    or GGUF, weights that do not match config.json). A ModelNotFoundError, so one except catches both."""

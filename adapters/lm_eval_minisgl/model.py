@@ -288,17 +288,20 @@ class MiniSGLLM(TemplateLM):
         ignored = sorted(set(kwargs) - _GEN_KWARGS_USED)
         if ignored:
             log.warning("generation kwargs %s are not supported by minisgl and are ignored", ignored)
-        greedy = not kwargs.get("do_sample") or float(kwargs.get("temperature", 0.0)) == 0.0
+        # Values go to SamplingParams as given (no int()/float() casts that would turn True into 1,
+        # 1.7 into 1 or 2**64 into an overflow on the engine): its validation names a bad field.
+        temperature = kwargs.get("temperature", 0.0)
+        greedy = not kwargs.get("do_sample") or (not isinstance(temperature, bool) and temperature == 0)
         params = SamplingParams(
-            temperature=0.0 if greedy else float(kwargs["temperature"]),
-            top_p=float(kwargs.get("top_p") or 1.0),
-            top_k=int(kwargs.get("top_k") or 0),
-            min_p=float(kwargs.get("min_p") or 0.0),
-            seed=None if kwargs.get("seed") is None else int(kwargs["seed"]),
-            max_tokens=int(kwargs["max_gen_toks"]),
+            temperature=0.0 if greedy else temperature,
+            top_p=kwargs.get("top_p") or 1.0,
+            top_k=kwargs.get("top_k") or 0,
+            min_p=kwargs.get("min_p") or 0.0,
+            seed=kwargs.get("seed"),
+            max_tokens=kwargs["max_gen_toks"],
             stop=tuple(s for s in until if s),
         )
-        return params, until, int(kwargs["max_gen_toks"])
+        return params, until, params.max_tokens
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         eos = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)

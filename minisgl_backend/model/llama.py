@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl_backend.errors import ConfigError
 from minisgl_backend.kvcache.storage import KVCache
 
 if TYPE_CHECKING:
@@ -73,11 +74,12 @@ class ModelSpec(NamedTuple):
     def from_hf_config(cls, cfg) -> "ModelSpec":
         model_type = getattr(cfg, "model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
-            raise ValueError(f"unsupported model_type {model_type!r} (supported: llama, mistral, qwen2, qwen3)")
+            raise ConfigError(f"unsupported model_type {model_type!r} in config.json "
+                              "(supported: llama, mistral, qwen2, qwen3)")
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"unsupported rope_type {rope_type!r}: only plain RoPE is implemented")
+            raise ConfigError(f"unsupported rope_type {rope_type!r} in config.json: only plain RoPE is implemented")
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         max_pos = cfg.max_position_embeddings

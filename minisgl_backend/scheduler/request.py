@@ -32,6 +32,7 @@ class RequestHandle:
         self._future: Future[RequestOutput] = Future()
         self._deltas: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
         self._engine_threads: frozenset[threading.Thread] = frozenset()  # set by the engine
+        self._consumed = False  # the final delta (or the error) was taken by an iterator
 
     def _not_reentrant(self, what: str) -> None:
         current = threading.current_thread()
@@ -55,11 +56,21 @@ class RequestHandle:
         self._future.add_done_callback(lambda _f: fn(self))
 
     def __iter__(self) -> Iterator[StreamDelta]:
-        self._not_reentrant("__iter__()")
+        """The deltas, once: iterating again after the final delta (or the error) has been taken
+        returns at once (re-raising that error) instead of blocking forever."""
         while True:
+            if self._consumed:
+                if self._future.done() and self._future.exception() is not None:
+                    raise self._future.exception()  # type: ignore[misc]
+                return
+            if self._deltas.empty():
+                self._not_reentrant("__iter__()")
             item = self._deltas.get()
             if isinstance(item, BaseException):
+                self._consumed = True
                 raise item
+            if item.finished:
+                self._consumed = True
             yield item
             if item.finished:
                 return
