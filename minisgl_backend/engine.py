@@ -287,8 +287,9 @@ class Engine:
         return self._metrics.snapshot()
 
     def is_alive(self) -> bool:
-        """Whether the engine accepts requests: not closed and its scheduler thread has not failed."""
-        return self._dead is None and self._thread.is_alive()
+        """Whether the engine can serve requests: not closed, and neither its scheduler thread nor an
+        executor worker has failed (a failed worker is noticed here before the next request)."""
+        return self._dead is None and self._thread.is_alive() and self._executor.error is None
 
     @property
     def dead(self) -> BaseException | None:

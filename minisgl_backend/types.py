@@ -76,6 +76,12 @@ class SamplingParams:
         return self.temperature < GREEDY_EPSILON
 
     @classmethod
+    def check_value(cls, field: str, value: Any, label: str | None = None) -> Any:
+        """Check one value against `field`'s rule (for adapters that must look at a raw value before
+        their framework casts it); returns it normalised or raises InvalidSamplingParamsError."""
+        return _SPECS[field].check(label or field, value, InvalidSamplingParamsError)
+
+    @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(names))

@@ -508,3 +508,57 @@ def test_tracker_complete_without_inflight_is_an_error(impl):
     t.begin()  # backpressure still holds at max_inflight
     with pytest.raises(RuntimeError, match="max_inflight"):
         t.begin()
+
+
+# ------------------------------------------------------------------ the same classes through lm-eval
+GEN_KWARGS = [
+    ({"seed": 2**64, "do_sample": True, "temperature": 0.5}, "seed"),
+    ({"seed": True, "do_sample": True, "temperature": 0.5}, "seed"),
+    ({"seed": 1.7, "do_sample": True, "temperature": 0.5}, "seed"),
+    ({"do_sample": True, "temperature": "hot"}, "temperature"),
+    ({"do_sample": True, "temperature": math.nan}, "temperature"),
+    ({"do_sample": True, "temperature": 0.5, "top_k": 1.5}, "top_k"),
+    ({"do_sample": True, "temperature": 0.5, "top_p": "0.9"}, "top_p"),
+    ({"max_gen_toks": True}, "max_tokens"),
+    ({"max_gen_toks": 2.5}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("gen_kwargs, field", GEN_KWARGS, ids=[repr(k) for k, _ in GEN_KWARGS])
+def test_lm_eval_bad_gen_kwargs_fail_the_call_not_the_engine(engine, solo, gen_kwargs, field):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval_minisgl.model import MiniSGLLM
+
+    lm = MiniSGLLM(engine=engine, max_length=96, max_gen_toks=4)
+    innocent = engine.submit(INNOCENT, SEEDED)
+    with pytest.raises(InvalidSamplingParamsError, match=field):
+        lm.generate_until([Instance("generate_until", {}, ("Hello", {"until": ["\n"], **gen_kwargs}), 0)])
+    _same_as_solo(innocent.result(timeout=60), solo)
+    good = lm.generate_until([Instance("generate_until", {}, ("Hello", {"until": ["\n\n"], "do_sample": True,
+                                                                         "temperature": 0.5, "seed": 2**64 - 1}), 0)])
+    assert isinstance(good[0], str) and engine.is_alive()
+    _assert_drained(engine)
+
+
+MODEL_ARGS = [
+    ("overlap=maybe", "overlap"),
+    ("debug_unsafe_reclaim=nope", "debug_unsafe_reclaim"),
+    ("block_size=16.5", "block_size"),
+    ("num_blocks=2.5", "num_blocks"),
+    ("seed=18446744073709551616", "seed"),
+    ("kv_cache_memory_gb=nan", "kv_cache_memory_gb"),
+    ("max_logprobs=True", "max_logprobs"),
+    ("max_num_seqs=True", "max_num_seqs"),
+]
+
+
+@pytest.mark.parametrize("arg, field", MODEL_ARGS)
+def test_lm_eval_bad_model_args_are_config_errors(tiny_model_dir, arg, field):
+    pytest.importorskip("lm_eval")
+    from lm_eval_minisgl.model import MiniSGLLM
+
+    before = _engine_threads()
+    with pytest.raises(ConfigError, match=field):  # the stock CLI's parsing of --model_args
+        MiniSGLLM.create_from_arg_string(f"pretrained={tiny_model_dir},{arg}")
+    assert _engine_threads() == before  # rejected before any engine started

@@ -44,6 +44,8 @@ ADAPTER_ARGS = {
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
 _DEFAULT_SEED = 1234  # lm-eval's own default seed: sampled generations replay run to run
 _REPO_ROOT = Path(__file__).resolve().parents[2]  # editable/source checkout: configs/ lives here
+_GEN_KWARGS_CAST = {"temperature": "temperature", "max_gen_toks": "max_tokens", "max_new_tokens": "max_tokens",
+                    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens"}
 _GEN_KWARGS_USED = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k", "min_p", "seed"}
 
 
@@ -283,6 +285,11 @@ class MiniSGLLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[SamplingParams, list[str], int]:
+        # lm-eval's normalisation casts with int()/float() (True -> 1, 2.5 -> 2, "hot" -> ValueError):
+        # check the raw values it casts first, so a bad one is a typed error naming the field.
+        for key, field in _GEN_KWARGS_CAST.items():
+            if gen_kwargs.get(key) is not None:
+                SamplingParams.check_value(field, gen_kwargs[key], f"{field} (gen_kwargs {key!r})")
         kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
         ignored = sorted(set(kwargs) - _GEN_KWARGS_USED)
