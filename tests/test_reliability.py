@@ -196,6 +196,10 @@ def test_empty_candidate_set_is_a_row_error_not_a_crash():
     assert 0 <= tokens[1] < 8
     with pytest.raises(RequestFailedError):
         sample(logits, rows)  # without an errors dict the failure is raised
+    # A seed past the 64-bit key (validation rejects it; the copy worker must survive it anyway).
+    errors = {}
+    sample(np.zeros((1, 8), dtype=np.float32), [SampleRow(SamplingParams(), 2**64, 0, ())], errors)
+    assert isinstance(errors[0], RequestFailedError) and isinstance(errors[0].__cause__, OverflowError)
 
 
 # ------------------------------------------------------------------ up-front validation (part 3)
