@@ -63,10 +63,7 @@ class Spec:
         """The value to store (normalised: numpy ints -> int, ints -> float for float fields)."""
         if value is None and self.optional:
             return None
-
-        def bad(why: str = "") -> Exception:
-            return error(f"{name} must be {self.describe()}, got {_fmt(value)}{why}")
-
+        bad = _Bad(self, name, value, error)
         if self.kind == "bool":
             if not isinstance(value, bool):
                 raise bad()
@@ -79,17 +76,20 @@ class Spec:
             if isinstance(value, bool) or value not in self.choices:
                 raise bad()
             return value
+        kind = type(value)
         if self.kind == "int":
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise bad()
-            value = int(value)
+            if kind is not int:  # fast path first: the ABC checks cost ~1 us each
+                if kind is bool or not isinstance(value, numbers.Integral):
+                    raise bad()
+                value = int(value)
         elif self.kind == "float":
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise bad()
-            try:
-                value = float(value)
-            except OverflowError:  # an int beyond float range
-                raise bad() from None
+            if kind is not float:
+                if kind is bool or not isinstance(value, numbers.Real):
+                    raise bad()
+                try:
+                    value = float(value)
+                except OverflowError:  # an int beyond float range
+                    raise bad() from None
             if not math.isfinite(value):
                 raise bad()
         else:
@@ -99,6 +99,18 @@ class Spec:
         if self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi):
             raise bad()
         return value
+
+
+class _Bad:
+    """Builds the error lazily (describe() only runs when a value is rejected)."""
+
+    __slots__ = ("spec", "name", "value", "error")
+
+    def __init__(self, spec: Spec, name: str, value: Any, error: type[Exception]) -> None:
+        self.spec, self.name, self.value, self.error = spec, name, value, error
+
+    def __call__(self) -> Exception:
+        return self.error(f"{self.name} must be {self.spec.describe()}, got {_fmt(self.value)}")
 
 
 def _num(x: float) -> str:
@@ -118,11 +130,11 @@ def validate_fields(obj: Any, specs: dict[str, Spec], error: type[Exception]) ->
 
 def check_int_sequence(name: str, value: Any, error: type[Exception]) -> tuple[int, ...]:
     """A list/tuple of ints (no bools, floats or strings); None or () is empty."""
-    if value is None:
+    if not value and isinstance(value, (tuple, list, type(None))):
         return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise error(f"{name} must be a list of ints, got {_fmt(value)}")
-    bad = [t for t in value if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    bad = [t for t in value if type(t) is not int and (isinstance(t, bool) or not isinstance(t, numbers.Integral))]
     if bad:
         raise error(f"{name} must be a list of ints, got {_fmt(value)} (not ints: {_fmt(bad[:5])})")
     return tuple(int(t) for t in value)
@@ -140,7 +152,7 @@ def check_text(name: str, text: str, error: type[Exception]) -> str:
 
 def check_str_sequence(name: str, value: Any, error: type[Exception]) -> tuple[str, ...]:
     """One non-empty string or a list/tuple of them."""
-    if value is None:
+    if not value and isinstance(value, (tuple, list, type(None))):
         return ()
     if isinstance(value, str):
         value = (value,)
@@ -154,7 +166,7 @@ def check_str_sequence(name: str, value: Any, error: type[Exception]) -> tuple[s
 
 
 def check_callables(name: str, value: Any, error: type[Exception]) -> tuple[Callable, ...]:
-    if value is None:
+    if not value and isinstance(value, (tuple, list, type(None))):
         return ()
     if callable(value) or not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
         raise error(f"{name} must be a list of callables (output_ids, logits) -> logits, got {_fmt(value)}")
