@@ -44,6 +44,7 @@ class EngineConfig:
     # --- relaxed bookkeeping (S9) ---
     metrics_exact: bool = False  # exact metric totals under a lock (profiling) instead of ~1 s folds
     stats_interval_s: float = 10.0  # period of the one-line stats log; 0 turns it off
+    stall_timeout_s: float = 60.0  # watchdog: fail the engine after this long without progress; 0 = off
     trace: bool = False  # record scheduler / compute / copy spans per iteration (Engine.tracer)
     # --- determinism (G3) ---
     deterministic: bool = False  # batch-invariant forward: logits independent of batching and chunking
@@ -86,6 +87,8 @@ class EngineConfig:
             bad(f"callback_impl must be 'native' or 'python', got {self.callback_impl!r}")
         if self.stats_interval_s < 0:
             bad(f"stats_interval_s must be >= 0, got {self.stats_interval_s}")
+        if not self.stall_timeout_s >= 0:  # also rejects NaN
+            bad(f"stall_timeout_s must be >= 0 (0 turns the watchdog off), got {self.stall_timeout_s}")
         if self.debug_delay_ms < 0:
             bad(f"debug_delay_ms must be >= 0, got {self.debug_delay_ms}")
         if not isinstance(self.deterministic, bool):  # a truthy string must not silently turn it on

@@ -40,3 +40,8 @@ class InvalidSamplingParamsError(InvalidRequestError):
 class EngineDeadError(MiniSGLError, RuntimeError):
     """The engine stopped (closed, or its scheduler thread failed); the cause is chained."""
 
+
+
+class EngineStalledError(MiniSGLError, RuntimeError):
+    """The scheduler kept running iterations without moving any request forward for
+    `stall_timeout_s` (a livelock); the progress watchdog stops the engine rather than spin."""
