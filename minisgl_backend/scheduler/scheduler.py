@@ -4,7 +4,7 @@ Each step builds one batch under a token budget: one decode token per running re
 chunks of at most `chunk_size` tokens (mixed batches), or — with `mixed_batches=False` — a batch of
 only one kind, prompts first (the serial policy when `chunk_size=None` as well). Admission needs a
 token-table row and free blocks for the whole remaining prompt; a decode that finds no free block
-preempts the youngest running request (blocks released, requeued for recompute).
+preempts the running request that arrived last (blocks released, requeued for recompute).
 
 Progress under any pool that holds one request: the victim of a preemption is always the running
 request that arrived last, so the oldest one is never preempted while another runs; and admission
