@@ -43,6 +43,9 @@ def _cases():
         "yarn": (t.Qwen2Config, t.Qwen2ForCausalLM, dict(max_position_embeddings=4 * ORIG, rope_parameters=dict(
             rope_type="yarn", rope_theta=100.0, factor=4.0, original_max_position_embeddings=ORIG))),
         "mistral_window": (t.MistralConfig, t.MistralForCausalLM, dict(sliding_window=WINDOW)),
+        # Qwen2: layers from max_window_layers on slide (here layer 1 of 2), the others attend fully.
+        "qwen2_window": (t.Qwen2Config, t.Qwen2ForCausalLM, dict(
+            use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
         "phi3_longrope": (t.Phi3Config, t.Phi3ForCausalLM, dict(
             original_max_position_embeddings=ORIG, sliding_window=WINDOW, pad_token_id=0,
             rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
