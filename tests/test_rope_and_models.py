@@ -231,3 +231,62 @@ def test_unknown_rope_type_and_model_type_are_clear_errors():
     cfg = t.GPT2Config()
     with pytest.raises(Exception, match="model_type 'gpt2'.*" + ", ".join(SUPPORTED_MODEL_TYPES)):
         ModelSpec.from_hf_config(cfg)
+
+
+# The RoPE / window / capping fields of real checkpoints' config.json (legacy `rope_scaling` spelling,
+# as on the Hub), with small hidden sizes: the spec must read them as transformers does.
+_REAL = {
+    "Llama-3.2-1B": dict(model_type="llama", hidden_size=2048, num_attention_heads=32, rope_theta=500000.0,
+                         max_position_embeddings=131072, rope_scaling=dict(
+                             rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192)),
+    "Qwen2.5-7B-yarn": dict(model_type="qwen2", hidden_size=512, num_attention_heads=4, rope_theta=1e6,
+                            max_position_embeddings=32768, sliding_window=131072, use_sliding_window=False,
+                            rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=32768)),
+    "Phi-4-mini": dict(model_type="phi3", hidden_size=3072, num_attention_heads=24, partial_rotary_factor=0.75,
+                       max_position_embeddings=131072, original_max_position_embeddings=4096, sliding_window=262144,
+                       rope_scaling=dict(type="longrope", short_factor=[1.0 + i / 48 for i in range(48)],
+                                         long_factor=[1.0 + i for i in range(48)])),
+    "gemma-2-2b": dict(model_type="gemma2", hidden_size=2304, num_attention_heads=8, head_dim=256,
+                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+                       sliding_window=4096, max_position_embeddings=8192),
+    "gemma-3-4b": dict(model_type="gemma3_text", hidden_size=2560, num_attention_heads=8, head_dim=256,
+                       num_hidden_layers=12, rope_local_base_freq=10000.0, rope_theta=1e6, sliding_window=1024,
+                       rope_scaling=dict(rope_type="linear", factor=8.0), max_position_embeddings=131072),
+}
+_EXPECT = {  # rope type, rotary dim, context limit, distinct windows, attention / final caps
+    "Llama-3.2-1B": ("llama3", None, 131072, {None}, None, None),
+    "Qwen2.5-7B-yarn": ("yarn", None, 131072, {None}, None, None),
+    "Phi-4-mini": ("longrope", 96, 131072, {262144}, None, None),
+    "gemma-2-2b": ("default", None, 8192, {4096, None}, 50.0, 30.0),
+    "gemma-3-4b": ("linear", None, 131072, {1024, None}, None, None),
+}
+
+
+@pytest.mark.parametrize("name", list(_REAL))
+def test_real_checkpoint_configs_match_transformers_rotary(name):
+    """cos/sin of every layer's RoPE equal transformers' own rotary module bitwise, at positions on
+    both sides of the original length (one position per call: transformers then sees length p + 1)."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    from minisgl_backend.model.llama import ModelSpec, build_rotary
+
+    cfg = AutoConfig.for_model(**{"vocab_size": 1000, "intermediate_size": 64, "num_key_value_heads": 2,
+                                  "num_hidden_layers": 2, **_REAL[name]})
+    spec = ModelSpec.from_hf_config(cfg)
+    windows = {spec.window(i) for i in range(spec.num_layers)}
+    assert (spec.rope.rope_type, spec.rope.rotary_dim, spec.max_position_embeddings, windows,
+            spec.attn_softcap, spec.final_softcap) == _EXPECT[name]
+    family = {"gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    hf_rotary = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))(cfg)
+    ours = build_rotary(spec)
+    x = torch.zeros(1, 1, 8)
+    for layer in range(spec.num_layers):
+        per_type = family == "gemma3"
+        for p in (0, 1, 1000, 4095, 4096, 8191, 8192, 40000):
+            ref = hf_rotary(x, torch.tensor([[p]]), *([cfg.layer_types[layer]] if per_type else []))
+            mine = ours[spec.rope_index(layer)](torch.tensor([p]), torch.float32)
+            assert torch.equal(mine[0][0, 0], ref[0][0, 0]) and torch.equal(mine[1][0, 0], ref[1][0, 0]), (layer, p)

@@ -176,7 +176,7 @@ def _rope_specs(cfg, head_dim: int) -> tuple[RopeSpec, RopeSpec | None]:
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
 
     def spec(p: dict) -> RopeSpec:
-        p = {"rope_theta": getattr(cfg, "rope_theta", 10000.0), **p}
+        p = {"rope_theta": getattr(cfg, "rope_theta", None) or 10000.0, **p}
         return RopeSpec.from_hf(p, head_dim, cfg.max_position_embeddings,
                                 getattr(cfg, "original_max_position_embeddings", None),
                                 getattr(cfg, "partial_rotary_factor", None) or 1.0)
