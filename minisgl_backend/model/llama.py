@@ -117,7 +117,8 @@ class ModelSpec(NamedTuple):
         return (main,) if self.local_rope is None else (main, self.local_rope)
 
     def rope_index(self, layer: int) -> int:
-        return 1 if self.local_rope is not None and self.window(layer) is not None else 0
+        """Which of ropes() the layer uses: the local one for a layer typed sliding_attention."""
+        return 1 if self.local_rope is not None and self.sliding_layers and self.sliding_layers[layer] else 0
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelSpec":
