@@ -215,7 +215,8 @@ def test_rope_frequencies_equal_transformers():
             long, _ = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=65)
             assert torch.allclose(rot.long_inv_freq, long, rtol=1e-6, atol=0)
             f = rot.inv_freq_at(torch.tensor([62, 63, 64, 65]))
-            assert torch.equal(f[:2], rot.inv_freq.expand(2, -1)) and torch.equal(f[2:], rot.long_inv_freq.expand(2, -1))
+            assert torch.equal(f[:2], rot.inv_freq.expand(2, -1))  # positions 62, 63: short factors
+            assert torch.equal(f[2:], rot.long_inv_freq.expand(2, -1))  # 64, 65: past the original 64
 
 
 def test_unknown_rope_type_and_model_type_are_clear_errors():

@@ -133,7 +133,8 @@ class ModelSpec(NamedTuple):
         layer_types = tuple(getattr(cfg, "layer_types", None) or ())
         unknown = set(layer_types) - {"full_attention", "sliding_attention"}
         if unknown:
-            raise ValueError(f"unsupported layer_types {sorted(unknown)} (supported: full_attention, sliding_attention)")
+            raise ValueError(f"unsupported layer_types {sorted(unknown)} "
+                             "(supported: full_attention, sliding_attention)")
         sliding = tuple(t == "sliding_attention" for t in layer_types)
         if sliding and not any(sliding):
             window = None

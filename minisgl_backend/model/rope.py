@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+_REQUIRED = {"default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": (),
+             "longrope": ("short_factor", "long_factor"), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
 class RopeSpec(NamedTuple):
@@ -58,6 +60,12 @@ class RopeSpec(NamedTuple):
         orig = get("original_max_position_embeddings") or original_max_position_embeddings
         if rope_type in ("yarn", "longrope", "llama3") and not orig:
             orig = max_position_embeddings
+        missing = [k for k in _REQUIRED[rope_type] if get(k) is None]
+        if missing:
+            raise ValueError(f"rope_type {rope_type!r} needs {', '.join(missing)} in rope_parameters")
+        for k in ("short_factor", "long_factor") if rope_type == "longrope" else ():
+            if len(get(k)) != dim // 2:
+                raise ValueError(f"longrope {k} has {len(get(k))} entries, expected rotary dim / 2 = {dim // 2}")
         return cls(
             head_dim=head_dim, theta=float(get("rope_theta", 10000.0)), rope_type=rope_type,
             rotary_dim=None if dim == head_dim else dim, factor=get("factor"),
@@ -103,7 +111,7 @@ def base_inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
     if t == "yarn":
         return _yarn(spec)
     if t == "longrope":
-        return 1.0 / (torch.tensor(spec.short_factor, dtype=torch.float32) * base ** _exponents(dim)), _longrope_scale(spec)
+        return _longrope(spec, spec.short_factor), _longrope_scale(spec)
     raise ValueError(f"unsupported rope_type {t!r} (supported: {', '.join(ROPE_TYPES)})")
 
 
@@ -150,6 +158,11 @@ def _yarn(spec: RopeSpec) -> tuple[torch.Tensor, float]:
     return inv_freq, attention
 
 
+def _longrope(spec: RopeSpec, factors: tuple[float, ...]) -> torch.Tensor:
+    """longrope's frequencies: plain RoPE's divided by one rescale factor per frequency."""
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * spec.theta ** _exponents(spec.dim))
+
+
 def _longrope_scale(spec: RopeSpec) -> float:
     orig = spec.original_max_position_embeddings
     factor = spec.factor if spec.factor is not None else spec.max_position_embeddings / orig
@@ -170,8 +183,7 @@ class Rotary(nn.Module):
         inv_freq, self.scale = base_inv_freq(spec)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         if spec.rope_type == "longrope":
-            long = 1.0 / (torch.tensor(spec.long_factor, dtype=torch.float32) * spec.theta ** _exponents(spec.dim))
-            self.register_buffer("long_inv_freq", long, persistent=False)
+            self.register_buffer("long_inv_freq", _longrope(spec, spec.long_factor), persistent=False)
 
     def inv_freq_at(self, positions: torch.Tensor) -> torch.Tensor:
         """[N, dim/2] frequencies of each position (the sequence length it sees is position + 1)."""
