@@ -66,14 +66,27 @@ class ForwardBatch(NamedTuple):
     logits_index: torch.Tensor  # [M] token rows whose next-token logits are wanted
 
 
-def decode_window_mask(batch: ForwardBatch, window: int | None) -> torch.Tensor | None:
-    """batch.decode_mask, narrowed in a sliding-window layer to the last `window` keys of each row."""
-    if window is None or batch.decode_mask is None:
-        return batch.decode_mask
-    b, width = batch.num_decode, batch.decode_mask.shape[-1]
-    keys = torch.arange(width, device=batch.decode_mask.device)[None, :]
-    recent = keys > batch.positions[:b, None].to(keys.device) - window
-    return batch.decode_mask & recent[:, None, None, :]
+def decode_window(batch: ForwardBatch, window: int | None, block_size: int
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(block tables, mask) the decode rows attend through. In a sliding-window layer only the
+    blocks that hold a row's last `window` keys are gathered, and the mask keeps keys at positions
+    p - window < j <= p (p: the row's position); otherwise batch.decode_block_tables / decode_mask."""
+    tables = batch.decode_block_tables
+    if window is None or tables is None:
+        return tables, batch.decode_mask
+    dev = tables.device
+    span = -(-(window - 1) // block_size) + 1  # most blocks that `window` consecutive keys touch
+    pos = batch.positions[: batch.num_decode].to(dev)[:, None]  # [B, 1]
+    first = torch.clamp(pos - window + 1, min=0) // block_size
+    if span >= tables.shape[1]:  # the whole context is no longer than the window's blocks
+        first = torch.zeros_like(first)
+        span = tables.shape[1]
+    idx = first + torch.arange(span, device=dev)[None, :]  # [B, span] block index within each row
+    # Indices past a row's table read some valid block; their keys lie after p, so they are masked.
+    narrow = tables.gather(1, idx.clamp(max=tables.shape[1] - 1))
+    keys = (idx[:, :, None] * block_size + torch.arange(block_size, device=dev)).view(len(pos), -1)
+    mask = (keys <= pos) & (keys > pos - window)
+    return narrow, mask[:, None, None, :]
 
 
 class ModelSpec(NamedTuple):
@@ -263,9 +276,10 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, kv: KVCache,
-                masks: list[torch.Tensor | None], decode_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """masks: chunk_mask(row, self.window) per prefill row; decode_mask: decode_window_mask(batch,
-        self.window) (None: batch.decode_mask)."""
+                masks: list[torch.Tensor | None],
+                decode: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """masks: chunk_mask(row, self.window) per prefill row; decode: decode_window(batch,
+        self.window, block_size) (None: the batch's decode block tables and mask)."""
         n = x.shape[0]
         q, k, v = self.qkv(x, rope, n)
         kv.write(self.layer_id, batch.slot_mapping, k, v)
@@ -273,8 +287,8 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         b = batch.num_decode
         if b:
-            mask = batch.decode_mask if decode_mask is None else decode_mask
-            out[:b] = self._decode_attention(q[:b], batch, kv, mask)
+            tables, mask = (batch.decode_block_tables, batch.decode_mask) if decode is None else decode
+            out[:b] = self._decode_attention(q[:b], tables, mask, kv)
         for row, mask in zip(batch.prefill_rows, masks):
             s, e = row.start, row.start + row.length
             qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
@@ -292,14 +306,15 @@ class Attention(nn.Module):
             out[s:e] = o[0].transpose(0, 1)
         return self.o_proj(out.reshape(n, self.h * self.d))
 
-    def _decode_attention(self, q: torch.Tensor, batch: ForwardBatch, kv: KVCache, mask: torch.Tensor) -> torch.Tensor:
+    def _decode_attention(self, q: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, kv: KVCache
+                          ) -> torch.Tensor:
         """All decode rows at once: each row's context gathered through its block table, padded, masked.
 
         Plain batched matmuls grouped by KV head: for one query token per row this is several times
         faster on CPU than SDPA's flash kernel, and it never materialises repeated K/V heads.
         """
         bsz, group = q.shape[0], self.h // self.kvh
-        kc, vc = kv.gather(self.layer_id, batch.decode_block_tables)  # [B, L, kvh, d]
+        kc, vc = kv.gather(self.layer_id, tables)  # [B, L, kvh, d]
         qg = q.view(bsz, self.kvh, group, self.d)
         scores = softcap(torch.matmul(qg, kc.permute(0, 2, 3, 1)) * self.scale, self.softcap)  # [B, kvh, group, L]
         scores = scores.float().masked_fill_(~mask, float("-inf"))
@@ -394,7 +409,7 @@ class CausalLM(nn.Module):
         # Masks are built once per window size and shared by every layer with that window.
         masks = {}
         for w in {layer.self_attn.window for layer in m.layers}:
-            masks[w] = ([chunk_mask(row, w) for row in batch.prefill_rows], decode_window_mask(batch, w))
+            masks[w] = ([chunk_mask(row, w) for row in batch.prefill_rows], decode_window(batch, w, kv.block_size))
 
         def attend(attn: Attention, h: torch.Tensor) -> torch.Tensor:
             return attn(h, ropes[attn.rope_index], batch, kv, *masks[attn.window])
