@@ -6,7 +6,7 @@ with save_pretrained, loaded through the engine's loader; the contexts (28- and 
 8 generated tokens) run past the sliding window (8) and the RoPE's original length (16). fp32
 prompt logprobs (a whole-prompt prefill and a chunked one) and decode logprobs, with their top-5,
 must be within 1e-4 of transformers, and greedy tokens identical. The deterministic mode is checked
-bitwise across chunk sizes and batch compositions on Gemma 2 and Gemma 3.
+bitwise across chunk sizes and batch compositions on Gemma 2, Gemma 3 and Phi-3 (longrope).
 
 `dynamic` and `longrope` depend on the sequence length in transformers; the engine rotates position
 p as transformers does when it runs the sequence token by token with a cache (`model/rope.py`), so
@@ -149,7 +149,7 @@ def _bits(out) -> tuple:
     return tuple(out.token_ids), tuple((lp.token_id, lp.logprob, tuple(lp.top)) for lp in lps)
 
 
-@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3", "phi3_longrope"])
 def test_deterministic_mode_is_bitwise_invariant(case, root, smollm_dir):
     """Same bits with chunk 32 and both prompts batched, and with chunk 5, one sequence at a time;
     decode logprobs equal, bit for bit, the prompt logprobs of a fresh prefill of the same tokens."""
