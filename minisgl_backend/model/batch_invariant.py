@@ -21,8 +21,8 @@ and `tests/test_batch_invariant.py`):
   `[rows, KV_SPLIT] @ [KV_SPLIT, d]` product and a fixed-length sum, and the splits combined by
   sequential float32 additions in key order. A query sees the same splits with the same contents
   whether it is one decode row or one of 256 prefill rows; padding splits add exact zeros.
-- RoPE comes from a per-position table computed once, so a position's cos/sin never depend on the
-  other positions in the batch.
+- RoPE comes from a per-position table computed once (by the model's own Rotary, so every RoPE
+  variant of `model/rope.py`), so a position's cos/sin never depend on the other positions in the batch.
 
 Row-wise ops built from torch reductions (RMSNorm, residual adds, SiLU) were measured invariant and
 are shared with the default path. The default path itself is left untouched.
@@ -132,13 +132,17 @@ def context(kv: KVCache, layer: int, block_tables: torch.Tensor, length: int,
     return out[0], out[1]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+           window: int | None = None, cap: float | None = None) -> torch.Tensor:
     """Causal attention with bits that depend only on each query's own context.
 
     q [B, M, h, d]; k, v [B, kvh, W, d] from `context` (key j is absolute position j; keys past a
-    query's position are masked); q_pos [B, M]. The two products run in the K/V dtype (bf16 ones
+    query's position are masked, and in a sliding-window layer keys at or before position - window);
+    q_pos [B, M]; cap: Gemma 2's score soft-capping. The two products run in the K/V dtype (bf16 ones
     were measured invariant for these shapes too, and skip a float32 copy of every key); softmax
-    and the combine run in float32. Returns float32 [B, M, h, d].
+    and the combine run in float32. Returns float32 [B, M, h, d]. Window and soft-capping are
+    elementwise on the scores, and a wholly masked split adds exact zeros, so neither changes the
+    invariance argument.
     """
     bsz, m, h, d = q.shape
     kvh, width = k.shape[1], k.shape[2]
@@ -146,7 +150,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     # One matmul row per (query, head of the group), padded to a multiple of ROW_MULTIPLE rows.
     rows = m * g
     # Scores in log2 units: exp2 is ~7x faster than exp in this torch build on this CPU (measured).
-    qg = (q.float() * (scale * LOG2E)).to(k.dtype).view(bsz, m, kvh, g, d).transpose(1, 2).reshape(bsz, kvh, rows, d)
+    # (With soft-capping the scale cannot be folded: cap * tanh(s / cap) needs the plain score s.)
+    qscale = scale * LOG2E if cap is None else scale
+    qg = (q.float() * qscale).to(k.dtype).view(bsz, m, kvh, g, d).transpose(1, 2).reshape(bsz, kvh, rows, d)
     row_pos = q_pos[:, :, None].expand(bsz, m, g).reshape(bsz, rows)
     pad = -rows % ROW_MULTIPLE
     if pad:
@@ -156,7 +162,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     # A score is one length-d dot product: its bits do not depend on how many keys share the call
     # (measured, see the module docstring), so all keys go in one product per (sequence, kv head).
     scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [B, kvh, R, W]
-    hidden = torch.arange(width, device=row_pos.device)[None, None, :] > row_pos[:, :, None]  # [B, R, W]
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * (cap * LOG2E)
+    keys = torch.arange(width, device=row_pos.device)[None, None, :]
+    hidden = keys > row_pos[:, :, None]  # [B, R, W]
+    if window is not None:
+        hidden |= keys <= row_pos[:, :, None] - window
     scores.masked_fill_(hidden[:, None], float("-inf"))
     probs = torch.exp2(scores - scores.amax(-1, keepdim=True))  # the max is exact in any order
     # The sums over keys are where order matters: split-major [B, kvh, splits, R, KV_SPLIT], so each
@@ -173,48 +184,45 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
 
 
 class BatchInvariantForward:
-    """The deterministic forward of one CausalLM (holds its RoPE table)."""
+    """The deterministic forward of one CausalLM (holds its RoPE tables)."""
 
     def __init__(self, model: CausalLM) -> None:
-        spec = model.spec
-        rotary = model.model.rotary
-        positions = torch.arange(spec.max_position_embeddings)
-        freqs = positions.float()[:, None] * rotary.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()  # [max_pos, head_dim] float32, computed once
-
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        positions = torch.arange(model.spec.max_position_embeddings, device=model.lm_head.weight.device)
+        # [max_pos, 1, rotary dim] float32 cos/sin per RoPE of the model, computed once by the same
+        # Rotary (so the same variant) as the default path.
+        self.tables = [rotary(positions, torch.float32) for rotary in model.model.rotary]
 
     def _attention(self, attn: Attention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    batch: ForwardBatch, kv: KVCache, scratch: Scratch) -> torch.Tensor:
         n = batch.input_ids.shape[0]
         q, k, v = attn.qkv(x, rope, n)
         kv.write(attn.layer_id, batch.slot_mapping, k, v)
-        scale = attn.d**-0.5
+        scale, window, cap = attn.scale, attn.window, attn.softcap
         out = x.new_zeros(x.shape[0], attn.h, attn.d)  # row padding stays zero
         b = batch.num_decode
         if b:
             pos = batch.positions[:b]
             kc, vc = context(kv, attn.layer_id, batch.decode_block_tables, int(pos.max()) + 1, scratch)
-            out[:b] = attend(q[:b, None], kc, vc, pos[:, None], scale)[:, 0]
+            out[:b] = attend(q[:b, None], kc, vc, pos[:, None], scale, window, cap)[:, 0]
         for row in batch.prefill_rows:  # every chunk reads its whole context back from the cache
             kr, vr = context(kv, attn.layer_id, row.block_table[None], row.ctx_len, scratch)
             for s in range(row.start, row.start + row.length, QUERY_TILE):
                 e = min(s + QUERY_TILE, row.start + row.length)
-                out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale)[0]
+                out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale, window, cap)[0]
         return attn.o_proj(out.view(x.shape[0], attn.h * attn.d))
 
     def forward(self, model: CausalLM, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Same contract as CausalLM.forward: logits [len(batch.logits_index), vocab], model dtype."""
-        m = model.model
-        x = m.embed_tokens(batch.input_ids)
-        rope = self._rope(batch.positions, x.dtype)
+        x = model.embed(batch.input_ids)
+        ropes = [(cos[batch.positions].to(x.dtype), sin[batch.positions].to(x.dtype)) for cos, sin in self.tables]
         scratch: Scratch = {}
-        for layer in m.layers:
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, batch, kv, scratch)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return model.lm_head(m.norm(x[batch.logits_index]))
+
+        def attend_layer(attn: Attention, h: torch.Tensor) -> torch.Tensor:
+            return self._attention(attn, h, ropes[attn.rope_index], batch, kv, scratch)
+
+        for layer in model.model.layers:
+            x = layer(x, attend_layer)
+        return model.logits(x[batch.logits_index])
 
 
 def enable(model: CausalLM) -> None:

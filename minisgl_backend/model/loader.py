@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from minisgl_backend.errors import ModelNotFoundError
-from minisgl_backend.model.llama import CausalLM, ModelSpec, Rotary
+from minisgl_backend.model.llama import CausalLM, ModelSpec, build_rotary
 
 log = logging.getLogger("minisgl")
 
@@ -121,7 +121,7 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
     model.load_hf_state_dict(_read_state_dict(model_dir))
     model = model.to(DTYPES[dtype]).eval()
     # Rebuilt after to_empty/dtype conversion: the rope frequencies are not in the checkpoint and stay fp32.
-    model.model.rotary = Rotary(spec.head_dim, spec.rope_theta).to(device)
+    model.model.rotary = build_rotary(spec).to(device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LoadedModel(model, tokenizer, model_dir, _eos_ids(model_dir, hf_config, tokenizer))
 
