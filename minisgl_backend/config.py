@@ -46,6 +46,7 @@ class EngineConfig:
     # --- relaxed bookkeeping (S9) ---
     metrics_exact: bool = False  # exact metric totals under a lock (profiling) instead of ~1 s folds
     stats_interval_s: float = 10.0  # period of the one-line stats log; 0 turns it off
+    stall_timeout_s: float = 60.0  # watchdog: fail the engine after this long without progress; 0 = off
     trace: bool = False  # record scheduler / compute / copy spans per iteration (Engine.tracer)
     # --- determinism (G3) ---
     deterministic: bool = False  # batch-invariant forward: logits independent of batching and chunking
@@ -122,6 +123,7 @@ _SPECS: dict[str, Spec] = {
     "debug_delay_ms": Spec("float", lo=0),
     "metrics_exact": Spec("bool"),
     "stats_interval_s": Spec("float", lo=0, note="0 = off"),
+    "stall_timeout_s": Spec("float", lo=0, note="0 turns the watchdog off"),
     "trace": Spec("bool"),
     "deterministic": Spec("bool"),
     "seed": Spec("int", lo=0, hi=SEED_LIMIT, hi_open=True, optional=True),

@@ -21,6 +21,7 @@ from minisgl_backend.config import EngineConfig
 from minisgl_backend.errors import (
     EmptyPromptError,
     EngineDeadError,
+    EngineStalledError,
     InvalidRequestError,
     InvalidSamplingParamsError,
     PromptTooLongError,
@@ -38,6 +39,7 @@ from minisgl_backend.model import batch_invariant
 from minisgl_backend.model.loader import DTYPES, load_model
 from minisgl_backend.scheduler.request import Request, RequestHandle
 from minisgl_backend.scheduler.scheduler import Batch, Scheduler
+from minisgl_backend.scheduler.watchdog import ProgressWatchdog
 from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
 from minisgl_backend.validation import check_text
 
@@ -185,6 +187,8 @@ class Engine:
         self._rows = RowPool(config.max_num_seqs, immediate=unsafe)
         self._scheduler = Scheduler(config, self._pool, self._rows, self.max_model_len, metrics=self._metrics)
         self._inflight: dict[int, Batch] = {}  # submitted, not yet processed (scheduler thread only)
+        # Far above the pipeline depth: a legitimate run of result-less iterations is a few deep.
+        self._watchdog = ProgressWatchdog(config.stall_timeout_s, min_iterations=16 * self._max_inflight)
         self._drain_waiters: list[tuple[Future, bool]] = []  # (future, flush_cache)
         self._eos_ids = loaded.eos_token_ids
         # The scheduler thread detokenises with its own copy: callers may be encoding concurrently.
@@ -435,6 +439,14 @@ class Engine:
                 # here, off the completion -> plan path; what they unblock is planned at once.
                 if sched.flush_deferred_inserts():
                     self._fill_pipeline(limit)
+                try:
+                    self._watchdog.observe(sched.progress, len(done), busy=sched.has_work())
+                except EngineStalledError as e:
+                    self._metrics.add("stalls")
+                    log.error("%s; running=%d waiting=%d free_blocks=%d pending_blocks=%d", e,
+                              len(sched.running), len(sched.waiting), self._pool.num_free,
+                              self._pool.num_pending)
+                    raise
                 done = []
                 if self._drain_waiters and not sched.has_work() and not self._inflight:
                     self._resolve_drain_waiters()

@@ -41,6 +41,10 @@ class EngineDeadError(MiniSGLError, RuntimeError):
     """The engine stopped (closed, or its scheduler thread failed); the cause is chained."""
 
 
+class EngineStalledError(MiniSGLError, RuntimeError):
+    """The scheduler kept running iterations without moving any request forward for
+    `stall_timeout_s` (a livelock); the progress watchdog stops the engine rather than spin."""
+
 
 class RequestFailedError(MiniSGLError, RuntimeError):
     """One request failed while it was sampled or scored (its logits processor raised or returned an

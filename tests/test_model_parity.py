@@ -98,7 +98,9 @@ def test_paged_attention_with_scattered_blocks_equals_contiguous():
     attn = Attention(spec, 0).eval()
     bs, n = 4, 19
     x = torch.randn(n, spec.hidden_size)
-    rotary = __import__("minisgl_backend.model.llama", fromlist=["Rotary"]).Rotary(spec.head_dim, spec.rope_theta)
+    from minisgl_backend.model.rope import RopeSpec, Rotary
+
+    rotary = Rotary(RopeSpec(spec.head_dim, spec.rope_theta))
 
     def run(kv, rows, num_decode, lo, hi, table, dec_mask=None):
         pos = torch.arange(lo, hi)

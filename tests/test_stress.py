@@ -2,6 +2,8 @@
 reused constantly, overlap on. Fenced reclaim gives 0 mismatches against solo runs; the unsafe
 debug switch must produce mismatches, proving the harness can see the bug."""
 
+import pytest
+
 from minisgl_backend import EngineConfig
 from minisgl_backend.stress import run_stress
 
@@ -11,8 +13,10 @@ def _config(tiny_model_dir, **kw) -> EngineConfig:
                         max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64, overlap=True, **kw)
 
 
-def test_fenced_reclaim_never_mixes_up_requests(tiny_model_dir):
-    report = run_stress(_config(tiny_model_dir), 2000, seed=1)
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "prefill-first"])
+def test_fenced_reclaim_never_mixes_up_requests(tiny_model_dir, mixed):
+    # prefill-first (mixed_batches off) is `minisgl stress`'s default, and the policy that livelocked.
+    report = run_stress(_config(tiny_model_dir, mixed_batches=mixed), 2000, seed=1)
     assert report.completed > 1500 and report.aborted > 100
     assert report.mismatches == 0, report.examples
     assert not report.leaked, report.kv_after_drain

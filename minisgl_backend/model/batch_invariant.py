@@ -5,11 +5,14 @@ fall, which requests run beside it, or whether a token is computed by a prefill 
 row. The default forward breaks all four on this CPU (measured, `shared/notes/FIELD_NOTES.md` §5
 and `tests/test_batch_invariant.py`):
 
-- fp32 `F.linear` / `matmul` (MKL sgemm): a row's bits depend on the row count M when M < 12 and
-  M is not a multiple of 4 (the last M % 4 rows take a different kernel tail). Every multiple of 4,
-  up to 2048 rows and for every weight shape of the supported models, gives the same bits for a
-  given row at any position, whatever the other rows hold; bf16 was invariant for every M.
-  So: **every matmul runs on a row count padded to a multiple of 4** (`ROW_MULTIPLE`).
+- `F.linear` (MKL sgemm, oneDNN for bf16): a row's bits depend on the row count M of the call,
+  in ways that differ by CPU. On an AMD EPYC every multiple of 4 agreed; on an Intel Xeon with
+  AMX, fp32 576x1536 gives one result for M in 16..56 and 196..2048 and another for 60..192, and
+  the bf16 LM head differs for M in 36..296 (measured). What held on both: inside ONE call of a
+  fixed shape, a row's bits do not depend on its position or on the other rows. So **every linear
+  runs on fixed row tiles** (`TiledLinear`): `ROW_TILE` rows (the last tile zero-padded), plus
+  larger tiles only where a probe at `enable()` found that they give the same bits as `ROW_TILE`
+  for that weight's shape on this machine (`tiles_for`), which keeps long prefills fast.
 - SDPA's reduction over keys depends on the number of queries and keys in the call (chunked prefill
   differs from whole-prompt prefill, decode from prefill). So attention is computed here the same
   way for every query token: scores against keys padded to whole splits of `KV_SPLIT` keys (a score
@@ -18,8 +21,8 @@ and `tests/test_batch_invariant.py`):
   `[rows, KV_SPLIT] @ [KV_SPLIT, d]` product and a fixed-length sum, and the splits combined by
   sequential float32 additions in key order. A query sees the same splits with the same contents
   whether it is one decode row or one of 256 prefill rows; padding splits add exact zeros.
-- RoPE comes from a per-position table computed once, so a position's cos/sin never depend on the
-  other positions in the batch.
+- RoPE comes from a per-position table computed once (by the model's own Rotary, so every RoPE
+  variant of `model/rope.py`), so a position's cos/sin never depend on the other positions in the batch.
 
 Row-wise ops built from torch reductions (RMSNorm, residual adds, SiLU) were measured invariant and
 are shared with the default path. The default path itself is left untouched.
@@ -28,20 +31,18 @@ are shared with the default path. The default path itself is left untouched.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model.llama import Attention, CausalLM, ForwardBatch
 
-ROW_MULTIPLE = 4  # matmul row counts are padded to this (see the module docstring)
+ROW_MULTIPLE = 4  # attention's matmul row counts are padded to this (see attend)
+ROW_TILE = 16  # every linear call has this many rows, or one of LARGER_TILES that the probe accepted
+LARGER_TILES = (256, 64)
 KV_SPLIT = 64  # keys per attention split: the fixed reduction length over keys (see attend)
 LOG2E = 1.4426950408889634
 QUERY_TILE = 256  # prefill queries per attention call: bounds the score matrix, not the result
-
-
-def pad_rows(x: torch.Tensor, multiple: int = ROW_MULTIPLE) -> torch.Tensor:
-    """x [M, ...] with zero rows appended up to a multiple of `multiple` (x itself when aligned)."""
-    extra = -x.shape[0] % multiple
-    return torch.cat([x, x.new_zeros(extra, *x.shape[1:])]) if extra else x
 
 
 Scratch = dict[tuple, torch.Tensor]
@@ -55,6 +56,56 @@ def _buffer(scratch: Scratch, key: str, shape: tuple[int, ...], like: torch.Tens
     if full not in scratch:
         scratch[full] = torch.empty(shape, dtype=like.dtype, device=like.device)
     return scratch[full]
+
+
+class TiledLinear(nn.Linear):
+    """nn.Linear whose every call has a fixed row count: rows go in tiles of the sizes in `tiles`
+    (largest first, each verified by `tiles_for` to agree with ROW_TILE), the rest in ROW_TILE tiles
+    with the last zero-padded. A row's bits then depend only on the row itself."""
+
+    tiles: tuple[int, ...] = (ROW_TILE,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m == 0 or m in self.tiles:
+            return F.linear(x, self.weight, self.bias)
+        out, i = [], 0
+        for t in self.tiles:
+            while m - i >= t and t != ROW_TILE:
+                out.append(F.linear(x[i:i + t], self.weight, self.bias))
+                i += t
+        while i < m:
+            part = x[i:i + ROW_TILE]
+            n = part.shape[0]
+            if n < ROW_TILE:
+                part = torch.cat([part, part.new_zeros(ROW_TILE - n, *part.shape[1:])])
+            out.append(F.linear(part, self.weight, self.bias)[:n])
+            i += n
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def tiles_for(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...]:
+    """The tile sizes whose calls give a row the same bits as a ROW_TILE call, for this weight's
+    shape, dtype and device on this machine and the current thread count (kernels are chosen by
+    all of them), probed with random rows at three offsets inside the tile."""
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    k = weight.shape[1]
+
+    def rand(m: int) -> torch.Tensor:
+        return torch.randn(m, k, generator=g, device=weight.device).to(weight.dtype)
+
+    probe = rand(ROW_TILE)
+    ref = F.linear(probe, weight, bias)
+    ok = [ROW_TILE]
+    for t in LARGER_TILES:
+        agree = True
+        for at in (0, t // 3, t - ROW_TILE):  # aligned, misaligned and last: kernel tails differ
+            x = rand(t)
+            x[at:at + ROW_TILE] = probe
+            agree = agree and torch.equal(F.linear(x, weight, bias)[at:at + ROW_TILE], ref)
+        if agree:
+            ok.append(t)
+    return tuple(sorted(ok, reverse=True))
 
 
 def context(kv: KVCache, layer: int, block_tables: torch.Tensor, length: int,
@@ -81,13 +132,17 @@ def context(kv: KVCache, layer: int, block_tables: torch.Tensor, length: int,
     return out[0], out[1]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+           window: int | None = None, cap: float | None = None) -> torch.Tensor:
     """Causal attention with bits that depend only on each query's own context.
 
     q [B, M, h, d]; k, v [B, kvh, W, d] from `context` (key j is absolute position j; keys past a
-    query's position are masked); q_pos [B, M]. The two products run in the K/V dtype (bf16 ones
+    query's position are masked, and in a sliding-window layer keys at or before position - window);
+    q_pos [B, M]; cap: Gemma 2's score soft-capping. The two products run in the K/V dtype (bf16 ones
     were measured invariant for these shapes too, and skip a float32 copy of every key); softmax
-    and the combine run in float32. Returns float32 [B, M, h, d].
+    and the combine run in float32. Returns float32 [B, M, h, d]. Window and soft-capping are
+    elementwise on the scores, and a wholly masked split adds exact zeros, so neither changes the
+    invariance argument.
     """
     bsz, m, h, d = q.shape
     kvh, width = k.shape[1], k.shape[2]
@@ -95,7 +150,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     # One matmul row per (query, head of the group), padded to a multiple of ROW_MULTIPLE rows.
     rows = m * g
     # Scores in log2 units: exp2 is ~7x faster than exp in this torch build on this CPU (measured).
-    qg = (q.float() * (scale * LOG2E)).to(k.dtype).view(bsz, m, kvh, g, d).transpose(1, 2).reshape(bsz, kvh, rows, d)
+    # (With soft-capping the scale cannot be folded: cap * tanh(s / cap) needs the plain score s.)
+    qscale = scale * LOG2E if cap is None else scale
+    qg = (q.float() * qscale).to(k.dtype).view(bsz, m, kvh, g, d).transpose(1, 2).reshape(bsz, kvh, rows, d)
     row_pos = q_pos[:, :, None].expand(bsz, m, g).reshape(bsz, rows)
     pad = -rows % ROW_MULTIPLE
     if pad:
@@ -105,7 +162,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     # A score is one length-d dot product: its bits do not depend on how many keys share the call
     # (measured, see the module docstring), so all keys go in one product per (sequence, kv head).
     scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [B, kvh, R, W]
-    hidden = torch.arange(width, device=row_pos.device)[None, None, :] > row_pos[:, :, None]  # [B, R, W]
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * (cap * LOG2E)
+    keys = torch.arange(width, device=row_pos.device)[None, None, :]
+    hidden = keys > row_pos[:, :, None]  # [B, R, W]
+    if window is not None:
+        hidden |= keys <= row_pos[:, :, None] - window
     scores.masked_fill_(hidden[:, None], float("-inf"))
     probs = torch.exp2(scores - scores.amax(-1, keepdim=True))  # the max is exact in any order
     # The sums over keys are where order matters: split-major [B, kvh, splits, R, KV_SPLIT], so each
@@ -122,51 +184,56 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
 
 
 class BatchInvariantForward:
-    """The deterministic forward of one CausalLM (holds its RoPE table)."""
+    """The deterministic forward of one CausalLM (holds its RoPE tables)."""
 
     def __init__(self, model: CausalLM) -> None:
-        spec = model.spec
-        rotary = model.model.rotary
-        positions = torch.arange(spec.max_position_embeddings)
-        freqs = positions.float()[:, None] * rotary.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()  # [max_pos, head_dim] float32, computed once
-
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        positions = torch.arange(model.spec.max_position_embeddings, device=model.lm_head.weight.device)
+        # [max_pos, 1, rotary dim] float32 cos/sin per RoPE of the model, computed once by the same
+        # Rotary (so the same variant) as the default path.
+        self.tables = [rotary(positions, torch.float32) for rotary in model.model.rotary]
 
     def _attention(self, attn: Attention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    batch: ForwardBatch, kv: KVCache, scratch: Scratch) -> torch.Tensor:
         n = batch.input_ids.shape[0]
         q, k, v = attn.qkv(x, rope, n)
         kv.write(attn.layer_id, batch.slot_mapping, k, v)
-        scale = attn.d**-0.5
+        scale, window, cap = attn.scale, attn.window, attn.softcap
         out = x.new_zeros(x.shape[0], attn.h, attn.d)  # row padding stays zero
         b = batch.num_decode
         if b:
             pos = batch.positions[:b]
             kc, vc = context(kv, attn.layer_id, batch.decode_block_tables, int(pos.max()) + 1, scratch)
-            out[:b] = attend(q[:b, None], kc, vc, pos[:, None], scale)[:, 0]
+            out[:b] = attend(q[:b, None], kc, vc, pos[:, None], scale, window, cap)[:, 0]
         for row in batch.prefill_rows:  # every chunk reads its whole context back from the cache
             kr, vr = context(kv, attn.layer_id, row.block_table[None], row.ctx_len, scratch)
             for s in range(row.start, row.start + row.length, QUERY_TILE):
                 e = min(s + QUERY_TILE, row.start + row.length)
-                out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale)[0]
+                out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale, window, cap)[0]
         return attn.o_proj(out.view(x.shape[0], attn.h * attn.d))
 
     def forward(self, model: CausalLM, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Same contract as CausalLM.forward: logits [len(batch.logits_index), vocab], model dtype."""
-        m = model.model
-        x = pad_rows(m.embed_tokens(batch.input_ids))  # padded once: every layer's matmuls see it
-        rope = self._rope(batch.positions, x.dtype)
+        x = model.embed(batch.input_ids)
+        ropes = [(cos[batch.positions].to(x.dtype), sin[batch.positions].to(x.dtype)) for cos, sin in self.tables]
         scratch: Scratch = {}
-        for layer in m.layers:
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), rope, batch, kv, scratch)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        wanted = batch.logits_index.shape[0]
-        return model.lm_head(m.norm(pad_rows(x[batch.logits_index])))[:wanted]
+
+        def attend_layer(attn: Attention, h: torch.Tensor) -> torch.Tensor:
+            return self._attention(attn, h, ropes[attn.rope_index], batch, kv, scratch)
+
+        for layer in model.model.layers:
+            x = layer(x, attend_layer)
+        return model.logits(x[batch.logits_index])
 
 
 def enable(model: CausalLM) -> None:
-    """Switch `model` to the batch-invariant forward (call on the compute thread: builds a table)."""
+    """Switch `model` to the batch-invariant forward (call on the compute thread: builds a table and
+    probes the tile sizes of each distinct linear shape)."""
+    probed: dict[tuple, tuple[int, ...]] = {}
+    for lin in [mod for mod in model.modules() if type(mod) is nn.Linear]:
+        key = (tuple(lin.weight.shape), lin.weight.dtype, lin.bias is not None)
+        if key not in probed:
+            with torch.no_grad():
+                probed[key] = tiles_for(lin.weight, lin.bias)
+        lin.__class__ = TiledLinear
+        lin.tiles = probed[key]
     model.batch_invariant = BatchInvariantForward(model)

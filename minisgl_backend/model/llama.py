@@ -1,13 +1,17 @@
-"""A Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""A Llama-family decoder over a paged KV cache: Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 2 and Gemma 3 (text).
 
-Parameter names mirror Hugging Face's so a safetensors state dict loads as is. The only
-difference from the reference implementation is attention: K/V of new tokens are written into
-the block pool, and every query reads its whole context back through its block table.
+Parameter names mirror Hugging Face's so a safetensors state dict loads as is (Phi-3's fused
+projections are split at load: `model/phi3.py`). The only difference from the reference
+implementation is attention: K/V of new tokens are written into the block pool, and every query
+reads its whole context back through its block table. The architectures differ by switches read
+from the config (`ModelSpec`): RoPE variant (`model/rope.py`), sliding-window layers, q/k norm,
+qkv bias, attention scale and logit soft-capping, and the Gemma block (`ModelSpec.gemma`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +19,13 @@ from torch import nn
 
 from minisgl_backend.errors import ConfigError
 from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.model.rope import RopeSpec, Rotary, apply_rotary
 
 if TYPE_CHECKING:
     from minisgl_backend.model.batch_invariant import BatchInvariantForward
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class PrefillRow(NamedTuple):
@@ -30,13 +38,20 @@ class PrefillRow(NamedTuple):
     block_table: torch.Tensor  # [ceil(ctx_len / block_size)] block ids
 
 
-def chunk_mask(row: PrefillRow) -> torch.Tensor | None:
-    """[length, ctx_len] causal mask of a later chunk; None for a first chunk (plain causal)."""
-    if row.ctx_len == row.length:
-        return None
+def chunk_mask(row: PrefillRow, window: int | None = None) -> torch.Tensor | None:
+    """[length, ctx_len] mask of one prompt chunk: query at position q sees key j iff j <= q (and,
+    in a sliding-window layer, j > q - window). None when plain causal attention over the chunk's
+    own keys is exact (a first chunk no longer than the window)."""
     prefix = row.ctx_len - row.length
+    if prefix == 0 and (window is None or row.length <= window):
+        return None
     dev = row.block_table.device  # built where attention runs: the block table is already there
-    return torch.arange(row.ctx_len, device=dev)[None, :] <= torch.arange(prefix, row.ctx_len, device=dev)[:, None]
+    q = torch.arange(prefix, row.ctx_len, device=dev)[:, None]
+    k = torch.arange(row.ctx_len, device=dev)[None, :]
+    mask = k <= q
+    if window is not None:
+        mask &= k > q - window
+    return mask
 
 
 class ForwardBatch(NamedTuple):
@@ -50,6 +65,29 @@ class ForwardBatch(NamedTuple):
     decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] bool: key j < context length
     prefill_rows: tuple[PrefillRow, ...]
     logits_index: torch.Tensor  # [M] token rows whose next-token logits are wanted
+
+
+def decode_window(batch: ForwardBatch, window: int | None, block_size: int
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(block tables, mask) the decode rows attend through. In a sliding-window layer only the
+    blocks that hold a row's last `window` keys are gathered, and the mask keeps keys at positions
+    p - window < j <= p (p: the row's position); otherwise batch.decode_block_tables / decode_mask."""
+    tables = batch.decode_block_tables
+    if window is None or tables is None:
+        return tables, batch.decode_mask
+    dev = tables.device
+    span = -(-(window - 1) // block_size) + 1  # most blocks that `window` consecutive keys touch
+    pos = batch.positions[: batch.num_decode].to(dev)[:, None]  # [B, 1]
+    first = torch.clamp(pos - window + 1, min=0) // block_size
+    if span >= tables.shape[1]:  # the whole context is no longer than the window's blocks
+        first = torch.zeros_like(first)
+        span = tables.shape[1]
+    idx = first + torch.arange(span, device=dev)[None, :]  # [B, span] block index within each row
+    # Indices past a row's table read some valid block; their keys lie after p, so they are masked.
+    narrow = tables.gather(1, idx.clamp(max=tables.shape[1] - 1))
+    keys = (idx[:, :, None] * block_size + torch.arange(block_size, device=dev)).view(len(pos), -1)
+    mask = (keys <= pos) & (keys > pos - window)
+    return narrow, mask[:, None, None, :]
 
 
 class ModelSpec(NamedTuple):
@@ -69,23 +107,57 @@ class ModelSpec(NamedTuple):
     qkv_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    model_type: str = "llama"
+    rope: RopeSpec | None = None  # None: plain RoPE with rope_theta over the whole head
+    local_rope: RopeSpec | None = None  # Gemma 3: the RoPE of sliding-window layers (None: `rope`)
+    sliding_window: int | None = None  # keys a query sees in a sliding layer, itself included
+    sliding_layers: tuple[bool, ...] = ()  # per layer; () = every layer, when sliding_window is set
+    attn_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # Gemma 2: attention scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    hidden_act: str = "silu"  # the MLP gate's activation (Gemma: gelu_pytorch_tanh)
+    # Gemma 2/3 block: (1 + weight) RMSNorm, embeddings scaled by sqrt(hidden_size), a norm after
+    # attention and one before and after the MLP.
+    gemma: bool = False
+
+    def window(self, layer: int) -> int | None:
+        if self.sliding_window is None or (self.sliding_layers and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
+
+    def ropes(self) -> tuple[RopeSpec, ...]:
+        """The distinct RoPEs: [0] global, [1] (Gemma 3) the sliding layers' one."""
+        main = self.rope or RopeSpec(self.head_dim, self.rope_theta)
+        return (main,) if self.local_rope is None else (main, self.local_rope)
+
+    def rope_index(self, layer: int) -> int:
+        """Which of ropes() the layer uses: the local one for a layer typed sliding_attention."""
+        return 1 if self.local_rope is not None and self.sliding_layers and self.sliding_layers[layer] else 0
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelSpec":
         model_type = getattr(cfg, "model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+        if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {model_type!r} in config.json "
-                              "(supported: llama, mistral, qwen2, qwen3)")
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"unsupported rope_type {rope_type!r} in config.json: only plain RoPE is implemented")
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        max_pos = cfg.max_position_embeddings
-        window = getattr(cfg, "sliding_window", None)
-        if window and getattr(cfg, "use_sliding_window", True):
-            max_pos = min(max_pos, window)  # full attention is exact only inside the window
+        gemma = model_type in ("gemma2", "gemma3_text")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError(f"{model_type} with use_bidirectional_attention is not a causal LM")
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        layer_types = tuple(getattr(cfg, "layer_types", None) or ())
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)} "
+                             "(supported: full_attention, sliding_attention)")
+        sliding = tuple(t == "sliding_attention" for t in layer_types)
+        if sliding and not any(sliding):
+            window = None
+        rope, local_rope = _rope_specs(cfg, head_dim)
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
+        scalar = getattr(cfg, "query_pre_attn_scalar", None) if gemma else None
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -95,13 +167,41 @@ class ModelSpec(NamedTuple):
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=float(theta),
-            max_position_embeddings=max_pos,
+            rope_theta=rope.theta,
+            max_position_embeddings=rope.context_limit(),  # not capped by a sliding window: it is real
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            model_type=model_type,
+            rope=rope,
+            local_rope=local_rope,
+            sliding_window=window,
+            sliding_layers=sliding,
+            attn_scale=float(scalar) ** -0.5 if scalar else None,
+            # transformers' Gemma 3 attention ignores attn_logit_softcapping; Gemma 2 applies it.
+            attn_softcap=getattr(cfg, "attn_logit_softcapping", None) if model_type == "gemma2" else None,
+            final_softcap=getattr(cfg, "final_logit_softcapping", None) if gemma else None,
+            hidden_act=act,
+            gemma=gemma,
         )
+
+
+def _rope_specs(cfg, head_dim: int) -> tuple[RopeSpec, RopeSpec | None]:
+    """(global RoPE, sliding layers' RoPE or None) from `rope_parameters` (transformers 5) or the
+    older `rope_scaling` + `rope_theta`; Gemma 3 nests one dict per layer type."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+
+    def spec(p: dict) -> RopeSpec:
+        p = {"rope_theta": getattr(cfg, "rope_theta", None) or 10000.0, **p}
+        return RopeSpec.from_hf(p, head_dim, cfg.max_position_embeddings,
+                                getattr(cfg, "original_max_position_embeddings", None),
+                                getattr(cfg, "partial_rotary_factor", None) or 1.0)
+
+    if isinstance(params.get("full_attention"), dict):
+        local = params.get("sliding_attention")
+        return spec(params["full_attention"]), spec(local) if isinstance(local, dict) else None
+    return spec(params), None
 
 
 class RMSNorm(nn.Module):
@@ -117,23 +217,34 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the stored weight is an offset from 1, and the scale is applied in float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Rotary(nn.Module):
-    """RoPE (non-interleaved halves, as in HF Llama); cos/sin computed per batch from positions."""
+def _norm(spec: ModelSpec, dim: int) -> RMSNorm:
+    return (GemmaRMSNorm if spec.gemma else RMSNorm)(dim, spec.rms_norm_eps)
 
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float, cap: float | None) -> torch.Tensor:
+    """SDPA with soft-capped scores (which SDPA cannot do), as transformers' eager attention:
+    q [1, h, L, d], k/v [1, kvh, S, d], mask [L, S] bool or None (causal)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, cap)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 class Attention(nn.Module):
@@ -141,13 +252,18 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.h, self.kvh, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.window = spec.window(layer_id)  # None: full attention
+        self.rope_index = spec.rope_index(layer_id)
+        self.sdpa_scale = spec.attn_scale  # None: SDPA's default 1/sqrt(d)
+        self.scale = spec.attn_scale or self.d**-0.5
+        self.softcap = spec.attn_softcap
         self.q_proj = nn.Linear(spec.hidden_size, self.h * self.d, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(spec.hidden_size, self.kvh * self.d, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(spec.hidden_size, self.kvh * self.d, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, spec.hidden_size, bias=False)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(self.d, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(self.d, spec.rms_norm_eps)
+            self.q_norm = _norm(spec, self.d)
+            self.k_norm = _norm(spec, self.d)
         self.qk_norm = spec.qk_norm
 
     def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], n: int
@@ -159,10 +275,13 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, kv: KVCache,
-                masks: list[torch.Tensor | None]) -> torch.Tensor:
+                masks: list[torch.Tensor | None],
+                decode: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """masks: chunk_mask(row, self.window) per prefill row; decode: decode_window(batch,
+        self.window, block_size) (None: the batch's decode block tables and mask)."""
         n = x.shape[0]
         q, k, v = self.qkv(x, rope, n)
         kv.write(self.layer_id, batch.slot_mapping, k, v)
@@ -170,33 +289,37 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         b = batch.num_decode
         if b:
-            out[:b] = self._decode_attention(q[:b], batch, kv)
+            tables, mask = (batch.decode_block_tables, batch.decode_mask) if decode is None else decode
+            out[:b] = self._decode_attention(q[:b], tables, mask, kv)
         for row, mask in zip(batch.prefill_rows, masks):
             s, e = row.start, row.start + row.length
             qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
-            if mask is None:  # first chunk: its own K/V are the whole context
+            if row.ctx_len == row.length:  # first chunk: its own K/V are the whole context
                 kr, vr = k[s:e], v[s:e]
             else:
                 kr, vr = kv.gather(self.layer_id, row.block_table)
                 kr, vr = kr[: row.ctx_len], vr[: row.ctx_len]
-            o = F.scaled_dot_product_attention(
-                qr, kr.transpose(0, 1)[None], vr.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, enable_gqa=True,
-            )
+            kr, vr = kr.transpose(0, 1)[None], vr.transpose(0, 1)[None]
+            if self.softcap is None:
+                o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, is_causal=mask is None,
+                                                   scale=self.sdpa_scale, enable_gqa=True)
+            else:
+                o = eager_attention(qr, kr, vr, mask, self.scale, self.softcap)
             out[s:e] = o[0].transpose(0, 1)
         return self.o_proj(out.reshape(n, self.h * self.d))
 
-    def _decode_attention(self, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def _decode_attention(self, q: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, kv: KVCache
+                          ) -> torch.Tensor:
         """All decode rows at once: each row's context gathered through its block table, padded, masked.
 
         Plain batched matmuls grouped by KV head: for one query token per row this is several times
         faster on CPU than SDPA's flash kernel, and it never materialises repeated K/V heads.
         """
         bsz, group = q.shape[0], self.h // self.kvh
-        kc, vc = kv.gather(self.layer_id, batch.decode_block_tables)  # [B, L, kvh, d]
+        kc, vc = kv.gather(self.layer_id, tables)  # [B, L, kvh, d]
         qg = q.view(bsz, self.kvh, group, self.d)
-        scores = torch.matmul(qg, kc.permute(0, 2, 3, 1)) * self.d**-0.5  # [B, kvh, group, L]
-        scores = scores.float().masked_fill_(~batch.decode_mask, float("-inf"))
+        scores = softcap(torch.matmul(qg, kc.permute(0, 2, 3, 1)) * self.scale, self.softcap)  # [B, kvh, group, L]
+        scores = scores.float().masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, vc.transpose(1, 2)).view(bsz, self.h, self.d)
 
@@ -207,9 +330,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.act = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+# attend(attention module, normed hidden states) -> attention output: the forward pass's attention
+# (default or batch-invariant), with that layer's RoPE and masks already bound.
+Attend = Callable[[Attention, torch.Tensor], torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
@@ -217,12 +346,25 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(spec, layer_id)
         self.mlp = MLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = _norm(spec, spec.hidden_size)
+        self.post_attention_layernorm = _norm(spec, spec.hidden_size)
+        self.gemma = spec.gemma
+        if spec.gemma:
+            self.pre_feedforward_layernorm = _norm(spec, spec.hidden_size)
+            self.post_feedforward_layernorm = _norm(spec, spec.hidden_size)
 
-    def forward(self, x, rope, batch, kv, masks):
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch, kv, masks)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        if not self.gemma:  # post_attention_layernorm is the MLP's input norm
+            x = x + attend(self.self_attn, self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # Gemma: post_attention_layernorm normalises the attention output; the MLP has its own pair.
+        x = x + self.post_attention_layernorm(attend(self.self_attn, self.input_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+def build_rotary(spec: ModelSpec) -> nn.ModuleList:
+    """One Rotary per distinct RoPE of the model (Attention.rope_index picks a layer's)."""
+    return nn.ModuleList(Rotary(r) for r in spec.ropes())
 
 
 class Decoder(nn.Module):
@@ -230,8 +372,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta)
+        self.norm = _norm(spec, spec.hidden_size)
+        self.rotary = build_rotary(spec)
 
 
 class CausalLM(nn.Module):
@@ -248,21 +390,42 @@ class CausalLM(nn.Module):
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if self.spec.gemma:  # the scale rounded to the model dtype first, as transformers does
+            x = x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype, device=x.device)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, LM head and (Gemma 2) soft-capping of the rows that need logits."""
+        return softcap(self.lm_head(self.model.norm(h)), self.spec.final_softcap)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Run one mixed batch; returns logits [len(batch.logits_index), vocab] in the model dtype."""
         if self.batch_invariant is not None:  # EngineConfig.deterministic
             return self.batch_invariant.forward(self, batch, kv)
         m = self.model
-        x = m.embed_tokens(batch.input_ids)
-        rope = m.rotary(batch.positions, x.dtype)
-        masks = [chunk_mask(row) for row in batch.prefill_rows]  # built once, shared by every layer
+        x = self.embed(batch.input_ids)
+        ropes = [rotary(batch.positions, x.dtype) for rotary in m.rotary]
+        # Masks are built once per window size and shared by every layer with that window.
+        masks = {}
+        for w in {layer.self_attn.window for layer in m.layers}:
+            masks[w] = ([chunk_mask(row, w) for row in batch.prefill_rows], decode_window(batch, w, kv.block_size))
+
+        def attend(attn: Attention, h: torch.Tensor) -> torch.Tensor:
+            return attn(h, ropes[attn.rope_index], batch, kv, *masks[attn.window])
+
         for layer in m.layers:
-            x = layer(x, rope, batch, kv, masks)
+            x = layer(x, attend)
         # Only rows that sample or score need the LM head (the largest matmul at this model size).
-        return self.lm_head(m.norm(x[batch.logits_index]))
+        return self.logits(x[batch.logits_index])
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.spec.model_type == "phi3":
+            from minisgl_backend.model.phi3 import split_fused_projections
+
+            state = split_fused_projections(state, self.spec)
         state = {k: v for k, v in state.items() if "rotary_emb" not in k}
         self.tie_weights()  # moving off the meta device unties shared parameters
         if self.spec.tie_word_embeddings:

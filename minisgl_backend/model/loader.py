@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from minisgl_backend.errors import ConfigError, MiniSGLError, ModelLoadError, ModelNotFoundError
-from minisgl_backend.model.llama import CausalLM, ModelSpec, Rotary
+from minisgl_backend.model.llama import CausalLM, ModelSpec, build_rotary
 
 log = logging.getLogger("minisgl")
 
@@ -143,7 +143,7 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
     del state
     model = model.to(DTYPES[dtype]).eval()
     # Rebuilt after to_empty/dtype conversion: the rope frequencies are not in the checkpoint and stay fp32.
-    model.model.rotary = Rotary(spec.head_dim, spec.rope_theta).to(device)
+    model.model.rotary = build_rotary(spec).to(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (ImportError, MemoryError, KeyboardInterrupt):

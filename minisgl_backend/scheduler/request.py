@@ -120,6 +120,7 @@ class Request:
         self.claims: list[int] = []  # prefix-block hashes this request computes for the cache
         self._block_hashes: list[int] | None = None
         self.num_preemptions = 0
+        self.high_water = 0  # furthest position whose K/V ever completed (survives preemption)
         self.finish_reason: FinishReason | None = None
         self.error: Exception | None = None  # set when the request failed on its own (logits processor)
         self.stop_ids = (frozenset() if params.ignore_eos else eos_ids) | frozenset(params.stop_token_ids)

@@ -4,7 +4,15 @@ Each step builds one batch under a token budget: one decode token per running re
 chunks of at most `chunk_size` tokens (mixed batches), or — with `mixed_batches=False` — a batch of
 only one kind, prompts first (the serial policy when `chunk_size=None` as well). Admission needs a
 token-table row and free blocks for the whole remaining prompt; a decode that finds no free block
-preempts the youngest running request (blocks released, requeued for recompute).
+preempts the running request that arrived last (blocks released, requeued for recompute).
+
+Progress under any pool that holds one request: the victim of a preemption is always the running
+request that arrived last, so the oldest one is never preempted while another runs; and admission
+leaves a watermark of free blocks for every running decode's next step, so a preempted request is
+not re-admitted with the very blocks the decode that preempted it is waiting for (prefill-first
+planning used to do exactly that, forever). `progress` counts what moves a request forward
+(committed tokens, finished requests, prompt positions computed for the first time): the engine's
+watchdog fails a loop whose iterations stop moving it.
 
 Planning uses lengths only, so with overlap it runs ahead of results: a request that drew EOS in
 iteration N may still have a decode row in N+1.. (planned before N's result was processed). Those
@@ -86,6 +94,7 @@ class Scheduler:
         self._claims: dict[int, Request] = {}  # prefix-block hash -> the running request computing it
         # async mode: (tokens, blocks) waiting for the idle point; each block holds one reference here
         self._deferred_inserts: list[tuple[list[int], list[int]]] = []
+        self.progress = 0  # grows with committed tokens, finishes and first-time prompt positions
 
     @property
     def newest_submitted(self) -> int:
@@ -118,6 +127,7 @@ class Scheduler:
             req.row = None
         req.status = RequestStatus.FINISHED
         self.finished.append(req)
+        self.progress += 1
 
     def _release_blocks(self, req: Request) -> None:
         # Fence = newest submitted iteration: the last one that may still read these blocks (S18).
@@ -203,7 +213,8 @@ class Scheduler:
             while not self._grow(req, req.planned_len):
                 if self.pool.num_pending:
                     break  # blocks come back when in-flight iterations complete: wait, don't preempt
-                victim = self.running[-1]
+                # The newest arrival goes: the oldest request always keeps its blocks and finishes.
+                victim = max(self.running, key=lambda r: r.arrival)
                 rows = [r for r in rows if r.req is not victim]
                 self._preempt(victim)
                 if victim is req:
@@ -218,6 +229,10 @@ class Scheduler:
         partial = [r for r in self.running if not r.is_decode]  # admitted, prompt not fully planned
         # Blocks that admitted prompts will still claim: new admissions must leave them free.
         reserved = sum(_blocks_for(r.planned_len, bs) - len(r.block_table) for r in partial)
+        # The watermark: room for the next decode step of every running decode. Without it a
+        # preempted request is re-admitted with the blocks its preemptor waits for (a livelock).
+        watermark = sum(max(0, _blocks_for(r.planned_len + 1, bs) - len(r.block_table))
+                        for r in self.running if r.is_decode and self._wants_decode(r))
         for req in partial + list(self.waiting):
             if budget <= 0:
                 break
@@ -235,7 +250,7 @@ class Scheduler:
                 if hit is None:
                     continue  # its next prefix block is being computed by another request: wait for it
                 need = _blocks_for(req.planned_len, bs) - len(hit)
-                if not self._ensure_free(need + reserved):
+                if not self._ensure_free(need + reserved + watermark):
                     self.pool.release(hit, fence=self.newest_submitted)  # the tree still holds them
                     break  # FCFS: later arrivals do not overtake the head of the queue
                 if req.row is None:
@@ -368,7 +383,11 @@ class Scheduler:
             req = row.req
             if req.status != RequestStatus.RUNNING or row.epoch != req.epoch:
                 continue  # finished, aborted or preempted after planning: a late result, dropped
-            full = min((row.start + row.length) // bs, len(req.block_table))
+            end = row.start + row.length
+            if end > req.high_water:  # positions recomputed after a preemption are no progress
+                self.progress += 1
+                req.high_water = end
+            full = min(end // bs, len(req.block_table))
             for i in range(req.num_readonly_blocks, full):
                 self.pool.write_completed(req.block_table[i])
             req.num_readonly_blocks = max(req.num_readonly_blocks, full)
@@ -387,6 +406,7 @@ class Scheduler:
                 req.logprobs.append(out.logprobs[id(req)])
             req.append_token(token, self.max_model_len)
             updates.append((req, [token]))
+            self.progress += 1
             if req.finish_reason is not None:
                 self._finish(req)
         self.retire()
