@@ -290,6 +290,7 @@ class Engine:
         prefix_cache_blocks), folded about once per second (exact at any moment with `metrics_exact`)."""
         return self._metrics.snapshot()
 
+    @property
     def is_alive(self) -> bool:
         """Whether the engine can serve requests: not closed, and neither its scheduler thread nor an
         executor worker has failed (a failed worker is noticed here before the next request)."""

@@ -130,7 +130,7 @@ def test_runtime_trigger_fails_only_its_request(engine, solo, name):
         assert isinstance(err.value.__cause__, cause)
     out = innocent.result(timeout=60)
     _same_as_solo(out, solo)
-    assert engine.is_alive()
+    assert engine.is_alive
     _serves_next(engine)
     _assert_drained(engine)
 
@@ -429,7 +429,7 @@ def test_processor_calling_back_into_the_engine_fails_instead_of_deadlocking(eng
         engine.abort(target.request_id)
         assert target.result(timeout=30).finish_reason in ("abort", "length")
     _same_as_solo(innocent.result(timeout=60), solo)
-    assert engine.is_alive()
+    assert engine.is_alive
     _assert_drained(engine)
 
 
@@ -489,10 +489,10 @@ def test_engine_dropped_with_work_in_flight_finishes_it_then_closes(tiny_model_d
 
 def test_closed_engine_reports_dead(tiny_model_dir):
     eng = Engine(EngineConfig(model=str(tiny_model_dir), num_blocks=16, block_size=4, num_threads=1))
-    assert eng.is_alive() and eng.dead is None
+    assert eng.is_alive and eng.dead is None
     eng.close()
     eng.close()  # idempotent
-    assert not eng.is_alive() and "closed" in str(eng.dead)
+    assert not eng.is_alive and "closed" in str(eng.dead)
 
 
 @pytest.mark.parametrize("impl", ["python", "native"])
@@ -541,7 +541,7 @@ def test_lm_eval_bad_gen_kwargs_fail_the_call_not_the_engine(engine, solo, gen_k
     _same_as_solo(innocent.result(timeout=60), solo)
     good = lm.generate_until([Instance("generate_until", {}, ("Hello", {"until": ["\n\n"], "do_sample": True,
                                                                          "temperature": 0.5, "seed": 2**64 - 1}), 0)])
-    assert isinstance(good[0], str) and engine.is_alive()
+    assert isinstance(good[0], str) and engine.is_alive
     _assert_drained(engine)
 
 

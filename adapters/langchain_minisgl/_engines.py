@@ -38,7 +38,7 @@ def get_engine(config: EngineConfig) -> Engine:
     (closed, or its scheduler thread failed) is replaced by a fresh one, never handed out again."""
     with _lock:
         eng = _engines.get(config)
-        if eng is not None and not eng.is_alive():
+        if eng is not None and not eng.is_alive:
             del _engines[config]
             try:
                 eng.close()  # releases its worker threads; callers of the old one already got EngineDeadError

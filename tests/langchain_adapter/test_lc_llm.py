@@ -146,7 +146,7 @@ def test_dead_engine_raises_in_the_caller_and_retries_on_a_fresh_one(tiny_model_
     dead.close()  # the engine stops under the model's feet
     # A dead registered engine is replaced, never reused: the next call starts a fresh one.
     assert isinstance(llm.invoke("Hello"), str)
-    assert llm.engine is not dead and llm.engine.is_alive()
+    assert llm.engine is not dead and llm.engine.is_alive
     # A request in flight when its engine dies fails with EngineDeadError (retried when asked).
     retrying = MiniSGL(**cfg, max_retries=1)
     assert isinstance(retrying.invoke("Hello"), str)

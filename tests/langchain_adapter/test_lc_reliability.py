@@ -52,7 +52,7 @@ def test_bad_per_call_value_fails_that_call_alone(llm, solo, kwargs, field):
         llm.invoke("Hello", **kwargs)
     t.join(60)
     assert innocent == [solo]
-    assert llm.engine is engine and engine.is_alive()
+    assert llm.engine is engine and engine.is_alive
     assert isinstance(llm.invoke("Next"), str)
 
 
@@ -60,7 +60,7 @@ def test_bad_per_call_value_through_the_chat_model(tiny_model_dir, llm):
     chat = ChatMiniSGL(model=str(tiny_model_dir), temperature=0, max_tokens=4, engine_config=ENGINE)
     with pytest.raises(InvalidSamplingParamsError, match="seed"):
         chat.invoke("Hi", seed=2**64, temperature=0.5)
-    assert chat.engine is llm.engine and chat.engine.is_alive()  # the same shared engine, still serving
+    assert chat.engine is llm.engine and chat.engine.is_alive  # the same shared engine, still serving
     assert isinstance(chat.invoke("Hi").content, str)
 
 
@@ -101,10 +101,10 @@ def test_a_dead_registered_engine_is_replaced_not_reused(tiny_model_dir):
     first = llm.engine
     assert isinstance(llm.invoke("Hello"), str)
     first._executor._fail(RuntimeError("simulated worker failure"))  # a worker thread died
-    assert not first.is_alive()
+    assert not first.is_alive
     assert isinstance(llm.invoke("Hello"), str)  # served by a fresh engine
     fresh = llm.engine
-    assert fresh is not first and fresh.is_alive()
+    assert fresh is not first and fresh.is_alive
     assert MiniSGL(**cfg).engine is fresh  # every model with that config gets the fresh one
     assert first.dead is not None  # the dead one was closed when it was replaced
     llm.close()
