@@ -40,15 +40,26 @@ struct TrackerState {
     std::vector<int64_t> done;  // completion order
     bool woken = false;
 
+    std::atomic<int64_t> spurious{0};  // completions refused because nothing was in flight
+
     // The completion path (any thread, including the CUDA runtime's callback thread): count + push,
     // nothing else (S13). Notifying after unlocking keeps the waiter from waking into a held mutex.
-    void complete(int64_t id) noexcept {
-        inflight.fetch_sub(1, std::memory_order_acq_rel);
+    // Returns false (and changes nothing) when no iteration is in flight: the count never goes
+    // negative, which would silently disable backpressure.
+    bool complete(int64_t id) noexcept {
+        int64_t cur = inflight.load(std::memory_order_relaxed);
+        do {
+            if (cur <= 0) {
+                spurious.fetch_add(1, std::memory_order_relaxed);
+                return false;
+            }
+        } while (!inflight.compare_exchange_weak(cur, cur - 1, std::memory_order_acq_rel));
         {
             std::lock_guard<std::mutex> lk(mu);
             done.push_back(id);
         }
         cv.notify_all();
+        return true;
     }
 };
 
@@ -122,7 +133,12 @@ class InflightTracker {
         } while (!s.inflight.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel));
     }
 
-    void complete(int64_t id) { state_->complete(id); }
+    void complete(int64_t id) {
+        if (!state_->complete(id)) {
+            throw std::runtime_error("InflightTracker.complete(" + std::to_string(id) +
+                                     "): no iteration is in flight");
+        }
+    }
 
     std::vector<int64_t> wait(double timeout_s) {
         if (std::isnan(timeout_s)) throw py::value_error("timeout_s must be a number");
@@ -190,7 +206,8 @@ PYBIND11_MODULE(_native, m) {
         .def(py::init<int64_t>(), py::arg("max_inflight"))
         .def("begin", &InflightTracker::begin, "Count one submitted iteration; RuntimeError beyond max_inflight.")
         .def("complete", &InflightTracker::complete, py::arg("iteration_id"),
-             "Decrement the counter and queue the id; callable from any thread.")
+             "Decrement the counter and queue the id; callable from any thread. RuntimeError when "
+             "no iteration is in flight (the count never goes negative).")
         .def("wait", &InflightTracker::wait, py::arg("timeout_s"),
              "Release the GIL, block until an id is queued, wake() or timeout; drain all queued ids.")
         .def("drain", &InflightTracker::drain, "Return all queued ids without blocking.")

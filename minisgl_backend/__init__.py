@@ -11,8 +11,11 @@ from minisgl_backend.errors import (
     InvalidRequestError,
     InvalidSamplingParamsError,
     MiniSGLError,
+    ModelLoadError,
     ModelNotFoundError,
     PromptTooLongError,
+    ReentrantCallError,
+    RequestFailedError,
 )
 from minisgl_backend.kvcache.block_pool import BlockState, InvariantError
 from minisgl_backend.scheduler.request import RequestHandle
@@ -31,8 +34,11 @@ __all__ = [
     "InvalidSamplingParamsError",
     "InvariantError",
     "MiniSGLError",
+    "ModelLoadError",
     "ModelNotFoundError",
     "PromptTooLongError",
+    "ReentrantCallError",
+    "RequestFailedError",
     "RequestHandle",
     "RequestOutput",
     "RequestTimings",

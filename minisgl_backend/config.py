@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 import yaml
 
 from minisgl_backend.errors import ConfigError
+from minisgl_backend.validation import SEED_LIMIT, Spec, machine_memory_gb, validate_fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -50,51 +52,27 @@ class EngineConfig:
     deterministic: bool = False  # batch-invariant forward: logits independent of batching and chunking
     # --- sampling (S8) ---
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh random seeds
+    # --- limits ---
+    max_logprobs: int = 20  # most `logprobs` / `prompt_logprobs` alternatives a request may ask for (vLLM's default)
     # --- runtime ---
     num_threads: int | None = None  # torch intra-op threads; None = torch default
 
     def __post_init__(self) -> None:
-        def bad(msg: str) -> None:
-            raise ConfigError(msg)
-
-        if self.dtype not in ("float32", "bfloat16"):
-            bad(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        try:
-            device_type = torch.device(self.device).type
-        except (RuntimeError, TypeError):
-            device_type = None
-        if device_type not in ("cpu", "cuda"):
-            bad(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.block_size < 1:
-            bad(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            bad(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory_gb <= 0:
-            bad(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if self.max_num_seqs < 1:
-            bad(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            bad(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.chunk_size is not None and self.chunk_size < 1:
-            bad(f"chunk_size must be >= 1 or None, got {self.chunk_size}")
-        if self.max_inflight < 1:
-            bad(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if isinstance(self.model, os.PathLike):
+            object.__setattr__(self, "model", os.fspath(self.model))
         if self.prefix_cache is False:  # YAML 1.1 reads a bare `off` as false
             object.__setattr__(self, "prefix_cache", "off")
-        if self.prefix_cache not in ("off", "sync", "async"):
-            bad(f"prefix_cache must be 'off', 'sync' or 'async', got {self.prefix_cache!r}")
-        if self.callback_impl not in ("native", "python"):
-            bad(f"callback_impl must be 'native' or 'python', got {self.callback_impl!r}")
-        if self.stats_interval_s < 0:
-            bad(f"stats_interval_s must be >= 0, got {self.stats_interval_s}")
-        if not self.stall_timeout_s >= 0:  # also rejects NaN
-            bad(f"stall_timeout_s must be >= 0 (0 turns the watchdog off), got {self.stall_timeout_s}")
-        if self.debug_delay_ms < 0:
-            bad(f"debug_delay_ms must be >= 0, got {self.debug_delay_ms}")
-        if not isinstance(self.deterministic, bool):  # a truthy string must not silently turn it on
-            bad(f"deterministic must be true or false, got {self.deterministic!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            bad(f"max_model_len must be >= 1 or None, got {self.max_model_len}")
+        validate_fields(self, _SPECS, ConfigError)
+        try:
+            device_type = torch.device(self.device).type
+        except (RuntimeError, TypeError, ValueError):
+            device_type = None
+        if device_type not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        mem = machine_memory_gb()
+        if device_type == "cpu" and mem is not None and self.kv_cache_memory_gb > mem:
+            raise ConfigError(f"kv_cache_memory_gb must be > 0 and at most this machine's memory "
+                              f"({mem:.1f} GiB), got {self.kv_cache_memory_gb}")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -122,3 +100,33 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return self.from_dict({**dataclasses.asdict(self), **changes})
+
+
+# What every field accepts (minisgl_backend/validation.py): types are exact, ranges named in errors.
+_SPECS: dict[str, Spec] = {
+    "model": Spec("str", note="alias, Hugging Face directory or .gguf path"),
+    "dtype": Spec("choice", choices=("float32", "bfloat16")),
+    "device": Spec("str", note="'cpu', 'cuda' or 'cuda:N'"),
+    "max_model_len": Spec("int", lo=1, optional=True, note="None = the model's limit"),
+    "block_size": Spec("int", lo=1, hi=65536),
+    "num_blocks": Spec("int", lo=1, optional=True, note="None = sized from kv_cache_memory_gb"),
+    "kv_cache_memory_gb": Spec("float", lo=0, lo_open=True),
+    "max_num_seqs": Spec("int", lo=1),
+    "max_num_batched_tokens": Spec("int", lo=1),
+    "chunk_size": Spec("int", lo=1, optional=True, note="None = whole-prompt prefill"),
+    "mixed_batches": Spec("bool"),
+    "prefix_cache": Spec("choice", choices=("off", "sync", "async")),
+    "overlap": Spec("bool"),
+    "max_inflight": Spec("int", lo=1),
+    "callback_impl": Spec("choice", choices=("native", "python")),
+    "debug_unsafe_reclaim": Spec("bool"),
+    "debug_delay_ms": Spec("float", lo=0),
+    "metrics_exact": Spec("bool"),
+    "stats_interval_s": Spec("float", lo=0, note="0 = off"),
+    "stall_timeout_s": Spec("float", lo=0, note="0 turns the watchdog off"),
+    "trace": Spec("bool"),
+    "deterministic": Spec("bool"),
+    "seed": Spec("int", lo=0, hi=SEED_LIMIT, hi_open=True, optional=True),
+    "max_logprobs": Spec("int", lo=0),
+    "num_threads": Spec("int", lo=1, optional=True, note="None = torch default"),
+}

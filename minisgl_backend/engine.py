@@ -6,6 +6,7 @@ import atexit
 import copy
 import itertools
 import logging
+import numbers
 import queue
 import random
 import threading
@@ -24,6 +25,7 @@ from minisgl_backend.errors import (
     InvalidRequestError,
     InvalidSamplingParamsError,
     PromptTooLongError,
+    ReentrantCallError,
 )
 from minisgl_backend.executor import make_executor
 from minisgl_backend.executor.inputs import build_inputs
@@ -39,6 +41,7 @@ from minisgl_backend.scheduler.request import Request, RequestHandle
 from minisgl_backend.scheduler.scheduler import Batch, Scheduler
 from minisgl_backend.scheduler.watchdog import ProgressWatchdog
 from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
+from minisgl_backend.validation import check_text
 
 log = logging.getLogger("minisgl")
 
@@ -56,6 +59,68 @@ def _close_live_engines() -> None:
     # destructor -> std::terminate ("terminate called without an active exception"). Stop them first.
     for engine in list(_LIVE_ENGINES):
         engine.close()
+
+
+# Engines whose idle scheduler thread has a command coming: the command's sender may drop the
+# Engine right after sending, and the thread must still find it alive to serve that command.
+_PINNED: "set[Engine]" = set()
+
+
+def _scheduler_main(ref: "weakref.ref[Engine]") -> None:
+    """The scheduler thread. It holds the Engine strongly only while there is work: when idle it
+    waits for the next command through a weak reference, so an Engine dropped without close() is
+    collected and its finaliser stops every thread (nothing can be pending then: idle means every
+    request was delivered, and a command sent to an idle engine pins it until the thread wakes)."""
+    while True:
+        engine = ref()
+        if engine is None:
+            return
+        _PINNED.discard(engine)
+        inbox = engine._inbox
+        if not engine._loop():  # False: stopped for good; True: idle
+            return
+        with engine._life_lock:  # pairs with _send: from here on a sender pins the engine
+            try:
+                engine._resumed.append(inbox.get_nowait())  # a command raced in: stay busy
+                continue
+            except queue.Empty:
+                engine._idle = True
+        del engine
+        cmd = inbox.get()
+        engine = ref()
+        if engine is None:  # only the finaliser's stop arrives unpinned
+            return
+        engine._resumed.append(cmd)
+        del engine
+
+
+def _shutdown(inbox: queue.SimpleQueue, tracker: Any, thread: threading.Thread, executor: Any, metrics: Metrics) -> None:
+    """Stop an engine's threads (Engine.close, or the finaliser of an Engine dropped without it).
+    Holds no reference to the Engine itself."""
+    inbox.put(("stop",))
+    tracker.wake()
+    current = threading.current_thread()
+    if thread is not current and thread.is_alive():
+        thread.join()
+    if current in executor.threads:  # collected on a worker thread: it cannot join itself
+        threading.Thread(target=_close_workers, args=(executor, metrics), name="minisgl-closer", daemon=True).start()
+    else:
+        _close_workers(executor, metrics)
+
+
+def _close_workers(executor: Any, metrics: Metrics) -> None:
+    executor.close()
+    metrics.close()
+
+
+def _weak_stats_line(method: Callable[..., str]) -> Callable[..., str]:
+    ref = weakref.WeakMethod(method)  # the metrics thread must not keep the Engine alive
+
+    def stats_line(*args: Any) -> str:
+        fn = ref()
+        return fn(*args) if fn is not None else ""
+
+    return stats_line
 
 
 def _as_params(params: ParamsLike) -> SamplingParams:
@@ -87,7 +152,7 @@ class Engine:
         self._tracker = make_tracker(config.callback_impl, self._max_inflight)
         # Known once the model is loaded; the stats line (a metrics thread) may fire before that.
         self.num_blocks = 0
-        self._metrics = Metrics(exact=config.metrics_exact, stats_line=self._stats_line,
+        self._metrics = Metrics(exact=config.metrics_exact, stats_line=_weak_stats_line(self._stats_line),
                                 stats_every_s=config.stats_interval_s)
         self.tracer = Tracer(config.trace)
         try:
@@ -136,7 +201,15 @@ class Engine:
         self._dead: BaseException | None = None
         self._life_lock = threading.Lock()
         self._handles: dict[str, RequestHandle] = {}  # scheduler thread only
-        self._thread = threading.Thread(target=self._loop, name="minisgl-scheduler", daemon=True)
+        self._resumed: list[tuple] = []  # the command that woke an idle scheduler thread (_scheduler_main)
+        self._idle = False  # the scheduler thread waits without holding the Engine (under _life_lock)
+        # The thread holds only a weak reference (see _scheduler_main): dropping the Engine closes it.
+        self._thread = threading.Thread(target=_scheduler_main, args=(weakref.ref(self),),
+                                        name="minisgl-scheduler", daemon=True)
+        # Blocking calls from these threads (a logits processor, a done-callback) would deadlock.
+        self._own_threads = frozenset([self._thread, *self._executor.threads])
+        self._finalizer = weakref.finalize(self, _shutdown, self._inbox, self._tracker, self._thread,
+                                           self._executor, self._metrics)
         self._thread.start()
         _LIVE_ENGINES.add(self)
 
@@ -154,6 +227,7 @@ class Engine:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run prompts to completion (all submitted at once); outputs in input order."""
+        self._not_reentrant("Engine.generate()")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -181,6 +255,7 @@ class Engine:
 
     def stream(self, prompt: Prompt, params: ParamsLike = None) -> Iterator[StreamDelta]:
         """Yield deltas as tokens are produced; closing the iterator early aborts the request."""
+        self._not_reentrant("Engine.stream()")
         handle = self.submit(prompt, params)
         try:
             yield from handle
@@ -195,6 +270,7 @@ class Engine:
     def check_invariants(self) -> dict[str, int]:
         """Verify KV accounting on the scheduler thread. Returns block counts per state plus
         'running' and 'waiting'; raises InvariantError when anything is inconsistent."""
+        self._not_reentrant("Engine.check_invariants()")
         return self._call(self._check_invariants)
 
     def drain(self, timeout: float | None = None, flush_cache: bool = False) -> dict[str, int]:
@@ -202,6 +278,7 @@ class Engine:
         block and row has been reclaimed), then return `check_invariants()`. Blocks the prefix cache
         holds stay READ_ONLY (`cached` in the result) unless `flush_cache`, which evicts them all so
         that every block is FREE."""
+        self._not_reentrant("Engine.drain()")
         fut: Future = Future()
         self._send("drain", fut, flush_cache)
         return fut.result(timeout)
@@ -213,13 +290,22 @@ class Engine:
         prefix_cache_blocks), folded about once per second (exact at any moment with `metrics_exact`)."""
         return self._metrics.snapshot()
 
+    @property
+    def is_alive(self) -> bool:
+        """Whether the engine can serve requests: not closed, and neither its scheduler thread nor an
+        executor worker has failed (a failed worker is noticed here before the next request)."""
+        return self._dead is None and self._thread.is_alive() and self._executor.error is None
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the engine stopped (an EngineDeadError, cause chained), or None while it runs."""
+        return self._dead
+
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._inbox.put(("stop",))
-            self._tracker.wake()
-            self._thread.join()
-        self._executor.close()
-        self._metrics.close()
+        """Stop the engine: waiting callers get EngineDeadError; idempotent. An Engine dropped
+        without close() is closed by its finaliser once collected."""
+        self._not_reentrant("Engine.close()")
+        self._finalizer()
 
     def __enter__(self) -> "Engine":
         return self
@@ -232,8 +318,19 @@ class Engine:
         with self._life_lock:  # pairs with _fail_all: nothing is queued after the final drain
             if self._dead is not None:
                 raise EngineDeadError(f"engine is not running: {self._dead}") from self._dead
+            if self._idle:  # keep the Engine alive until its thread has taken this command
+                self._idle = False
+                _PINNED.add(self)
             self._inbox.put(cmd)
         self._tracker.wake()  # the scheduler may be blocked waiting for completions
+
+    def _not_reentrant(self, what: str) -> None:
+        current = threading.current_thread()
+        if current in self._own_threads:
+            raise ReentrantCallError(
+                f"{what} was called from the engine's own thread {current.name!r} (e.g. inside a logits "
+                "processor or a result callback): it would wait for work that this thread must do, a "
+                "deadlock. Call it from another thread.")
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         fut: Future = Future()
@@ -242,14 +339,19 @@ class Engine:
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            check_text("the prompt", prompt, InvalidRequestError)
             with self._encode_lock:
                 return list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, Sequence) or not all(isinstance(t, int) for t in prompt):
-            raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if (isinstance(prompt, (bytes, bytearray, memoryview)) or not isinstance(prompt, Sequence)
+                or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)):
+            kind = type(prompt).__name__
+            raise InvalidRequestError(f"a prompt must be a string or a list of int token ids, got {kind}"
+                                      + (" (decode bytes to str first)" if isinstance(prompt, bytes) else ""))
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        return list(prompt)
+        return ids
 
     def _make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> Request:
         ids = self._tokenize(prompt)
@@ -262,12 +364,22 @@ class Engine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise InvalidSamplingParamsError(f"stop_token_ids out of range [0, {self.vocab_size}): {bad_stop}")
+        cap = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > cap:
+                raise InvalidSamplingParamsError(
+                    f"{name} must be in [0, {cap}] (the engine's max_logprobs setting), got {k}")
         seed = params.seed
         if seed is None:  # reported in the output so the sample can be replayed
             with self._seed_lock:
                 seed = self._seed_rng.getrandbits(63)
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise InvalidRequestError(f"request_id must be a non-empty string or None, got {request_id!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Request(rid, ids, params, seed, self._eos_ids, self._detok_tokenizer, RequestHandle(rid))
+        handle = RequestHandle(rid)
+        handle._engine_threads = self._own_threads
+        return Request(rid, ids, params, seed, self._eos_ids, self._detok_tokenizer, handle)
 
     # ------------------------------------------------------------------ scheduler thread
     def _check_invariants(self) -> dict[str, int]:
@@ -291,13 +403,17 @@ class Engine:
         return {**counts, "cached": cached, "running": len(sched.running), "waiting": len(sched.waiting),
                 "rows_free": self._rows.num_free, "inflight": len(self._inflight)}
 
-    def _loop(self) -> None:
+    def _loop(self) -> bool:
+        """Run until idle (True: _scheduler_main waits for the next command without holding the
+        Engine, then calls this again) or stopped (False)."""
         sched, tracker, limit = self._scheduler, self._tracker, self._max_inflight
         done: list[int] = []
         try:
             while True:
                 idle = not sched.has_work() and not self._inflight and not done
-                cmds = [self._inbox.get()] if idle else []
+                if idle and not self._resumed:
+                    return True
+                cmds, self._resumed = self._resumed, []
                 while True:
                     try:
                         cmds.append(self._inbox.get_nowait())
@@ -308,7 +424,7 @@ class Engine:
                         self._handle(cmd)
                 if any(cmd[0] == "stop" for cmd in cmds):
                     self._fail_all(EngineDeadError("engine closed"))
-                    return
+                    return False
                 done += tracker.drain()
                 if self._executor.error is not None:
                     raise self._executor.error
@@ -342,6 +458,7 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - every failure must reach the callers, not hang them
             log.exception("scheduler thread failed")
             self._fail_all(EngineDeadError(f"scheduler thread failed: {e!r}"), cause=e)
+            return False
 
     def _fill_pipeline(self, limit: int) -> None:
         """Plan and submit iterations while fewer than `limit` are in flight (S13 backpressure)."""

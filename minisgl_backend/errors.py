@@ -41,7 +41,22 @@ class EngineDeadError(MiniSGLError, RuntimeError):
     """The engine stopped (closed, or its scheduler thread failed); the cause is chained."""
 
 
-
 class EngineStalledError(MiniSGLError, RuntimeError):
     """The scheduler kept running iterations without moving any request forward for
     `stall_timeout_s` (a livelock); the progress watchdog stops the engine rather than spin."""
+
+
+class RequestFailedError(MiniSGLError, RuntimeError):
+    """One request failed while it was sampled or scored (its logits processor raised or returned an
+    unusable row, or its draw had no candidate token). Only that request ends; the cause is chained
+    (`__cause__`) and named in the message. The engine keeps serving."""
+
+
+class ReentrantCallError(MiniSGLError, RuntimeError):
+    """A blocking Engine / RequestHandle method was called from one of the engine's own threads
+    (e.g. from a logits processor), where waiting would deadlock the engine."""
+
+
+class ModelLoadError(ModelNotFoundError):
+    """The model reference resolves to files that cannot be loaded (corrupt or truncated safetensors
+    or GGUF, weights that do not match config.json). A ModelNotFoundError, so one except catches both."""

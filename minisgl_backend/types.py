@@ -10,7 +10,17 @@ from typing import Any, Callable, Literal, NamedTuple, Sequence
 import torch
 
 from minisgl_backend.errors import InvalidSamplingParamsError
+from minisgl_backend.validation import (
+    SEED_LIMIT,
+    Spec,
+    check_callables,
+    check_int_sequence,
+    check_str_sequence,
+    validate_fields,
+)
 
+# A temperature below this is greedy (argmax): dividing logits by a smaller one only overflows.
+GREEDY_EPSILON = 1e-5
 FinishReason = Literal["stop", "length", "abort"]
 # (output token ids so far, float32 CPU logits row [vocab]) -> logits row to sample from.
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
@@ -20,13 +30,17 @@ LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 class SamplingParams:
     """How to decode one request (vLLM-compatible names).
 
-    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 and min_p 0 disable those filters.
-    `seed` fixes the random draws: the token at absolute position p is chosen with noise derived
-    from hash(seed, p, token id) only, so it does not depend on batching or chunking (S8).
+    temperature 0 means greedy, and so does any temperature below GREEDY_EPSILON (1e-5). top_k 0
+    (or -1) and top_p 1 and min_p 0 disable those filters. `seed` (0 <= seed < 2**64) fixes the
+    random draws: the token at absolute position p is chosen with noise derived from hash(seed, p, token id) only, so it does not depend on batching or chunking (S8).
     `logprobs=k` returns the sampled token's logprob plus the k most likely alternatives;
     `prompt_logprobs=k` does the same for prompt tokens from index `prompt_logprobs_start` on.
-    `logits_processors` run on the scheduler thread before the draw (e.g. constrained decoding);
-    one that raises ends only its own request, with that exception.
+    `logprobs` / `prompt_logprobs` are capped by the engine's `max_logprobs` (checked at submit).
+    `logits_processors` run on the engine's copy thread before the draw (e.g. constrained decoding);
+    one that raises (anything, SystemExit included) or returns an unusable row (not a float tensor
+    of the vocabulary's shape, NaN or +inf, or nothing left to draw) ends only its own request, with
+    a RequestFailedError chaining the cause. A processor must not call blocking engine methods
+    (ReentrantCallError).
     """
 
     temperature: float = 1.0
@@ -45,46 +59,27 @@ class SamplingParams:
     logits_processors: tuple[LogitsProcessor, ...] = ()
 
     def __post_init__(self) -> None:
+        err = InvalidSamplingParamsError
         # Accept lists / a single string for convenience, store tuples so params stay hashable.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
-        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
-        if self.top_k == -1:
+        object.__setattr__(self, "stop", check_str_sequence("stop", self.stop, err))
+        object.__setattr__(self, "stop_token_ids", check_int_sequence("stop_token_ids", self.stop_token_ids, err))
+        object.__setattr__(self, "logits_processors",
+                           check_callables("logits_processors", self.logits_processors, err))
+        if self.top_k == -1 and not isinstance(self.top_k, bool):
             object.__setattr__(self, "top_k", 0)
-        self._validate()
-
-    def _validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise InvalidSamplingParamsError(msg)
-
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be 0/-1 (disabled) or a positive int, got {self.top_k!r}")
-        if not (0.0 <= self.min_p <= 1.0):
-            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad(f"seed must be a non-negative int or None, got {self.seed!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad(f"stop must hold non-empty strings, got {self.stop!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0):
-                bad(f"{name} must be None or a non-negative int, got {v!r}")
-        if any(not callable(f) for f in self.logits_processors):
-            bad("logits_processors must be callables (output_ids, logits) -> logits")
-        if self.prompt_logprobs_start < 1:
-            bad(f"prompt_logprobs_start must be >= 1 (token 0 has no context), got {self.prompt_logprobs_start}")
+        validate_fields(self, _SPECS, err)
+        if any(t < 0 for t in self.stop_token_ids):
+            raise err(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPSILON
+
+    @classmethod
+    def check_value(cls, field: str, value: Any, label: str | None = None) -> Any:
+        """Check one value against `field`'s rule (for adapters that must look at a raw value before
+        their framework casts it); returns it normalised or raises InvalidSamplingParamsError."""
+        return _SPECS[field].check(label or field, value, InvalidSamplingParamsError)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
@@ -95,6 +90,21 @@ class SamplingParams:
                 f"unknown sampling parameter(s) {unknown}; valid: {', '.join(names)}"
             )
         return cls(**values)
+
+
+_SPECS: dict[str, Spec] = {
+    "temperature": Spec("float", lo=0, note=f"0, or anything below {GREEDY_EPSILON}, is greedy"),
+    "top_p": Spec("float", lo=0, hi=1, lo_open=True),
+    "top_k": Spec("int", lo=0, note="0 or -1 = off"),
+    "min_p": Spec("float", lo=0, hi=1),
+    "seed": Spec("int", lo=0, hi=SEED_LIMIT, hi_open=True, optional=True),
+    "max_tokens": Spec("int", lo=1),
+    "ignore_eos": Spec("bool"),
+    "logprobs": Spec("int", lo=0, optional=True, note="capped by the engine's max_logprobs"),
+    "prompt_logprobs": Spec("int", lo=0, optional=True, note="capped by the engine's max_logprobs"),
+    "prompt_logprobs_start": Spec("int", lo=1, note="token 0 has no context"),
+    "skip_special_tokens": Spec("bool"),
+}
 
 
 class TokenLogprob(NamedTuple):

@@ -15,6 +15,7 @@ from minisgl_backend import (
     InvalidSamplingParamsError,
     ModelNotFoundError,
     PromptTooLongError,
+    RequestFailedError,
     SamplingParams,
 )
 
@@ -200,8 +201,9 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine):
     with pytest.raises(EmptyPromptError):
         engine.generate(["fine", ""], use_tqdm=False)
     handle = engine.submit("x", SamplingParams(logits_processors=[lambda ids, logits: 1 / 0]))
-    with pytest.raises(ZeroDivisionError):
+    with pytest.raises(RequestFailedError, match="ZeroDivisionError") as err:
         handle.result(timeout=30)
+    assert isinstance(err.value.__cause__, ZeroDivisionError)
     assert engine.generate(["still serving"], GREEDY, use_tqdm=False)[0].finish_reason == "length"
     _assert_drained(engine)
 

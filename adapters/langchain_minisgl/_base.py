@@ -56,7 +56,12 @@ class MiniSGLParams(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _reject_unknown(cls, values: Any) -> Any:
-        return reject_unknown_fields(cls, values)
+        values = reject_unknown_fields(cls, values)
+        if isinstance(values, dict):
+            # The engine's checks on the values as given, before pydantic coerces them ("0.5" -> 0.5,
+            # True -> 1): the same rules as per-call kwargs and the Python API.
+            SamplingParams(**{k: values[k] for k in SAMPLING_FIELDS if k in values})
+        return values
 
     @property
     def _identifying_params(self) -> dict[str, Any]:

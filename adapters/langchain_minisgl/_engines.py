@@ -2,7 +2,7 @@
 
 Many chains, threads and models feed the same continuous batch. Engines live until `close_engine` /
 `close_all` (or interpreter exit): a model object going out of scope does not stop an engine another
-model may be using.
+model may be using. An engine that died is replaced by a fresh one on the next use.
 """
 
 from __future__ import annotations
@@ -34,9 +34,17 @@ def build_config(model: str | None, engine_config: dict[str, Any], engine_preset
 
 def get_engine(config: EngineConfig) -> Engine:
     """The shared engine for `config`, started on first use. The lock is held while loading (seconds)
-    so two threads asking at once never load the same model twice."""
+    so two threads asking at once never load the same model twice. A registered engine that died
+    (closed, or its scheduler thread failed) is replaced by a fresh one, never handed out again."""
     with _lock:
         eng = _engines.get(config)
+        if eng is not None and not eng.is_alive:
+            del _engines[config]
+            try:
+                eng.close()  # releases its worker threads; callers of the old one already got EngineDeadError
+            except Exception:  # noqa: BLE001 - a dead engine failing to close must not block a fresh one
+                pass
+            eng = None
         if eng is None:
             eng = Engine(config)
             _engines[config] = eng

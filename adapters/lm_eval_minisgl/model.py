@@ -44,6 +44,8 @@ ADAPTER_ARGS = {
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
 _DEFAULT_SEED = 1234  # lm-eval's own default seed: sampled generations replay run to run
 _REPO_ROOT = Path(__file__).resolve().parents[2]  # editable/source checkout: configs/ lives here
+_GEN_KWARGS_CAST = {"temperature": "temperature", "max_gen_toks": "max_tokens", "max_new_tokens": "max_tokens",
+                    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens"}
 _GEN_KWARGS_USED = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k", "min_p", "seed"}
 
 
@@ -283,22 +285,30 @@ class MiniSGLLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[SamplingParams, list[str], int]:
+        # lm-eval's normalisation casts with int()/float() (True -> 1, 2.5 -> 2, "hot" -> ValueError):
+        # check the raw values it casts first, so a bad one is a typed error naming the field.
+        for key, field in _GEN_KWARGS_CAST.items():
+            if gen_kwargs.get(key) is not None:
+                SamplingParams.check_value(field, gen_kwargs[key], f"{field} (gen_kwargs {key!r})")
         kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
         ignored = sorted(set(kwargs) - _GEN_KWARGS_USED)
         if ignored:
             log.warning("generation kwargs %s are not supported by minisgl and are ignored", ignored)
-        greedy = not kwargs.get("do_sample") or float(kwargs.get("temperature", 0.0)) == 0.0
+        # Values go to SamplingParams as given (no int()/float() casts that would turn True into 1,
+        # 1.7 into 1 or 2**64 into an overflow on the engine): its validation names a bad field.
+        temperature = kwargs.get("temperature", 0.0)
+        greedy = not kwargs.get("do_sample") or (not isinstance(temperature, bool) and temperature == 0)
         params = SamplingParams(
-            temperature=0.0 if greedy else float(kwargs["temperature"]),
-            top_p=float(kwargs.get("top_p") or 1.0),
-            top_k=int(kwargs.get("top_k") or 0),
-            min_p=float(kwargs.get("min_p") or 0.0),
-            seed=None if kwargs.get("seed") is None else int(kwargs["seed"]),
-            max_tokens=int(kwargs["max_gen_toks"]),
+            temperature=0.0 if greedy else temperature,
+            top_p=kwargs.get("top_p") or 1.0,
+            top_k=kwargs.get("top_k") or 0,
+            min_p=kwargs.get("min_p") or 0.0,
+            seed=kwargs.get("seed"),
+            max_tokens=kwargs["max_gen_toks"],
             stop=tuple(s for s in until if s),
         )
-        return params, until, int(kwargs["max_gen_toks"])
+        return params, until, params.max_tokens
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         eos = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from minisgl_backend.config import EngineConfig
-from minisgl_backend.errors import DeviceUnavailableError
+from minisgl_backend.errors import ConfigError, DeviceUnavailableError
 from minisgl_backend.executor.base import DualWorkerExecutor
 from minisgl_backend.executor.tracker import InflightTracker, make_tracker
 from minisgl_backend.metrics import Metrics, Tracer
@@ -34,6 +34,10 @@ def make_executor(config: EngineConfig, tracker: InflightTracker, metrics: Metri
 
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+        total_gb = torch.cuda.get_device_properties(dev).total_memory / 2**30
+        if config.num_blocks is None and config.kv_cache_memory_gb > total_gb:
+            raise ConfigError(f"kv_cache_memory_gb must be at most the memory of {dev} ({total_gb:.1f} GiB), "
+                              f"got {config.kv_cache_memory_gb}")
         copied = make_tracker(config.callback_impl, tracker.max_inflight)
         return CUDAExecutor(dev, tracker, copied, metrics, tracer, debug_delay_ms=config.debug_delay_ms)
     from minisgl_backend.executor.cpu import CPUExecutor

@@ -102,6 +102,11 @@ class DualWorkerExecutor:
         self.tracker.begin()
         self._compute_q.put(inputs)
 
+    @property
+    def threads(self) -> tuple[threading.Thread, ...]:
+        """The worker threads (the engine refuses blocking calls made from them)."""
+        return tuple(self._threads)
+
     def take_result(self, iteration: int) -> StepOutput:
         return self.results.pop(iteration)
 
@@ -126,6 +131,9 @@ class DualWorkerExecutor:
                         fut.set_result(fn())
                     except BaseException as e:  # noqa: BLE001 - raised in the caller
                         fut.set_exception(e)
+                    # Drop the closure before waiting again: it may reference the Engine, which
+                    # must stay collectable (its finaliser closes it).
+                    inp = fn = fut = None
                     continue
                 if not self._wait_sampled(inp.depends_on):  # S6: the tokens it reads are written first
                     return

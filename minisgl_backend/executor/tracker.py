@@ -27,7 +27,7 @@ class InflightTracker(Protocol):
     """What the executor relies on; both implementations satisfy it."""
 
     def begin(self) -> None: ...
-    def complete(self, iteration_id: int) -> None: ...
+    def complete(self, iteration_id: int) -> None: ...  # RuntimeError when nothing is in flight
     def wait(self, timeout_s: float) -> list[int]: ...
     def drain(self) -> list[int]: ...
     def wake(self) -> None: ...
@@ -65,6 +65,8 @@ class PyInflightTracker:
 
     def complete(self, iteration_id: int) -> None:
         with self._cond:
+            if self._inflight <= 0:  # more completions than begins: a caller bug, never a negative count
+                raise RuntimeError(f"InflightTracker.complete({int(iteration_id)}): no iteration is in flight")
             self._inflight -= 1
             self._done.append(int(iteration_id))
             self._cond.notify_all()

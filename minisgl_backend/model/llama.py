@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl_backend.errors import ConfigError
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model.rope import RopeSpec, Rotary, apply_rotary
 
@@ -137,7 +138,8 @@ class ModelSpec(NamedTuple):
     def from_hf_config(cls, cfg) -> "ModelSpec":
         model_type = getattr(cfg, "model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ConfigError(f"unsupported model_type {model_type!r} in config.json "
+                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         gemma = model_type in ("gemma2", "gemma3_text")
         if getattr(cfg, "use_bidirectional_attention", False):

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from minisgl_backend.errors import ModelNotFoundError
+from minisgl_backend.errors import ConfigError, MiniSGLError, ModelLoadError, ModelNotFoundError
 from minisgl_backend.model.llama import CausalLM, ModelSpec, build_rotary
 
 log = logging.getLogger("minisgl")
@@ -56,8 +56,14 @@ def _convert_gguf(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.warning("converting %s to safetensors (first use only) -> %s", gguf.name, target)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ImportError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated / corrupt / unsupported GGUF
+        raise ModelLoadError(f"cannot load GGUF file {gguf}: {type(e).__name__}: {e} "
+                             "(is the file complete and a supported architecture?)") from e
     # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -98,7 +104,13 @@ def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         raise ModelNotFoundError(f"{model_dir} has no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(f))
+        try:
+            state.update(load_file(f))
+        except (MemoryError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
+            raise ModelLoadError(f"cannot read weights file {f}: {type(e).__name__}: {e} "
+                                 "(corrupt or truncated safetensors?)") from e
     return state
 
 
@@ -113,16 +125,31 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
     model_dir = resolve_model_dir(ref)
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    spec = ModelSpec.from_hf_config(hf_config)
+    try:
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        spec = ModelSpec.from_hf_config(hf_config)
+    except MiniSGLError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:  # bad JSON, unknown model_type, ...
+        raise ConfigError(f"{model_dir / 'config.json'} is not a usable model config: {type(e).__name__}: {e}") from e
     with torch.device("meta"):
         model = CausalLM(spec)
     model = model.to_empty(device=device)
-    model.load_hf_state_dict(_read_state_dict(model_dir))
+    state = _read_state_dict(model_dir)
+    try:
+        model.load_hf_state_dict(state)
+    except (ValueError, RuntimeError, KeyError) as e:  # missing / unexpected / mis-shaped tensors
+        raise ModelLoadError(f"the weights in {model_dir} do not match its config.json: {e}") from e
+    del state
     model = model.to(DTYPES[dtype]).eval()
     # Rebuilt after to_empty/dtype conversion: the rope frequencies are not in the checkpoint and stay fp32.
     model.model.rotary = build_rotary(spec).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (ImportError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - missing or corrupt tokenizer files
+        raise ModelLoadError(f"cannot load the tokenizer files in {model_dir}: {type(e).__name__}: {e}") from e
     return LoadedModel(model, tokenizer, model_dir, _eos_ids(model_dir, hf_config, tokenizer))
 
 

@@ -17,6 +17,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
+from minisgl_backend.errors import RequestFailedError
 from minisgl_backend.types import SamplingParams, TokenLogprob
 
 _PREFILTER = 1024  # top-p / min-p look at the best 1024 tokens first; exact fallback to a full sort
@@ -45,30 +46,77 @@ class SampleRow(NamedTuple):
     output_ids: Sequence[int]  # what logits processors see
 
 
+def _name(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _processed_row(fn: object, row: object, vocab: int) -> np.ndarray:
+    """A processor's returned row as float32 numpy, or RequestFailedError saying what is wrong."""
+    if not isinstance(row, torch.Tensor):
+        raise RequestFailedError(f"logits processor {_name(fn)} returned {type(row).__name__}, "
+                                 f"expected a float torch.Tensor of shape [{vocab}]")
+    if tuple(row.shape) != (vocab,):
+        raise RequestFailedError(f"logits processor {_name(fn)} returned a tensor of shape "
+                                 f"{list(row.shape)}, expected [{vocab}]")
+    if row.dtype not in (torch.float16, torch.float32, torch.float64):
+        raise RequestFailedError(f"logits processor {_name(fn)} returned dtype {row.dtype}, "
+                                 "expected float16, float32 or float64")
+    out = row.detach().cpu().numpy().astype(np.float32, copy=False)
+    if np.isnan(out).any() or np.isposinf(out).any():
+        raise RequestFailedError(f"logits processor {_name(fn)} returned NaN or +inf logits "
+                                 "(mask tokens with -inf, keep the others finite)")
+    if np.isneginf(out).all():
+        raise RequestFailedError(f"logits processor {_name(fn)} masked every token (all -inf): "
+                                 "nothing left to draw")
+    return out
+
+
+def _failure(what: str, e: BaseException) -> RequestFailedError:
+    if isinstance(e, RequestFailedError):
+        return e
+    err = RequestFailedError(f"{what} raised {e!r}")
+    err.__cause__ = e
+    return err
+
+
 def apply_processors(logits: np.ndarray, rows: Sequence[SampleRow]) -> tuple[np.ndarray, dict[int, Exception]]:
-    """Run each row's logits processors (on torch views of the rows, per the public contract);
-    a failing row is reported by index, not raised."""
+    """Run each row's logits processors (on torch views of the rows, per the public contract).
+    A failing row — the processor raised anything (BaseException included: it is user code on an
+    engine thread) or returned an unusable row — is reported by index as a RequestFailedError
+    chaining the cause, never raised."""
     errors: dict[int, Exception] = {}
     todo = [i for i, r in enumerate(rows) if r.params.logits_processors]
     if todo:
         logits = logits.copy()
+        vocab = logits.shape[-1]
         for i in todo:
+            fn: object = None
             try:
                 row = torch.from_numpy(logits[i])
                 for fn in rows[i].params.logits_processors:
                     row = fn(rows[i].output_ids, row)
+                    row = torch.from_numpy(_processed_row(fn, row, vocab))
                 logits[i] = row.numpy()
-            except Exception as e:  # noqa: BLE001 - user code; its request fails, the batch goes on
-                errors[i] = e
+            except BaseException as e:  # noqa: BLE001 - user code; its request fails, the batch goes on
+                errors[i] = _failure(f"logits processor {_name(fn)}", e)
     return logits, errors
 
 
-def sample(logits: np.ndarray, rows: Sequence[SampleRow]) -> list[int]:
-    """Draw one token per row from float32 logits [R, V] (already processed)."""
+def sample(logits: np.ndarray, rows: Sequence[SampleRow],
+           errors: dict[int, Exception] | None = None) -> list[int]:
+    """Draw one token per row from float32 logits [R, V] (already processed). A row whose draw
+    fails (e.g. no candidate token) gets its argmax as a placeholder and an entry in `errors`
+    (raised instead when `errors` is None)."""
     out = logits.argmax(axis=-1).tolist()  # greedy rows keep this
     for i, row in enumerate(rows):
-        if not row.params.greedy:
+        if row.params.greedy or (errors is not None and i in errors):
+            continue
+        try:
             out[i] = _draw(logits[i], row)
+        except Exception as e:  # noqa: BLE001 - one row's failure must not end the iteration
+            if errors is None:
+                raise
+            errors[i] = _failure("sampling", e)
     return out
 
 
@@ -86,6 +134,10 @@ def _draw(logits: np.ndarray, row: SampleRow) -> int:
         vals = x[ids]
     else:
         ids, vals = np.arange(x.shape[0]), x
+    if ids.size == 0 or not np.isfinite(vals).any():
+        raise RequestFailedError(
+            f"no token to draw at position {row.position}: the filters (temperature={p.temperature}, "
+            f"top_k={p.top_k}, top_p={p.top_p}, min_p={p.min_p}) left no candidate with a finite logit")
     u = hash_uniform(np.array([row.seed]), np.array([row.position]), ids[None, :])[0]
     return int(ids[np.argmax(vals - np.log(-np.log(u)))])
 

@@ -7,6 +7,7 @@ from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 
+from minisgl_backend.errors import RequestFailedError
 from minisgl_backend.executor.inputs import IterationInputs
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.sampling.sampler import SampleRow, apply_processors, sample, token_logprobs
@@ -23,9 +24,35 @@ def _group(items: Iterable[T], key: Callable[[T], int]) -> dict[int, list[T]]:
     return groups
 
 
+def _scored(items: list[T], key: Callable[[T], int], score: Callable[[list[T], int], list[TokenLogprob]],
+            req_key: Callable[[T], int], errors: dict[int, Exception], what: str) -> list[tuple[T, TokenLogprob]]:
+    """Score `items` grouped by their number of alternatives; a group that fails is retried row by
+    row so that only the failing requests get an entry in `errors`."""
+    out: list[tuple[T, TokenLogprob]] = []
+    for k, group in _group(items, key).items():
+        try:
+            out.extend(zip(group, score(group, k)))
+            continue
+        except Exception:  # noqa: BLE001 - isolate the failing row(s) below
+            pass
+        for it in group:
+            try:
+                out.extend(zip([it], score([it], k)))
+            except Exception as e:  # noqa: BLE001 - fails that request alone
+                err = RequestFailedError(f"{what} raised {e!r}")
+                err.__cause__ = e
+                errors.setdefault(req_key(it), err)
+    return out
+
+
 def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable) -> StepOutput:
     """Draw the tokens of one iteration from float32 logits [rows, vocab], write them into the token
-    table (where the next iteration reads them) and score prompt logprobs."""
+    table (where the next iteration reads them) and score prompt logprobs.
+
+    Per-request isolation: whatever goes wrong for one request (its logits processors, its draw,
+    its logprobs) is reported in `errors` under its key and fails that request alone; every other
+    row is delivered. A failed row still writes a placeholder token, so later in-flight iterations
+    that read its row (their results are dropped) find it written (S6)."""
     sampled: dict[int, int] = {}
     logprobs: dict[int, TokenLogprob] = {}
     errors: dict[int, Exception] = {}
@@ -37,17 +64,19 @@ def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable
             for s in specs
         ]
         processed, failed = apply_processors(logits[[s.logits_row for s in specs]], rows)
+        tokens = sample(processed, rows, failed)
         errors = {specs[i].req_key: e for i, e in failed.items()}
-        tokens = sample(processed, rows)
         table.write_drawn([s.token_row for s in specs], [s.position for s in specs], tokens)
         for s, tok in zip(specs, tokens):
-            sampled[s.req_key] = tok
-        want = [(s, tok) for s, tok in zip(specs, tokens) if s.params.logprobs is not None]
-        for k, group in _group(want, lambda w: w[0].params.logprobs).items():
-            lps = token_logprobs(logits[[s.logits_row for s, _ in group]], [t for _, t in group], k)
-            logprobs.update((s.req_key, lp) for (s, _), lp in zip(group, lps))
-    prompt: list[tuple[int, int, TokenLogprob]] = []
-    for k, group in _group(inp.scores, lambda s: s.num_top).items():
-        lps = token_logprobs(logits[[s.logits_row for s in group]], [s.token_id for s in group], k)
-        prompt.extend((s.req_key, s.prompt_index, lp) for s, lp in zip(group, lps))
+            if s.req_key not in errors:
+                sampled[s.req_key] = tok
+        want = [(s, tok) for s, tok in zip(specs, tokens) if s.params.logprobs is not None and s.req_key not in errors]
+        scored = _scored(want, lambda w: w[0].params.logprobs,
+                         lambda g, k: token_logprobs(logits[[s.logits_row for s, _ in g]], [t for _, t in g], k),
+                         lambda w: w[0].req_key, errors, "logprobs")
+        logprobs.update((s.req_key, lp) for (s, _), lp in scored)
+    scores = _scored(list(inp.scores), lambda s: s.num_top,
+                     lambda g, k: token_logprobs(logits[[s.logits_row for s in g]], [s.token_id for s in g], k),
+                     lambda s: s.req_key, errors, "prompt logprobs")
+    prompt = [(s.req_key, s.prompt_index, lp) for s, lp in scores if s.req_key not in errors]
     return StepOutput(sampled, logprobs, prompt, errors)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import enum
 import queue
+import threading
 import time
 from concurrent.futures import Future
 from typing import Iterator
 
+from minisgl_backend.errors import ReentrantCallError
 from minisgl_backend.kvcache.prefix_cache import prefix_hashes
 from minisgl_backend.sampling.detokenizer import IncrementalDetokenizer
 from minisgl_backend.types import FinishReason, RequestOutput, RequestTimings, SamplingParams, StreamDelta, TokenLogprob
@@ -29,10 +31,22 @@ class RequestHandle:
         self.request_id = request_id
         self._future: Future[RequestOutput] = Future()
         self._deltas: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
+        self._engine_threads: frozenset[threading.Thread] = frozenset()  # set by the engine
+        self._consumed = False  # the final delta (or the error) was taken by an iterator
+
+    def _not_reentrant(self, what: str) -> None:
+        current = threading.current_thread()
+        if current in self._engine_threads and not self._future.done():
+            raise ReentrantCallError(
+                f"RequestHandle.{what} for {self.request_id!r} was called from the engine's own thread "
+                f"{current.name!r} (e.g. inside a logits processor or a result callback): the request "
+                "cannot finish while that thread waits for it, a deadlock. Call it from another thread.")
 
     def result(self, timeout: float | None = None) -> RequestOutput:
-        """Block until the request finishes; raises TimeoutError, or EngineDeadError if the engine died
-        (InvalidRequestError for a duplicate request_id)."""
+        """Block until the request finishes; raises TimeoutError, EngineDeadError if the engine died,
+        RequestFailedError if sampling it failed (InvalidRequestError for a duplicate request_id),
+        ReentrantCallError when called unfinished from one of the engine's own threads."""
+        self._not_reentrant("result()")
         return self._future.result(timeout)
 
     def done(self) -> bool:
@@ -42,10 +56,21 @@ class RequestHandle:
         self._future.add_done_callback(lambda _f: fn(self))
 
     def __iter__(self) -> Iterator[StreamDelta]:
+        """The deltas, once: iterating again after the final delta (or the error) has been taken
+        returns at once (re-raising that error) instead of blocking forever."""
         while True:
+            if self._consumed:
+                if self._future.done() and self._future.exception() is not None:
+                    raise self._future.exception()  # type: ignore[misc]
+                return
+            if self._deltas.empty():
+                self._not_reentrant("__iter__()")
             item = self._deltas.get()
             if isinstance(item, BaseException):
+                self._consumed = True
                 raise item
+            if item.finished:
+                self._consumed = True
             yield item
             if item.finished:
                 return

@@ -61,7 +61,7 @@ class StepOutput(NamedTuple):
     sampled: dict[int, int]  # id(request) -> drawn token
     logprobs: dict[int, TokenLogprob]  # id(request) -> logprob of the drawn token (when asked)
     prompt_logprobs: list[tuple[int, int, TokenLogprob]]  # (id(request), prompt index, logprob)
-    errors: dict[int, Exception]  # id(request) -> its logits processor's exception
+    errors: dict[int, Exception]  # id(request) -> why sampling / scoring it failed (RequestFailedError)
 
 
 class Batch(NamedTuple):
@@ -392,13 +392,14 @@ class Scheduler:
                 self.pool.write_completed(req.block_table[i])
             req.num_readonly_blocks = max(req.num_readonly_blocks, full)
             self._offer_to_cache(req)
-            if not row.samples:
-                continue
-            req.pending_samples -= 1
-            if id(req) in out.errors:
+            if row.samples:
+                req.pending_samples -= 1
+            if id(req) in out.errors:  # sampling or scoring this request failed: it alone ends
                 req.error = out.errors[id(req)]
                 req.finish_reason = "abort"
-                self._finish(req)
+                self._finish(req)  # blocks and row go back behind the fence, like an abort
+                continue
+            if not row.samples:
                 continue
             token = out.sampled[id(req)]
             if req.logprobs is not None:
