@@ -13,6 +13,7 @@ from minisgl_backend.errors import (
     MiniSGLError,
     ModelNotFoundError,
     PromptTooLongError,
+    QueueFullError,
 )
 from minisgl_backend.kvcache.block_pool import BlockState, InvariantError
 from minisgl_backend.scheduler.request import RequestHandle
@@ -33,6 +34,7 @@ __all__ = [
     "MiniSGLError",
     "ModelNotFoundError",
     "PromptTooLongError",
+    "QueueFullError",
     "RequestHandle",
     "RequestOutput",
     "RequestTimings",

@@ -31,6 +31,7 @@ class EngineConfig:
     # --- scheduler (S3, S12) ---
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_waiting_requests: int | None = None  # Engine.submit past this many waiting raises QueueFullError
     chunk_size: int | None = 256  # None = whole-prompt prefill (no chunking)
     mixed_batches: bool = True  # prefill chunks and decode rows share one batch
     # --- prefix cache (S1, S9) ---
@@ -73,6 +74,10 @@ class EngineConfig:
             bad(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_num_seqs < 1:
             bad(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_waiting_requests is not None and (
+                isinstance(self.max_waiting_requests, bool) or not isinstance(self.max_waiting_requests, int)
+                or self.max_waiting_requests < 1):
+            bad(f"max_waiting_requests must be a positive int or None, got {self.max_waiting_requests!r}")
         if self.max_num_batched_tokens < 1:
             bad(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.chunk_size is not None and self.chunk_size < 1:
