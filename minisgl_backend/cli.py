@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -177,6 +178,20 @@ def _cmd_determinism(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from minisgl_backend.engine import Engine
+    from minisgl_backend.serve.server import _require_extra, run_server
+
+    _require_extra()  # before loading a model
+    try:
+        engine = Engine(_engine_config(args))
+    except KeyboardInterrupt:  # stopped while loading the model
+        return 130
+    run_server(engine, host=args.host, port=args.port, api_key=args.api_key or None,
+               model_name=args.served_model_name, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minisgl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,6 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts grow from a few shared stems: the prefix cache hits, evicts and reuses blocks")
     _engine_args(st)
     st.set_defaults(fn=_cmd_stress)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (env MINISGL_API_KEY)")
+    sv.add_argument("--served-model-name", help="the model id clients send and /v1/models lists (default: --model)")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                    help="uvicorn's log level")
+    _engine_args(sv)
+    sv.set_defaults(fn=_cmd_serve)
 
     from minisgl_backend.determinism import DEFAULT_GRID, DEFAULT_PROMPTS
 
