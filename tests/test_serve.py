@@ -496,6 +496,20 @@ def test_many_concurrent_streaming_clients_with_random_disconnects(server):
     print(f"\n{total} requests, {clients} clients, {gone} disconnected, {wall:.1f}s")
 
 
+@pytest.mark.parametrize("rate", [float("inf"), 200.0])
+def test_bench_serve_closed_loop_and_poisson_with_check(server, rate):
+    from minisgl_backend.serve.bench import bench_serve, format_row
+
+    row = bench_serve(server.url, api_key=KEY, model=MODEL, num_requests=60, num_prompts=8, input_len=16,
+                      output_len=8, concurrency=8, request_rate=rate, disconnect_prob=0.2, check=True, seed=1)
+    text = format_row(row)
+    assert row["errors"] == 0 and row["mismatches"] == 0, text
+    assert row["completed"] + row["disconnected"] == 60 and row["disconnected"] > 0
+    assert row["output_tok_per_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_median_ms"] > 0
+    assert row["tpot_mean_ms"] > 0 and row["itl_mean_ms"] > 0 and "req/s" in text
+    _drained_free(server)
+
+
 # ---------------------------------------------------------------------------------------------- metrics
 def _scrape(client) -> dict[tuple, float]:
     r = client.get("/metrics")
