@@ -390,6 +390,15 @@ def test_full_waiting_queue_answers_503_with_retry_after(server, client):
     _good(client)
 
 
+def test_max_waiting_requests_is_validated():
+    from minisgl_backend import ConfigError
+
+    for bad in (0, -3, 1.5, True, "8"):
+        with pytest.raises(ConfigError, match="max_waiting_requests"):
+            EngineConfig(max_waiting_requests=bad)
+    assert EngineConfig(max_waiting_requests=8).max_waiting_requests == 8
+
+
 # ---------------------------------------------------------------------------------------------- disconnects
 def _raw_post(server, path: str, body: dict) -> socket.socket:
     s = socket.create_connection((server.host, server.port))

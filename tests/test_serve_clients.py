@@ -18,7 +18,8 @@ from minisgl_backend.serve import start_in_thread  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-clients"
 MODEL = "smollm2"
-ENGINE = dict(model="smollm2-135m-instruct", dtype="float32", deterministic=True, stats_interval_s=0, seed=1234)
+ENGINE = dict(model="smollm2-135m-instruct", dtype="float32", deterministic=True, stats_interval_s=0, seed=1234,
+              num_threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,8 @@ def test_lm_eval_local_completions_matches_the_in_process_model(server, monkeypa
         model_args=f"base_url={server.url}/v1/completions,tokenizer_backend=remote,model={MODEL},batch_size=8,num_concurrent=2,auth_token={KEY}",
         tasks=tasks, task_manager=tm, limit=limit, log_samples=True, random_seed=0, numpy_random_seed=0,
         torch_random_seed=0, fewshot_random_seed=0)
-    local_model = MiniSGLLM(pretrained=ENGINE["model"], dtype="float32", deterministic=True, stats_interval_s=0)
+    local_model = MiniSGLLM(pretrained=ENGINE["model"], dtype="float32", deterministic=True, stats_interval_s=0,
+                            num_threads=1)
     try:
         local = lm_eval.simple_evaluate(
             model=local_model, tasks=tasks, task_manager=tm, limit=limit, log_samples=True, random_seed=0,
