@@ -46,9 +46,13 @@ class TestChatOpenAIOverMiniSGL(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        # Greedy, and room for a whole forced tool call (as in the in-process suite).
+        # Greedy, and room for a whole forced tool call (as in the in-process suite). A fresh async
+        # HTTP client per model: langchain-openai otherwise caches one per base_url across tests, and
+        # pytest-asyncio gives every test its own event loop ("Event loop is closed").
+        import httpx
+
         return {"base_url": f"{_SERVER['url']}/v1", "api_key": KEY, "model": MODEL, "temperature": 0,
-                "max_tokens": 64, "stream_usage": True}
+                "max_tokens": 64, "stream_usage": True, "http_async_client": httpx.AsyncClient(timeout=300)}
 
     @property
     def has_tool_choice(self) -> bool:
@@ -70,6 +74,33 @@ class TestChatOpenAIOverMiniSGL(ChatModelIntegrationTests):
                        "get_weather (the same xfail as the in-process suite)", strict=False)
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
+
+    # --- more than the in-process suite: ChatOpenAI.with_structured_output defaults to method="json_schema"
+    # --- (a response_format) where ChatMiniSGL defaults to "function_calling" (a forced tool call), and
+    # --- json_mode sends a schema-less json_object. Both are grammar-constrained, so the reply is valid
+    # --- JSON as far as it goes, but greedy SmolLM2-135M repeats itself inside the first string
+    # --- ('{"setup":"I'm a cat, I'm a cat, ...') until max_tokens=64 cuts it (measured; the same
+    # --- schema as a forced tool call gives a complete joke).
+    _LOOPS = ("greedy SmolLM2-135M loops inside a JSON string under response_format (ChatOpenAI's default "
+              "structured-output method) until max_tokens=64; model quality, not protocol: see the comment")
+
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    @pytest.mark.xfail(reason=_LOOPS, strict=False)
+    def test_structured_output(self, model: BaseChatModel, schema_type: str) -> None:
+        super().test_structured_output(model, schema_type)
+
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    @pytest.mark.xfail(reason=_LOOPS, strict=False)
+    async def test_structured_output_async(self, model: BaseChatModel, schema_type: str) -> None:
+        await super().test_structured_output_async(model, schema_type)
+
+    @pytest.mark.xfail(reason=_LOOPS, strict=False)
+    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(reason=_LOOPS, strict=False)
+    def test_json_mode(self, model: BaseChatModel) -> None:
+        super().test_json_mode(model)
 
     @pytest.mark.xfail(reason="SmolLM2-135M keeps writing inside the optional 'punchline' string until "
                        "max_tokens=64 cuts the (grammar-valid) call (the same xfail as the in-process suite)",
