@@ -30,6 +30,7 @@ from minisgl_backend.engine import Engine
 from minisgl_backend.errors import (
     EmptyPromptError,
     EngineDeadError,
+    EngineStalledError,
     InvalidRequestError,
     InvalidSamplingParamsError,
     PromptTooLongError,
@@ -79,6 +80,7 @@ ERROR_MAP: list[tuple[type[BaseException], int, str, str]] = [
     (GrammarError, 400, "invalid_request_error", "invalid_grammar"),
     (QueueFullError, 503, "server_overloaded", "queue_full"),
     (EngineDeadError, 503, "service_unavailable", "engine_dead"),
+    (EngineStalledError, 503, "service_unavailable", "engine_dead"),
 ]
 
 

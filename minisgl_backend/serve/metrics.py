@@ -64,6 +64,8 @@ class _EngineCollector:
         yield self._counter("minisgl:iterations", "Engine iterations (batches) run.", m.get("iterations", 0.0))
         yield self._counter("minisgl:prefill_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
                             m.get("prefill_tokens", 0.0))
+        yield self._counter("minisgl:engine_stalls", "Times the progress watchdog failed the engine.",
+                            m.get("stalls", 0.0))
 
 
 class ServeMetrics:
