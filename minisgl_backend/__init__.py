@@ -14,6 +14,7 @@ from minisgl_backend.errors import (
     ModelLoadError,
     ModelNotFoundError,
     PromptTooLongError,
+    QueueFullError,
     ReentrantCallError,
     RequestFailedError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "PromptTooLongError",
+    "QueueFullError",
     "ReentrantCallError",
     "RequestFailedError",
     "RequestHandle",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -177,6 +178,67 @@ def _cmd_determinism(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from minisgl_backend.engine import Engine
+    from minisgl_backend.serve.server import _require_extra, run_server
+
+    _require_extra()  # before loading a model
+    try:
+        engine = Engine(_engine_config(args))
+    except KeyboardInterrupt:  # stopped while loading the model
+        return 130
+    run_server(engine, host=args.host, port=args.port, api_key=args.api_key or None,
+               model_name=args.served_model_name, log_level=args.log_level)
+    return 0
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from minisgl_backend.serve.bench import bench_serve, format_row
+    from minisgl_backend.serve.server import _require_extra
+
+    _require_extra()
+    kw = dict(api_key=args.api_key, model=args.served_model_name, num_requests=args.num_requests,
+              num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+              concurrency=args.concurrency, request_rate=args.request_rate, disconnect_prob=args.disconnect_prob,
+              check=args.check, seed=args.seed)
+    if args.url:
+        row = bench_serve(args.url.rstrip("/").removesuffix("/v1"), **kw)
+    else:  # our own server in this process: the engine can be drained and its blocks checked at the end
+        from minisgl_backend.engine import Engine
+        from minisgl_backend.serve.server import start_in_thread
+
+        base = {"stats_interval_s": 0}
+        if args.tiny:
+            from minisgl_backend.tiny import make_tiny_llama
+
+            base["model"] = str(make_tiny_llama())
+        engine = Engine(_engine_config(args, base))
+        try:
+            srv = start_in_thread(engine, api_key=args.api_key, model_name=args.served_model_name)
+            try:
+                row = bench_serve(srv.url, vocab=engine.vocab_size, **kw)
+                counts = engine.drain(timeout=120, flush_cache=True)
+                srv.state.collect()
+                finished = {r.user: r for r in list(srv.state.finished)}
+            finally:
+                srv.stop()
+            row["kv_after_drain"] = counts
+            row["kv_all_free"] = counts["FREE"] == engine.num_blocks
+            reasons = [getattr(finished.get(f"bench-{i}"), "finish_reason", None) for i in row["disconnected_ids"]]
+            row["disconnects_aborted"] = reasons.count("abort")
+            row["disconnects_finished"] = sum(r in ("stop", "length") for r in reasons)
+            row["disconnects_unaccounted"] = reasons.count(None)
+        finally:
+            engine.close()
+    print(format_row(row))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(row, f, indent=2)
+    failed = (row["errors"] > 0 or row.get("mismatches", 0) > 0 or row.get("kv_all_free") is False
+              or row.get("disconnects_unaccounted", 0) > 0)
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minisgl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,6 +289,37 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts grow from a few shared stems: the prefix cache hits, evicts and reuses blocks")
     _engine_args(st)
     st.set_defaults(fn=_cmd_stress)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (env MINISGL_API_KEY)")
+    sv.add_argument("--served-model-name", help="the model id clients send and /v1/models lists (default: --model)")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                    help="uvicorn's log level")
+    _engine_args(sv)
+    sv.set_defaults(fn=_cmd_serve)
+
+    bs = sub.add_parser("bench-serve", help="concurrent streaming clients against a server (--url) or against "
+                        "one started in this process; req/s, tok/s, TTFT/TPOT/ITL; --check vs solo references")
+    bs.add_argument("--url", help="server root (http://HOST:PORT); default: start one here with the engine flags")
+    bs.add_argument("--tiny", action="store_true", help="without --url: serve the tiny random model")
+    bs.add_argument("--api-key")
+    bs.add_argument("--served-model-name", help="model name to send / serve")
+    bs.add_argument("--num-requests", type=int, default=200)
+    bs.add_argument("--num-prompts", type=int, default=64, help="distinct prompts, drawn with replacement")
+    bs.add_argument("--input-len", type=int, default=64, help="mean prompt length (uniform in [len/2, 3len/2])")
+    bs.add_argument("--output-len", type=int, default=32)
+    bs.add_argument("--concurrency", type=int, default=32, help="clients (closed loop) or cap on requests in flight")
+    bs.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals at this many requests/s (default inf: closed loop)")
+    bs.add_argument("--disconnect-prob", type=float, default=0.0, help="chance that a client hangs up after its first chunk")
+    bs.add_argument("--check", action="store_true", help="compare every completed response with a solo run of its prompt")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--json", help="also write the results to this JSON file")
+    _engine_args(bs)
+    bs.set_defaults(fn=_cmd_bench_serve)
 
     from minisgl_backend.determinism import DEFAULT_GRID, DEFAULT_PROMPTS
 

@@ -33,6 +33,7 @@ class EngineConfig:
     # --- scheduler (S3, S12) ---
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_waiting_requests: int | None = None  # Engine.submit past this many waiting raises QueueFullError
     chunk_size: int | None = 256  # None = whole-prompt prefill (no chunking)
     mixed_batches: bool = True  # prefill chunks and decode rows share one batch
     # --- prefix cache (S1, S9) ---
@@ -112,6 +113,7 @@ _SPECS: dict[str, Spec] = {
     "num_blocks": Spec("int", lo=1, optional=True, note="None = sized from kv_cache_memory_gb"),
     "kv_cache_memory_gb": Spec("float", lo=0, lo_open=True),
     "max_num_seqs": Spec("int", lo=1),
+    "max_waiting_requests": Spec("int", lo=1, optional=True, note="None = unbounded"),
     "max_num_batched_tokens": Spec("int", lo=1),
     "chunk_size": Spec("int", lo=1, optional=True, note="None = whole-prompt prefill"),
     "mixed_batches": Spec("bool"),

@@ -25,6 +25,7 @@ from minisgl_backend.errors import (
     InvalidRequestError,
     InvalidSamplingParamsError,
     PromptTooLongError,
+    QueueFullError,
     ReentrantCallError,
 )
 from minisgl_backend.executor import make_executor
@@ -215,8 +216,12 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def submit(self, prompt: Prompt, params: ParamsLike = None, request_id: str | None = None) -> RequestHandle:
-        """Queue one request; returns at once. Safe to call from many threads."""
+        """Queue one request; returns at once. Safe to call from many threads. With
+        `max_waiting_requests` set, raises QueueFullError while that many requests wait for admission."""
         req = self._make_request(prompt, _as_params(params), request_id)
+        if self.config.max_waiting_requests is not None and self.num_waiting() >= self.config.max_waiting_requests:
+            raise QueueFullError(f"{self.config.max_waiting_requests} requests are already waiting "
+                                 "(max_waiting_requests); retry later")
         self._send("add", req)
         return req.handle
 
@@ -262,6 +267,11 @@ class Engine:
         finally:
             if not handle.done():
                 self.abort(handle.request_id)
+
+    def num_waiting(self) -> int:
+        """Requests submitted but not admitted yet: the scheduler's waiting queue plus commands not
+        yet read by the scheduler thread (an upper bound; read without a lock, from any thread)."""
+        return len(self._scheduler.waiting) + self._inbox.qsize()
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its result arrives with finish_reason 'abort'. Unknown ids are ignored."""

@@ -37,6 +37,10 @@ class InvalidSamplingParamsError(InvalidRequestError):
     """A sampling parameter is out of range or unknown."""
 
 
+class QueueFullError(MiniSGLError, RuntimeError):
+    """The waiting queue holds `max_waiting_requests` requests already: retry later (HTTP 503)."""
+
+
 class EngineDeadError(MiniSGLError, RuntimeError):
     """The engine stopped (closed, or its scheduler thread failed); the cause is chained."""
 

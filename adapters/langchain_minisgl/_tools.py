@@ -1,125 +1,32 @@
-"""Tool calling over plain text: the prompt that teaches the protocol, and parsing calls back out.
-
-The protocol is the Hermes/Qwen one (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`),
-which chat templates with native tool support already use; for templates that ignore `tools=`
-(SmolLM2's ChatML) the adapter states it in a system prompt itself.
-"""
+"""Tool calling for ChatMiniSGL: the engine-level protocol (`minisgl_backend.chat.tools`, shared with
+`minisgl serve`) with its parsed calls wrapped into LangChain's ToolCall / InvalidToolCall."""
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
-from typing import Any, Sequence
+from typing import Any
 
 from langchain_core.messages import InvalidToolCall, ToolCall
 from langchain_core.messages.tool import invalid_tool_call, tool_call
+from minisgl_backend.chat import tools as _core
+from minisgl_backend.chat.tools import new_call_id, tool_system_prompt  # noqa: F401
 
-from langchain_minisgl._grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-
-_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.S)
-
-
-def tool_system_prompt(tools: Sequence[dict[str, Any]], forced: str | None) -> str:
-    specs = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    must = (
-        f"You must call the tool `{forced}` now."
-        if forced and forced != "any"
-        else "You must call one of the tools now." if forced else
-        "Call a tool only when it helps; otherwise answer directly."
-    )
-    return (
-        "You can call these tools:\n<tools>\n" + specs + "\n</tools>\n"
-        "To call a tool, reply with exactly:\n"
-        f'{TOOL_CALL_OPEN}\n{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}\n{TOOL_CALL_CLOSE}\n'
-        "A tool's result comes back inside <tool_response></tool_response>; use it to answer the user. "
-        + must
-    )
+__all__ = ["ToolCallStreamSplitter", "new_call_id", "parse_tool_calls", "tool_system_prompt"]
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _parse_one(body: str, calls: list[ToolCall], invalid: list[InvalidToolCall]) -> None:
-    try:
-        obj = json.loads(body)
-        name = obj["name"]
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            args = json.loads(args)
-        if not isinstance(name, str) or not isinstance(args, dict):
-            raise TypeError("'name' must be a string and 'arguments' an object")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        invalid.append(invalid_tool_call(name=None, args=body, id=new_call_id(), error=f"unparseable tool call: {e}"))
-        return
-    calls.append(tool_call(name=name, args=args, id=new_call_id()))
+def _wrap(calls: list[dict[str, Any]], invalid: list[dict[str, Any]]) -> tuple[list[ToolCall], list[InvalidToolCall]]:
+    return ([tool_call(name=c["name"], args=c["args"], id=c["id"]) for c in calls],
+            [invalid_tool_call(name=c["name"], args=c["args"], id=c["id"], error=c["error"]) for c in invalid])
 
 
 def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
-    """Split model output into (content, tool calls, invalid tool calls).
-
-    Tagged blocks are calls wherever they appear; an untagged reply that is nothing but a JSON object
-    naming a bound tool is a call too (small models often drop the tags).
-    """
-    calls: list[ToolCall] = []
-    invalid: list[InvalidToolCall] = []
-    pieces, pos = [], 0
-    for m in _BLOCK.finditer(text):
-        pieces.append(text[pos : m.start()])
-        pos = m.end()
-        _parse_one(m.group(1), calls, invalid)
-    pieces.append(text[pos:])
-    content = "".join(pieces)
-    if not calls and not invalid and content.strip().startswith("{"):
-        try:
-            obj = json.loads(content)
-        except ValueError:
-            return content, calls, invalid
-        if isinstance(obj, dict) and obj.get("name") in tool_names:
-            _parse_one(content, calls, invalid)
-            content = ""
-    if not content.strip():
-        content = ""
-    return content, calls, invalid
+    """Split model output into (content, tool calls, invalid tool calls); see the engine-level parser."""
+    content, calls, invalid = _core.parse_tool_calls(text, tool_names)
+    return (content, *_wrap(calls, invalid))
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
-class ToolCallStreamSplitter:
+class ToolCallStreamSplitter(_core.ToolCallStreamSplitter):
     """While text streams in, emit what is surely plain content and hold back what may be a tool call."""
 
-    def __init__(self) -> None:
-        self.text = ""
-        self.emitted = 0
-        self._holding = False
-
-    def feed(self, delta: str) -> str:
-        self.text += delta
-        if self._holding:
-            return ""
-        rest = self.text[self.emitted :]
-        i = rest.find(TOOL_CALL_OPEN)
-        if i != -1:
-            out, self._holding = rest[:i], True
-        elif self.emitted == 0 and not rest.strip():
-            out = ""  # leading whitespace may precede a bare-JSON call
-        elif self.emitted == 0 and rest.lstrip().startswith("{"):
-            out, self._holding = "", True
-        else:
-            out = rest[: len(rest) - _partial_suffix(rest, TOOL_CALL_OPEN)]
-        self.emitted += len(out)
-        return out
-
-    def finish(self, tool_names: set[str]) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
-        """(content not yet emitted, tool calls, invalid tool calls) once the output is complete."""
-        content, calls, invalid = parse_tool_calls(self.text, tool_names)
-        done = self.text[: self.emitted]
-        tail = content[len(done) :] if content.startswith(done) else ""
-        return tail, calls, invalid
+    def finish(self, tool_names: set[str]) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:  # type: ignore[override]
+        tail, calls, invalid = super().finish(tool_names)
+        return (tail, *_wrap(calls, invalid))

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
-import weakref
 from operator import itemgetter
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
@@ -29,6 +27,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from minisgl_backend import Engine, RequestOutput, SamplingParams
+from minisgl_backend.chat import forced_tools, render_chat
 from pydantic import BaseModel, ConfigDict
 
 from langchain_minisgl._base import (
@@ -38,70 +37,32 @@ from langchain_minisgl._base import (
     stream_async,
     stream_sync,
 )
-from langchain_minisgl._grammar import GrammarProcessor, json_grammar, tool_call_grammar
-from langchain_minisgl._tools import ToolCallStreamSplitter, parse_tool_calls, tool_system_prompt
+from langchain_minisgl._tools import ToolCallStreamSplitter, parse_tool_calls
 
 _CALL_OPTIONS = ("tools", "tool_choice", "response_format", "stream")
-_native_tools: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
-_native_lock = threading.Lock()
-
-
-def _template_supports_tools(tokenizer: Any) -> bool:
-    """Whether the chat template renders `tools=` itself (SmolLM2's ChatML silently ignores it)."""
-    with _native_lock:
-        if tokenizer not in _native_tools:
-            probe = [{"role": "user", "content": "hi"}]
-            tool = {"type": "function", "function": {"name": "probe_tool", "description": "", "parameters": {"type": "object", "properties": {}}}}
-            with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False, add_generation_prompt=True)
-            _native_tools[tokenizer] = "probe_tool" in with_tools
-        return _native_tools[tokenizer]
 
 
 def _forced_tools(tool_choice: Any, tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     """Tools one of which MUST be called (decoding is then constrained), or None when calling is optional."""
-    if tool_choice in (None, "auto", "none", False):
-        return None
-    if tool_choice in ("any", "required", True):
-        return tools
-    if isinstance(tool_choice, dict):
-        name = tool_choice.get("name") or tool_choice.get("function", {}).get("name")
-    else:
-        name = tool_choice
-    match = [t for t in tools if t["function"]["name"] == name]
-    if not isinstance(name, str) or not match:
-        known = [t["function"]["name"] for t in tools]
-        raise ValueError(f"tool_choice {tool_choice!r} names no bound tool; bound tools: {known}")
-    return match
+    return forced_tools(tool_choice, tools)
 
 
 def _text(message: BaseMessage) -> str:
     return message.text if isinstance(message.content, list) else str(message.content)
 
 
-def _call_text(name: str, args: Any) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": args}, ensure_ascii=False)}\n</tool_call>'
-
-
-def _to_template(message: BaseMessage, native: bool) -> dict[str, Any]:
-    """One LangChain message as a chat-template dict. Without native tool support, tool calls and
-    results are written in the same tagged protocol the system prompt describes."""
+def _to_openai(message: BaseMessage) -> dict[str, Any]:
+    """One LangChain message as an OpenAI-format dict (what the engine-level chat renderer takes)."""
     if isinstance(message, SystemMessage):
         return {"role": "system", "content": _text(message)}
     if isinstance(message, HumanMessage):
         return {"role": "user", "content": _text(message)}
     if isinstance(message, AIMessage):
-        content = _text(message)
-        if not message.tool_calls:
-            return {"role": "assistant", "content": content}
-        if native:
-            calls = [{"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["args"]}} for c in message.tool_calls]
-            return {"role": "assistant", "content": content, "tool_calls": calls}
-        calls_text = "\n".join(_call_text(c["name"], c["args"]) for c in message.tool_calls)
-        return {"role": "assistant", "content": f"{content}\n{calls_text}" if content else calls_text}
+        calls = [{"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["args"]}}
+                 for c in message.tool_calls]
+        return {"role": "assistant", "content": _text(message), **({"tool_calls": calls} if calls else {})}
     if isinstance(message, (ToolMessage, FunctionMessage)):
-        if native:
-            return {"role": "tool", "content": _text(message), "tool_call_id": getattr(message, "tool_call_id", None)}
-        return {"role": "user", "content": f"<tool_response>\n{_text(message)}\n</tool_response>"}
+        return {"role": "tool", "content": _text(message), "tool_call_id": getattr(message, "tool_call_id", None)}
     if isinstance(message, ChatMessage):
         return {"role": message.role, "content": _text(message)}
     raise TypeError(f"ChatMiniSGL cannot render a {type(message).__name__}")
@@ -194,47 +155,9 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         tok = engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError(f"model {self.model_name!r} has no chat template; use MiniSGL (plain completion) instead")
-        tools: list[dict[str, Any]] = list(kwargs.get("tools") or [])
-        choice = kwargs.get("tool_choice")
-        if choice == "none":
-            tools = []
-        forced = _forced_tools(choice, tools) if tools else None
-        processors: list[Callable] = []
-        instructions: list[str] = []
-        native = bool(tools) and _template_supports_tools(tok)
-        if tools and not native:
-            name = forced[0]["function"]["name"] if forced and len(forced) == 1 else ("any" if forced else None)
-            instructions.append(tool_system_prompt(tools, name))
-        if forced:
-            processors.append(GrammarProcessor(tok, tool_call_grammar(forced)))
-        fmt = kwargs.get("response_format")
-        if fmt is not None:
-            schema = self._response_schema(fmt)
-            processors.append(GrammarProcessor(tok, json_grammar(schema)))
-            instructions.append(
-                "Reply with a JSON object only" + (f" matching this JSON schema:\n{json.dumps(schema)}" if schema else ".")
-            )
-        msgs = [_to_template(m, native) for m in messages]
-        if instructions:
-            extra = "\n\n".join(instructions)
-            if msgs and msgs[0]["role"] == "system":
-                msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{extra}"}
-            else:
-                msgs.insert(0, {"role": "system", "content": extra})
-        text = tok.apply_chat_template(msgs, tools=tools if native else None, tokenize=False, add_generation_prompt=True)
-        ids = list(tok.encode(text, add_special_tokens=False))  # the template already holds any BOS
-        names = {t["function"]["name"] for t in tools}
-        return engine, ids, self.sampling_params(stop, kwargs, processors), names
-
-    @staticmethod
-    def _response_schema(fmt: dict[str, Any]) -> dict[str, Any] | None:
-        kind = fmt.get("type")
-        if kind == "json_object":
-            return None
-        if kind == "json_schema":
-            spec = fmt.get("json_schema") or {}
-            return spec.get("schema", spec)
-        raise ValueError(f"response_format type must be 'json_object' or 'json_schema', got {kind!r}")
+        prompt = render_chat(tok, [_to_openai(m) for m in messages], tools=kwargs.get("tools"),
+                             tool_choice=kwargs.get("tool_choice"), response_format=kwargs.get("response_format"))
+        return engine, prompt.token_ids, self.sampling_params(stop, kwargs, prompt.logits_processors), prompt.tool_names
 
     def _message(self, out: RequestOutput, tool_names: set[str], kwargs: dict[str, Any]) -> AIMessage:
         content, calls, invalid = parse_tool_calls(out.text, tool_names) if tool_names else (out.text, [], [])

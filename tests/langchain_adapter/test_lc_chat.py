@@ -113,13 +113,13 @@ def test_unknown_field_and_call_option_are_rejected(tiny_model_dir, chat):
 
 def test_failing_request_surfaces_as_an_exception(chat, monkeypatch):
     """A logits processor that raises fails its request in the engine; the caller sees that exception."""
-    import langchain_minisgl.chat_models as chat_models
+    import minisgl_backend.chat.template as template  # the engine-level renderer builds the processors
 
-    class Boom(chat_models.GrammarProcessor):
+    class Boom(template.GrammarProcessor):
         def __call__(self, output_ids, logits):
             raise RuntimeError("boom in the engine")
 
-    monkeypatch.setattr(chat_models, "GrammarProcessor", Boom)
+    monkeypatch.setattr(template, "GrammarProcessor", Boom)
     with pytest.raises(RuntimeError, match="boom in the engine"):
         chat.bind_tools([add], tool_choice="add").invoke("Add 1 and 2.")
 

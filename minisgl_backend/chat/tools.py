@@ -1,0 +1,133 @@
+"""Tool calling over plain text: the prompt that teaches the protocol, and parsing calls back out.
+
+The protocol is the Hermes/Qwen one (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`),
+which chat templates with native tool support already use; for templates that ignore `tools=`
+(SmolLM2's ChatML) the prompt states it in a system message itself.
+
+Parsed calls are plain dicts: `{"name", "args", "id"}` for a call, `{"name", "args", "id", "error"}`
+(args: the raw text) for one that does not parse. The LangChain adapter wraps them into its
+ToolCall / InvalidToolCall; the server into OpenAI `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Sequence
+
+from minisgl_backend.chat.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.S)
+
+ParsedCall = dict[str, Any]
+
+
+def tool_system_prompt(tools: Sequence[dict[str, Any]], forced: str | None) -> str:
+    specs = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    must = (
+        f"You must call the tool `{forced}` now."
+        if forced and forced != "any"
+        else "You must call one of the tools now." if forced else
+        "Call a tool only when it helps; otherwise answer directly."
+    )
+    return (
+        "You can call these tools:\n<tools>\n" + specs + "\n</tools>\n"
+        "To call a tool, reply with exactly:\n"
+        f'{TOOL_CALL_OPEN}\n{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}\n{TOOL_CALL_CLOSE}\n'
+        "A tool's result comes back inside <tool_response></tool_response>; use it to answer the user. "
+        + must
+    )
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def call_text(name: str, args: Any) -> str:
+    """One call written in the tagged protocol (how earlier calls are shown to the model)."""
+    return f'{TOOL_CALL_OPEN}\n{json.dumps({"name": name, "arguments": args}, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}'
+
+
+def _parse_one(body: str, calls: list[ParsedCall], invalid: list[ParsedCall]) -> None:
+    try:
+        obj = json.loads(body)
+        name = obj["name"]
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            args = json.loads(args)
+        if not isinstance(name, str) or not isinstance(args, dict):
+            raise TypeError("'name' must be a string and 'arguments' an object")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        invalid.append({"name": None, "args": body, "id": new_call_id(), "error": f"unparseable tool call: {e}"})
+        return
+    calls.append({"name": name, "args": args, "id": new_call_id()})
+
+
+def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str, list[ParsedCall], list[ParsedCall]]:
+    """Split model output into (content, tool calls, invalid tool calls).
+
+    Tagged blocks are calls wherever they appear; an untagged reply that is nothing but a JSON object
+    naming a bound tool is a call too (small models often drop the tags).
+    """
+    calls: list[ParsedCall] = []
+    invalid: list[ParsedCall] = []
+    pieces, pos = [], 0
+    for m in _BLOCK.finditer(text):
+        pieces.append(text[pos : m.start()])
+        pos = m.end()
+        _parse_one(m.group(1), calls, invalid)
+    pieces.append(text[pos:])
+    content = "".join(pieces)
+    if not calls and not invalid and content.strip().startswith("{"):
+        try:
+            obj = json.loads(content)
+        except ValueError:
+            return content, calls, invalid
+        if isinstance(obj, dict) and obj.get("name") in tool_names:
+            _parse_one(content, calls, invalid)
+            content = ""
+    if not content.strip():
+        content = ""
+    return content, calls, invalid
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ToolCallStreamSplitter:
+    """While text streams in, emit what is surely plain content and hold back what may be a tool call."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.emitted = 0
+        self._holding = False
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self._holding:
+            return ""
+        rest = self.text[self.emitted :]
+        i = rest.find(TOOL_CALL_OPEN)
+        if i != -1:
+            out, self._holding = rest[:i], True
+        elif self.emitted == 0 and not rest.strip():
+            out = ""  # leading whitespace may precede a bare-JSON call
+        elif self.emitted == 0 and rest.lstrip().startswith("{"):
+            out, self._holding = "", True
+        else:
+            out = rest[: len(rest) - _partial_suffix(rest, TOOL_CALL_OPEN)]
+        self.emitted += len(out)
+        return out
+
+    def finish(self, tool_names: set[str]) -> tuple[str, list[ParsedCall], list[ParsedCall]]:
+        """(content not yet emitted, tool calls, invalid tool calls) once the output is complete."""
+        content, calls, invalid = parse_tool_calls(self.text, tool_names)
+        done = self.text[: self.emitted]
+        tail = content[len(done) :] if content.startswith(done) else ""
+        return tail, calls, invalid

@@ -1,0 +1,661 @@
+"""The OpenAI-compatible HTTP API over one in-process Engine (FastAPI).
+
+Every request is handed to the engine at once (`Engine.submit` never blocks), so concurrent HTTP
+requests share the continuous batch. Results come back on the engine's threads and are moved to
+the event loop with `call_soon_threadsafe`: a done-callback for whole results, one small pump
+thread per streamed request for deltas. A client that goes away (mid-stream or while waiting for a
+non-streamed result) aborts its requests, so their KV blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minisgl_backend.chat import ChatTemplateError, GrammarError, ToolCallStreamSplitter, parse_tool_calls, render_chat
+from minisgl_backend.engine import Engine
+from minisgl_backend.errors import (
+    EmptyPromptError,
+    EngineDeadError,
+    EngineStalledError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+    QueueFullError,
+)
+from minisgl_backend.scheduler.request import RequestHandle
+from minisgl_backend.serve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta, TokenLogprob
+
+log = logging.getLogger("minisgl.serve")
+
+RETRY_AFTER_S = 1
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class APIError(Exception):
+    """An error answered with OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
+                            headers=self.headers)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# The one place where the engine's typed errors become HTTP statuses (most specific first).
+ERROR_MAP: list[tuple[type[BaseException], int, str, str]] = [
+    (PromptTooLongError, 400, "invalid_request_error", "context_length_exceeded"),
+    (EmptyPromptError, 400, "invalid_request_error", "empty_prompt"),
+    (InvalidSamplingParamsError, 400, "invalid_request_error", "invalid_sampling_params"),
+    (InvalidRequestError, 400, "invalid_request_error", "invalid_request"),
+    (ChatTemplateError, 400, "invalid_request_error", "invalid_chat_request"),
+    (GrammarError, 400, "invalid_request_error", "invalid_grammar"),
+    (QueueFullError, 503, "server_overloaded", "queue_full"),
+    (EngineDeadError, 503, "service_unavailable", "engine_dead"),
+    (EngineStalledError, 503, "service_unavailable", "engine_dead"),
+]
+
+
+def api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    for cls, status, type_, code in ERROR_MAP:
+        if isinstance(exc, cls):
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+            return APIError(status, str(exc), type_, None, code, headers)
+    log.exception("internal error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, "internal_error")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errs = exc.errors()
+    if not errs:
+        return APIError(400, "invalid request")
+    first = errs[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
+                        code="invalid_json")
+    locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errs]
+    common: list[str] = []
+    for parts in zip(*locs):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        msg = f"unrecognized request argument supplied: {locs[0][-1] if locs[0] else '?'}"
+    elif first.get("type") == "missing" and not locs[0]:
+        msg = "the request body is missing"
+    elif len(errs) > 1 and len(common) < len(locs[0]):  # a union: no accepted type matched
+        msg = f"no accepted type matches ({'; '.join(sorted({e.get('msg', '') for e in errs}))})"
+    where = ".".join(common if len(errs) > 1 else locs[0])
+    return APIError(400, f"{where}: {msg}" if where else msg, param=where or None, code=first.get("type"))
+
+
+# ---------------------------------------------------------------------------------------------- state
+@dataclass
+class FinishedRecord:
+    request_id: str
+    user: str | None
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    model_name: str
+    api_key: str | None = None
+    owns_engine: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    # The newest finished requests (tests and debugging: which were aborted, by `user` tag).
+    finished: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100_000))
+    metrics: Any = None  # serve.metrics.ServeMetrics
+    tokenizer: Any = None  # the event loop's own copy (the engine's may be encoding on other threads)
+
+    # Finished handles, posted by a done-callback on the scheduler thread (one put, no lock, no
+    # syscall) and folded by whoever reads them: the event loop after each request, /metrics.
+    done: Any = field(default_factory=lambda: __import__("queue").SimpleQueue())
+
+    live: dict = field(default_factory=dict)  # request_id -> handle of every unfinished request
+    shutting_down: bool = False
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and abort the running ones: streams end with finish_reason "abort"
+        and waiting callers get their (aborted) results, so the server can stop promptly."""
+        self.shutting_down = True
+        for rid in list(self.live):
+            try:
+                self.engine.abort(rid)
+            except EngineDeadError:
+                return
+
+    def collect(self) -> None:
+        """Fold finished requests into `finished` and the Prometheus metrics."""
+        while True:
+            try:
+                handle, user = self.done.get_nowait()
+            except Exception:  # noqa: BLE001 - queue.Empty
+                return
+            try:
+                out = handle.result(0)
+            except BaseException:  # noqa: BLE001 - failed requests carry no output to count
+                continue
+            self.finished.append(FinishedRecord(out.request_id, user, out.finish_reason, len(out.prompt_token_ids),
+                                                len(out.token_ids)))
+            if self.metrics is not None:
+                self.metrics.observe(out)
+
+
+# ---------------------------------------------------------------------------------------------- engine bridge
+def _loop_call(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop closed (server shutting down): nobody is left to tell
+        pass
+
+
+def _future_of(handle: RequestHandle) -> asyncio.Future:
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def settle(h: RequestHandle) -> None:
+        if fut.done():
+            return
+        try:
+            fut.set_result(h.result())
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            fut.set_exception(e)
+
+    handle.add_done_callback(lambda h: _loop_call(loop, settle, h))
+    return fut
+
+
+def _pump(handle: RequestHandle, tag: int, queue: asyncio.Queue) -> None:
+    """Hand every delta, then the final RequestOutput (or the error), to the event loop queue."""
+    loop = asyncio.get_running_loop()
+
+    def run() -> None:
+        try:
+            for delta in handle:
+                _loop_call(loop, queue.put_nowait, (tag, delta))
+            _loop_call(loop, queue.put_nowait, (tag, handle.result()))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consuming task
+            _loop_call(loop, queue.put_nowait, (tag, e))
+
+    threading.Thread(target=run, name=f"minisgl-serve-{handle.request_id}", daemon=True).start()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns once the client has gone away (the body has been read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _results_or_disconnect(state: ServerState, request: Request, handles: list[RequestHandle]) -> list[RequestOutput]:
+    """Every handle's result, unless the client goes away first: then the requests are aborted."""
+    futs = [_future_of(h) for h in handles]
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    pending = set(futs)
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:  # the client left: stop the work, the answer has no reader
+                raise ClientGone()
+            pending -= done
+            if any(f.exception() is not None for f in done):
+                break
+        return [f.result() for f in futs]
+    finally:
+        gone.cancel()
+        _abort(state, handles)  # no-op for finished ones
+        state.collect()
+
+
+class ClientGone(Exception):
+    pass
+
+
+def _abort(state: ServerState, handles: Sequence[RequestHandle]) -> None:
+    for h in handles:
+        if not h.done():
+            try:
+                state.engine.abort(h.request_id)
+            except EngineDeadError:
+                pass
+
+
+def _submit_all(state: ServerState, prompts: Sequence[Any], params: Sequence[SamplingParams], prefix: str,
+                user: str | None) -> list[RequestHandle]:
+    """Submit every prompt, or none: a failure aborts the ones already queued."""
+    if state.shutting_down:
+        raise APIError(503, "the server is shutting down", "service_unavailable", code="shutting_down")
+    handles: list[RequestHandle] = []
+    post, live = state.done.put, state.live
+
+    def finished(h: RequestHandle, u: str | None) -> None:  # on the scheduler thread: keep it tiny
+        live.pop(h.request_id, None)
+        post((h, u))
+
+    try:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            h = state.engine.submit(p, sp, request_id=f"{prefix}-{i}")
+            live[h.request_id] = h
+            h.add_done_callback(lambda h, u=user: finished(h, u))
+            handles.append(h)
+    except BaseException:
+        _abort(state, handles)
+        raise
+    return handles
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def _sampling(req: Any, max_tokens: int, logprobs: int | None, processors: Sequence[Callable] = (),
+              prompt_logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=0 if req.top_k is None else int(req.top_k),
+        min_p=0.0 if req.min_p is None else float(req.min_p),
+        seed=req.seed,
+        max_tokens=max_tokens,
+        stop=req.stops,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        logits_processors=tuple(processors),
+    )
+
+
+def _usage(outs: Sequence[RequestOutput], drop_generated: bool = False) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = 0 if drop_generated else sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _TokenText:
+    """Per-token strings for logprobs (decoded one by one, as OpenAI shows them), cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._cache[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return s
+
+
+def _top_dict(text: _TokenText, lp: TokenLogprob) -> dict[str, float]:
+    """top_logprobs of one position: the k most likely first (argmax included), then the token itself
+    unless a more likely one already shows the same string."""
+    d: dict[str, float] = {}
+    for tid, v in lp.top:
+        d.setdefault(text(tid), v)
+    d.setdefault(text(lp.token_id), lp.logprob)
+    return d
+
+
+def _completion_logprobs(text: _TokenText, out: RequestOutput, echo: bool, drop_generated: bool,
+                         offset0: int) -> dict[str, Any]:
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    if echo:
+        plps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        for tid, lp in zip(out.prompt_token_ids, plps):
+            tokens.append(text(tid))
+            token_logprobs.append(None if lp is None else lp.logprob)
+            top.append(None if lp is None else _top_dict(text, lp))
+    if not drop_generated:
+        for lp in out.logprobs or []:
+            tokens.append(text(lp.token_id))
+            token_logprobs.append(lp.logprob)
+            top.append(_top_dict(text, lp))
+    offsets, pos = [], offset0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(text: _TokenText, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def entry(tid: int, v: float) -> dict[str, Any]:
+        s = text(tid)
+        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps], "refusal": None}
+
+
+def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["args"], ensure_ascii=False)}} for c in calls]
+
+
+# ---------------------------------------------------------------------------------------------- app
+def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
+               owns_engine: bool = False, enable_metrics: bool = True) -> FastAPI:
+    """The API over `engine`. `owns_engine`: close it when the app shuts down (the CLI's case)."""
+    from contextlib import asynccontextmanager
+
+    state = ServerState(engine=engine, model_name=model_name or str(engine.config.model), api_key=api_key,
+                        owns_engine=owns_engine, tokenizer=copy.deepcopy(engine.tokenizer))
+    if enable_metrics:
+        from minisgl_backend.serve.metrics import ServeMetrics
+
+        state.metrics = ServeMetrics(engine, state.model_name)
+    token_text = _TokenText(state.tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if state.owns_engine:  # uvicorn has stopped accepting and finished (or cancelled) the requests
+            await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.minisgl = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type_, None, None), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_req: Request, exc: Exception) -> JSONResponse:
+        return api_error(exc).response()
+
+    async def auth(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or token.strip() != state.api_key:
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    guarded = [Depends(auth)]
+
+    # ------------------------------------------------------------------ info endpoints
+    @app.get("/health")
+    async def health() -> Any:
+        if not engine.is_alive:
+            return JSONResponse(error_body("the engine is not running", "service_unavailable", None, "engine_dead"),
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> Any:
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "minisgl",
+            "root": str(engine.model_dir), "max_model_len": engine.max_model_len}]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=guarded)
+    async def model_info(model_id: str) -> Any:
+        _check_model(state, model_id)
+        return (await models())["data"][0]
+
+    @app.get("/tokenizer_info", dependencies=guarded)
+    async def tokenizer_info() -> Any:
+        tok = state.tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": tok.eos_token, "bos_token": tok.bos_token, "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+            "chat_template": getattr(tok, "chat_template", None),
+            "model_max_length": engine.max_model_len, "vocab_size": engine.vocab_size,
+            "add_bos_token": getattr(tok, "add_bos_token", None),
+        }
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(body: TokenizeRequest) -> Any:
+        _check_model(state, body.model)
+        tok = state.tokenizer
+        if body.messages is not None:
+            prompt = render_chat(tok, [_message_dict(m) for m in body.messages],
+                                 add_generation_prompt=body.add_generation_prompt)
+            ids = prompt.token_ids
+        else:
+            ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(body: DetokenizeRequest) -> Any:
+        _check_model(state, body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {engine.vocab_size}): {bad[:5]}", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    if state.metrics is not None:
+        @app.get("/metrics", dependencies=guarded)
+        async def metrics() -> Any:
+            state.collect()
+            body, ctype = state.metrics.render()
+            return PlainTextResponse(body, media_type=ctype)
+
+    # ------------------------------------------------------------------ completions
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        _check_model(state, body.model)
+        p = body.prompt
+        prompts: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        drop = body.max_tokens == 0  # echo-only scoring: the engine draws one token, which is dropped
+        k = body.logprobs
+        params = _sampling(body, max(1, body.max_tokens or 0), k,
+                           prompt_logprobs=k if (body.echo and k is not None) else None)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        try:
+            handles = _submit_all(state, prompts, [params] * len(prompts), rid, body.user)
+        except Exception as e:  # noqa: BLE001 - mapped to a status code
+            raise api_error(e) from e
+        echo_text = [pr if isinstance(pr, str) else state.tokenizer.decode(pr) for pr in prompts] if body.echo else None
+        model = state.model_name
+        if body.stream:
+            return StreamingResponse(_stream_completion(state, handles, body, rid, echo_text, drop, token_text),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            outs = await _results_or_disconnect(state, request, handles)
+        except ClientGone:
+            return PlainTextResponse("", status_code=499)
+        except Exception as e:  # noqa: BLE001
+            raise api_error(e) from e
+        choices = []
+        for i, out in enumerate(outs):
+            text = "" if drop else out.text
+            prefix = echo_text[i] if echo_text else ""
+            choices.append({
+                "index": i, "text": prefix + text, "finish_reason": "length" if drop else out.finish_reason,
+                "logprobs": _completion_logprobs(token_text, out, body.echo, drop, 0) if k is not None else None,
+            })
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": _usage(outs, drop), "system_fingerprint": None}
+
+    # ------------------------------------------------------------------ chat completions
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        _check_model(state, body.model)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
+        fmt = body.response_format.as_dict() if body.response_format is not None else None
+        try:
+            prompt = render_chat(state.tokenizer, [_message_dict(m) for m in body.messages], tools=tools,
+                                 tool_choice=choice, response_format=fmt)
+            max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.max_model_len - len(prompt.token_ids))
+            k = (body.top_logprobs or 0) if body.logprobs else None
+            params = _sampling(body, max_tokens, k, prompt.logits_processors)
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            handles = _submit_all(state, [prompt.token_ids], [params], rid, body.user)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to a status code
+            raise api_error(e) from e
+        if body.stream:
+            return StreamingResponse(_stream_chat(state, handles[0], body, rid, prompt.tool_names, token_text),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            (out,) = await _results_or_disconnect(state, request, handles)
+        except ClientGone:
+            return PlainTextResponse("", status_code=499)
+        except Exception as e:  # noqa: BLE001
+            raise api_error(e) from e
+        content, calls, _invalid = parse_tool_calls(out.text, prompt.tool_names) if prompt.tool_names else (out.text, [], [])
+        message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+        finish = out.finish_reason
+        if calls:
+            message["tool_calls"] = _openai_calls(calls)
+            finish = "tool_calls"
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                             "logprobs": _chat_logprobs(token_text, out.logprobs or []) if body.logprobs else None}],
+                "usage": _usage([out]), "system_fingerprint": None}
+
+    return app
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "type": "function",
+                            "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in m.tool_calls]
+    if m.role == "tool":
+        d["tool_call_id"] = m.tool_call_id
+    return d
+
+
+# ---------------------------------------------------------------------------------------------- streams
+async def _stream_completion(state: ServerState, handles: list[RequestHandle], body: CompletionRequest, rid: str,
+                             echo_text: list[str] | None, drop: bool, token_text: _TokenText) -> AsyncIterator[str]:
+    queue: asyncio.Queue = asyncio.Queue()
+    created, model = int(time.time()), state.model_name
+    outs: dict[int, RequestOutput] = {}
+
+    def chunk(i: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
+        return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                     "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+
+    try:
+        for i, h in enumerate(handles):
+            _pump(h, i, queue)
+        if echo_text:
+            for i, t in enumerate(echo_text):
+                yield chunk(i, t)
+        while len(outs) < len(handles):
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                err = api_error(item)
+                yield _sse(error_body(err.message, err.type, None, err.code))
+                return
+            if isinstance(item, RequestOutput):
+                outs[i] = item
+                lps = (_completion_logprobs(token_text, item, body.echo, drop, 0)
+                       if body.logprobs is not None else None)
+                yield chunk(i, "", "length" if drop else item.finish_reason, lps)
+            elif item.text and not drop:
+                yield chunk(i, item.text)
+        if body.include_usage:
+            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [], "usage": _usage([outs[i] for i in sorted(outs)], drop)})
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (the response task was cancelled) or the stream ended
+        _abort(state, handles)
+        state.collect()
+
+
+async def _stream_chat(state: ServerState, handle: RequestHandle, body: ChatCompletionRequest, rid: str,
+                       tool_names: set[str], token_text: _TokenText) -> AsyncIterator[str]:
+    queue: asyncio.Queue = asyncio.Queue()
+    created, model = int(time.time()), state.model_name
+    splitter = ToolCallStreamSplitter() if tool_names else None
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "system_fingerprint": None,
+                     "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+
+    try:
+        _pump(handle, 0, queue)
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            _, item = await queue.get()
+            if isinstance(item, BaseException):
+                err = api_error(item)
+                yield _sse(error_body(err.message, err.type, None, err.code))
+                return
+            if isinstance(item, StreamDelta):
+                text = splitter.feed(item.text) if splitter is not None else item.text
+                if text:
+                    yield chunk({"content": text})
+                continue
+            out: RequestOutput = item
+            finish: str = out.finish_reason
+            if splitter is not None:
+                tail, calls, _invalid = splitter.finish(tool_names)
+                if tail:
+                    yield chunk({"content": tail})
+                if calls:
+                    finish = "tool_calls"
+                    yield chunk({"tool_calls": [{**c, "index": j} for j, c in enumerate(_openai_calls(calls))]})
+            yield chunk({}, finish, _chat_logprobs(token_text, out.logprobs or []) if body.logprobs else None)
+            break
+        if body.include_usage:
+            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [], "usage": _usage([out])})
+        yield "data: [DONE]\n\n"
+    finally:
+        _abort(state, [handle])
+        state.collect()

@@ -1,0 +1,233 @@
+"""`minisgl bench-serve`: many concurrent streaming clients against a server.
+
+Arrivals are closed-loop (`--concurrency` clients, each sends its next request when the previous one
+ends) or Poisson (`--request-rate` requests/s, at most `--concurrency` in flight). Each request is a
+streamed `/v1/completions` of random token ids (a seeded pool of `--num-prompts` distinct prompts,
+drawn with replacement), greedy, `ignore_eos`. With `--disconnect-prob p` a client hangs up after
+its first chunk. Definitions follow SGLang's / vLLM's serving benchmarks: TTFT = time to the first
+streamed token; TPOT per request = (latency - TTFT) / (output tokens - 1), averaged over requests;
+ITL = every gap between streamed chunks, pooled; req/s and output tok/s over the wall time of the run.
+
+`--check` sends every distinct prompt once more *alone* (nothing else in flight) and compares each
+completed response with that solo reference. Greedy outputs are batch-independent only in
+deterministic mode (`--set deterministic=true`) or on a model whose greedy choices are well separated
+(the tiny random one); otherwise near-ties may flip. Without `--url`, the bench starts its own
+server in this process (engine from --model / --config / --set) and, at the end, drains the engine
+and reports whether every KV block is FREE and how many hung-up requests the server aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Result:
+    index: int
+    prompt: int  # index into the prompt pool
+    text: str = ""
+    ttft: float | None = None
+    latency: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    disconnected: bool = False
+    error: str | None = None
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _stats(name: str, xs: list[float]) -> dict[str, float]:
+    ms = [1000 * x for x in xs]
+    return {f"{name}_mean_ms": statistics.fmean(ms) if ms else float("nan"),
+            f"{name}_median_ms": _pct(ms, 50), f"{name}_p99_ms": _pct(ms, 99)}
+
+
+async def _one(client: Any, res: Result, body: dict[str, Any], hang_up: bool) -> None:
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                ev = json.loads(data)
+                if "error" in ev:
+                    res.error = str(ev["error"])
+                    return
+                if ev.get("usage"):
+                    res.output_tokens = ev["usage"]["completion_tokens"]
+                for c in ev.get("choices", []):
+                    if c.get("text"):
+                        now = time.perf_counter()
+                        if res.ttft is None:
+                            res.ttft = now - t0
+                        else:
+                            res.gaps.append(now - last)
+                        last = now
+                        res.text += c["text"]
+                        if hang_up:
+                            res.disconnected = True
+                            return  # leaving the block closes the connection mid-stream
+                    if c.get("finish_reason"):
+                        res.finish_reason = c["finish_reason"]
+        res.latency = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - reported per request
+        res.error = f"{type(e).__name__}: {e}"
+
+
+async def _run(url: str, api_key: str | None, model: str | None, prompts: list[list[int]], plan: list[tuple[int, bool]],
+               output_len: int, concurrency: int, request_rate: float, seed: int) -> tuple[list[Result], float]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    results = [Result(i, p) for i, (p, _) in enumerate(plan)]
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+        def body(i: int) -> dict[str, Any]:
+            p = plan[i][0]
+            return {"model": model, "prompt": prompts[p], "max_tokens": output_len, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                    "user": f"bench-{i}"}
+
+        t0 = time.perf_counter()
+        if request_rate == float("inf"):  # closed loop
+            nxt = iter(range(len(plan)))
+
+            async def worker() -> None:
+                for i in nxt:
+                    await _one(client, results[i], body(i), plan[i][1])
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:  # Poisson arrivals, capped at `concurrency` in flight
+            rng = random.Random(seed + 1)
+            sem = asyncio.Semaphore(concurrency)
+            tasks = []
+
+            async def send(i: int) -> None:
+                async with sem:
+                    await _one(client, results[i], body(i), plan[i][1])
+
+            for i in range(len(plan)):
+                tasks.append(asyncio.create_task(send(i)))
+                await asyncio.sleep(rng.expovariate(request_rate))
+            await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    return results, wall
+
+
+async def _solo(url: str, api_key: str | None, model: str | None, prompts: list[list[int]], output_len: int) -> list[str]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    refs = []
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
+        for p in prompts:  # one at a time: each runs alone
+            r = await client.post("/v1/completions", json={"model": model, "prompt": p, "max_tokens": output_len,
+                                                           "temperature": 0, "ignore_eos": True})
+            r.raise_for_status()
+            refs.append(r.json()["choices"][0]["text"])
+    return refs
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def _scrape(url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
+    return r.text if r.status_code == 200 else ""
+
+
+def bench_serve(url: str, *, api_key: str | None = None, model: str | None = None, num_requests: int = 200,
+                num_prompts: int = 64, input_len: int = 64, output_len: int = 32, concurrency: int = 32,
+                request_rate: float = float("inf"), disconnect_prob: float = 0.0, check: bool = False, seed: int = 0,
+                vocab: int = 49152, random_lengths: bool = True) -> dict[str, Any]:
+    """Run the benchmark against `url` (the server's root, e.g. http://127.0.0.1:8000)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        n = rng.randrange(max(1, input_len // 2), input_len * 3 // 2 + 1) if random_lengths else input_len
+        prompts.append([rng.randrange(3, vocab) for _ in range(n)])
+    plan = [(rng.randrange(num_prompts), rng.random() < disconnect_prob) for _ in range(num_requests)]
+    before = _scrape(url, api_key)
+    results, wall = asyncio.run(_run(url, api_key, model, prompts, plan, output_len, concurrency, request_rate, seed))
+    after = _scrape(url, api_key)
+    done = [r for r in results if not r.disconnected and r.error is None]
+    row: dict[str, Any] = {
+        "requests": num_requests, "completed": len(done), "disconnected": sum(r.disconnected for r in results),
+        "errors": sum(r.error is not None for r in results), "wall_s": wall,
+        "req_per_s": len(done) / wall, "output_tok_per_s": sum(r.output_tokens for r in done) / wall,
+        "concurrency": concurrency, "request_rate": request_rate,
+    }
+    row.update(_stats("ttft", [r.ttft for r in done if r.ttft is not None]))
+    row.update(_stats("tpot", [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done
+                               if r.latency is not None and r.ttft is not None and r.output_tokens > 1]))
+    row.update(_stats("itl", [g for r in done for g in r.gaps]))
+    row["disconnected_ids"] = [r.index for r in results if r.disconnected]
+    if before and after:  # may miss aborts the server had not folded into /metrics yet
+        row["server_aborted"] = (_metric(after, "minisgl:request_success_total", finished_reason="abort")
+                                 - _metric(before, "minisgl:request_success_total", finished_reason="abort"))
+    if check:
+        refs = asyncio.run(_solo(url, api_key, model, prompts, output_len))
+        bad = [r for r in done if r.text != refs[r.prompt]]
+        row["mismatches"] = len(bad)
+        row["mismatch_examples"] = [{"request": r.index, "prompt": r.prompt, "got": r.text[:80],
+                                     "solo": refs[r.prompt][:80]} for r in bad[:3]]
+    row["error_examples"] = [r.error for r in results if r.error][:3]
+    return row
+
+
+def format_row(row: dict[str, Any]) -> str:
+    lines = [
+        f"requests {row['requests']}: completed {row['completed']}, disconnected {row['disconnected']}, "
+        f"errors {row['errors']}, wall {row['wall_s']:.1f} s",
+        f"throughput: {row['req_per_s']:.2f} req/s, {row['output_tok_per_s']:.1f} output tok/s",
+    ]
+    for name in ("ttft", "tpot", "itl"):
+        lines.append(f"{name.upper():5s} mean {row[f'{name}_mean_ms']:.1f} ms, median {row[f'{name}_median_ms']:.1f} ms, "
+                     f"p99 {row[f'{name}_p99_ms']:.1f} ms")
+    if "disconnects_aborted" in row:
+        lines.append(f"disconnected: {row['disconnected']}, aborted on the server {row['disconnects_aborted']}, "
+                     f"finished before the hang-up was seen {row['disconnects_finished']}, "
+                     f"unaccounted {row['disconnects_unaccounted']}")
+    elif "server_aborted" in row:
+        lines.append(f"server aborted {row['server_aborted']:.0f} requests per /metrics "
+                     f"(disconnected clients: {row['disconnected']})")
+    if "mismatches" in row:
+        lines.append(f"check: {row['mismatches']} of {row['completed']} completed responses differ from their solo "
+                     "reference")
+        lines += [f"  mismatch: {ex}" for ex in row["mismatch_examples"]]
+    if "kv_after_drain" in row:
+        lines.append(f"KV after drain: {row['kv_after_drain']} (all FREE: {row['kv_all_free']})")
+    lines += [f"  error: {e}" for e in row["error_examples"]]
+    return "\n".join(lines)

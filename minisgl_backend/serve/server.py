@@ -1,0 +1,153 @@
+"""Running the app: uvicorn in the foreground (the CLI) or in a background thread (tests, benches)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl_backend.errors import MissingExtraError
+
+log = logging.getLogger("minisgl.serve")
+
+
+def _require_extra() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise MissingExtraError(f"`minisgl serve` needs the serve extra: pip install 'minisgl[serve]' ({e})") from e
+
+
+def create_app(engine: Any, model_name: str | None = None, api_key: str | None = None, owns_engine: bool = False,
+               enable_metrics: bool = True) -> Any:
+    _require_extra()
+    from minisgl_backend.serve.app import create_app as _create
+
+    return _create(engine, model_name, api_key, owns_engine, enable_metrics)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server(app: Any, config: Any) -> Any:
+    """A uvicorn Server that, when told to exit (signal or `should_exit`), first aborts the app's
+    in-flight requests on the event loop, so open streams end at once instead of at the timeout."""
+    import asyncio
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            try:  # a signal handler must not take the engine's locks itself: defer to the loop
+                asyncio.get_running_loop().call_soon_threadsafe(app.state.minisgl.begin_shutdown)
+            except RuntimeError:
+                app.state.minisgl.begin_shutdown()
+
+    return Server(config)
+
+
+def _uvicorn_config(app: Any, **kw: Any) -> Any:
+    import uvicorn
+
+    # Streams still open at shutdown are cancelled after this long (their requests are aborted).
+    return uvicorn.Config(app, log_level=kw.pop("log_level", "warning"), timeout_graceful_shutdown=5,
+                          access_log=False, lifespan="on", **kw)
+
+
+def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               model_name: str | None = None, log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn's handlers: stop accepting, finish or cancel in-flight
+    requests, then the lifespan closes the engine). Blocks."""
+    app = create_app(engine, model_name, api_key, owns_engine=True)
+    sock = _bind(host, port)
+    bound = sock.getsockname()
+    log.warning("minisgl serve: %s on http://%s:%d/v1 (model %r)", engine.config.model, host, bound[1],
+                app.state.minisgl.model_name)
+    server = _server(app, _uvicorn_config(app, log_level=log_level))
+    # uvicorn handles SIGINT/SIGTERM (graceful shutdown), then restores the previous handlers and
+    # re-raises the signal; these make that re-raise a no-op, so a requested stop exits 0 quietly.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        engine.close()  # idempotent; the lifespan normally did it already
+
+
+@dataclass
+class BackgroundServer:
+    """A server on a thread of this process (tests, bench-serve): `.url`, `.app`, `.stop()`."""
+
+    app: Any
+    server: Any
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.minisgl
+
+    def stop(self, timeout: float = 30) -> None:
+        self.state.begin_shutdown()
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def start_in_thread(engine: Any, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                    model_name: str | None = None, owns_engine: bool = False) -> BackgroundServer:
+    """Start serving `engine` on a background thread; returns once the server accepts connections.
+    port 0 picks a free port (bound here, so there is no race for it)."""
+    app = create_app(engine, model_name, api_key, owns_engine=owns_engine)
+    sock = _bind(host, port)
+    server = _server(app, _uvicorn_config(app))
+    started = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        import asyncio
+
+        async def main() -> None:
+            config = server.config
+            if not config.loaded:
+                config.load()
+            server.lifespan = config.lifespan_class(config)
+            await server.startup(sockets=[sock])  # no signal handlers: not the main thread
+            started.set()
+            if server.should_exit:
+                return
+            await server.main_loop()
+            await server.shutdown(sockets=[sock])
+
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001 - reported to the starter
+            failed.append(e)
+        finally:
+            started.set()
+            sock.close()
+
+    thread = threading.Thread(target=run, name="minisgl-serve", daemon=True)
+    thread.start()
+    started.wait(60)
+    if failed:
+        raise failed[0]
+    return BackgroundServer(app, server, thread, host, sock.getsockname()[1])
