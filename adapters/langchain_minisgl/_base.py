@@ -8,6 +8,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from minisgl_backend import Engine, EngineConfig, EngineDeadError, RequestHandle, RequestOutput, SamplingParams, StreamDelta
+from minisgl_backend.aio import call_soon, result_future
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from langchain_minisgl._engines import build_config, evict_engine, get_engine
@@ -152,20 +153,8 @@ def stream_sync(engine: Engine, handle: RequestHandle) -> Iterator[StreamDelta]:
 
 async def await_handle(engine: Engine, handle: RequestHandle) -> RequestOutput:
     """Await a request without blocking the event loop; cancelling the awaiter aborts the request."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[RequestOutput] = loop.create_future()
-
-    def settle(h: RequestHandle) -> None:
-        if fut.done():
-            return
-        try:
-            fut.set_result(h.result())
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            fut.set_exception(e)
-
-    handle.add_done_callback(lambda h: _call_soon(loop, settle, h))
     try:
-        return await fut
+        return await result_future(handle)
     finally:
         if not handle.done():
             engine.abort(handle.request_id)
@@ -180,9 +169,9 @@ async def stream_async(engine: Engine, handle: RequestHandle) -> AsyncIterator[S
     def pump() -> None:
         try:
             for delta in handle:
-                _call_soon(loop, queue.put_nowait, delta)
+                call_soon(loop, queue.put_nowait, delta)
         except BaseException as e:  # noqa: BLE001 - re-raised in the consuming task
-            _call_soon(loop, queue.put_nowait, e)
+            call_soon(loop, queue.put_nowait, e)
 
     threading.Thread(target=pump, name=f"minisgl-lc-{handle.request_id}", daemon=True).start()
     try:
@@ -196,13 +185,6 @@ async def stream_async(engine: Engine, handle: RequestHandle) -> AsyncIterator[S
     finally:
         if not handle.done():
             engine.abort(handle.request_id)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop closed while the request ran: nobody is left to tell
-        pass
 
 
 def usage_of(outs: Sequence[RequestOutput]) -> dict[str, int]:

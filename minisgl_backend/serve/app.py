@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minisgl_backend.aio import call_soon, result_future
 from minisgl_backend.chat import ChatTemplateError, GrammarError, ToolCallStreamSplitter, parse_tool_calls, render_chat
 from minisgl_backend.engine import Engine
 from minisgl_backend.errors import (
@@ -177,29 +178,6 @@ class ServerState:
 
 
 # ---------------------------------------------------------------------------------------------- engine bridge
-def _loop_call(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop closed (server shutting down): nobody is left to tell
-        pass
-
-
-def _future_of(handle: RequestHandle) -> asyncio.Future:
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def settle(h: RequestHandle) -> None:
-        if fut.done():
-            return
-        try:
-            fut.set_result(h.result())
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            fut.set_exception(e)
-
-    handle.add_done_callback(lambda h: _loop_call(loop, settle, h))
-    return fut
-
-
 def _pump(handle: RequestHandle, tag: int, queue: asyncio.Queue) -> None:
     """Hand every delta, then the final RequestOutput (or the error), to the event loop queue."""
     loop = asyncio.get_running_loop()
@@ -207,10 +185,10 @@ def _pump(handle: RequestHandle, tag: int, queue: asyncio.Queue) -> None:
     def run() -> None:
         try:
             for delta in handle:
-                _loop_call(loop, queue.put_nowait, (tag, delta))
-            _loop_call(loop, queue.put_nowait, (tag, handle.result()))
+                call_soon(loop, queue.put_nowait, (tag, delta))
+            call_soon(loop, queue.put_nowait, (tag, handle.result()))
         except BaseException as e:  # noqa: BLE001 - re-raised in the consuming task
-            _loop_call(loop, queue.put_nowait, (tag, e))
+            call_soon(loop, queue.put_nowait, (tag, e))
 
     threading.Thread(target=run, name=f"minisgl-serve-{handle.request_id}", daemon=True).start()
 
@@ -225,7 +203,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 async def _results_or_disconnect(state: ServerState, request: Request, handles: list[RequestHandle]) -> list[RequestOutput]:
     """Every handle's result, unless the client goes away first: then the requests are aborted."""
-    futs = [_future_of(h) for h in handles]
+    futs = [result_future(h) for h in handles]
     gone = asyncio.ensure_future(_wait_disconnect(request))
     pending = set(futs)
     try:
