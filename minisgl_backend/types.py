@@ -127,6 +127,7 @@ class RequestTimings:
     arrival: float
     first_token: float | None
     finish: float | None
+    scheduled: float | None = None  # first admission (it got KV blocks): scheduled - arrival is queue time
 
     @property
     def ttft(self) -> float | None:

@@ -557,6 +557,8 @@ def test_metrics_scrape_matches_a_known_workload(server, client):
     assert delta("minisgl:e2e_request_latency_seconds_count") == len(lens)
     assert delta("minisgl:inter_token_latency_seconds_count") == sum(n - 1 for _, n in lens)
     assert delta("minisgl:e2e_request_latency_seconds_sum") > 0
+    assert delta("minisgl:request_queue_time_seconds_count") == len(lens)
+    assert 0 <= delta("minisgl:request_queue_time_seconds_sum") <= delta("minisgl:e2e_request_latency_seconds_sum")
     for gauge in ("minisgl:num_requests_running", "minisgl:num_requests_waiting", "minisgl:kv_cache_usage_perc"):
         assert (gauge, (("model_name", MODEL),)) in after
     assert _val(after, "minisgl:prefix_cache_queries_total") >= _val(after, "minisgl:prefix_cache_hits_total") >= 0

@@ -106,6 +106,7 @@ class Request:
         self.handle = handle
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None  # first admission; a re-admission keeps it
         self.status = RequestStatus.WAITING
         self.output_ids: list[int] = []  # committed: results the scheduler has processed
         self.block_table: list[int] = []
@@ -194,7 +195,8 @@ class Request:
             text=self.detok.text,
             finish_reason=self.finish_reason,
             seed=self.seed,
-            timings=RequestTimings(self.arrival, self.first_token_time, time.perf_counter()),
+            timings=RequestTimings(self.arrival, self.first_token_time, time.perf_counter(),
+                                   self.scheduled_time),
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             num_preemptions=self.num_preemptions,

@@ -258,6 +258,8 @@ class Scheduler:
                     self._admitted.append((req.row, req.prompt_ids))
                 self.waiting.remove(req)
                 req.status = RequestStatus.RUNNING
+                if req.scheduled_time is None:
+                    req.scheduled_time = time.perf_counter()
                 self.running.append(req)
                 self._start_from_prefix(req, hit)
                 n = min(n, req.planned_len - req.num_computed)

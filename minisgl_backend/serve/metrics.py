@@ -110,9 +110,8 @@ class ServeMetrics:
                 h = self.itl.labels(m)
                 for _ in range(n - 1):
                     h.observe(gap)
-        scheduled = getattr(t, "scheduled", None)
-        if scheduled is not None:
-            self.queue_time.labels(m).observe(scheduled - t.arrival)
+        if t.scheduled is not None:
+            self.queue_time.labels(m).observe(t.scheduled - t.arrival)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
