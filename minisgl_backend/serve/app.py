@@ -294,6 +294,12 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _sse_error(e: BaseException) -> str:
+    """A failure in the middle of a stream: the status line is sent, so the error object is an event."""
+    err = api_error(e)
+    return _sse(error_body(err.message, err.type, None, err.code))
+
+
 class _TokenText:
     """Per-token strings for logprobs (decoded one by one, as OpenAI shows them), cached."""
 
@@ -575,8 +581,7 @@ async def _stream_completion(state: ServerState, handles: list[RequestHandle], b
         while len(outs) < len(handles):
             i, item = await queue.get()
             if isinstance(item, BaseException):
-                err = api_error(item)
-                yield _sse(error_body(err.message, err.type, None, err.code))
+                yield _sse_error(item)
                 return
             if isinstance(item, RequestOutput):
                 outs[i] = item
@@ -611,8 +616,7 @@ async def _stream_chat(state: ServerState, handle: RequestHandle, body: ChatComp
         while True:
             _, item = await queue.get()
             if isinstance(item, BaseException):
-                err = api_error(item)
-                yield _sse(error_body(err.message, err.type, None, err.code))
+                yield _sse_error(item)
                 return
             if isinstance(item, StreamDelta):
                 text = splitter.feed(item.text) if splitter is not None else item.text
