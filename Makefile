@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run generate test bench stress clean
+.PHONY: setup run generate test lint bench stress clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ generate: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Style and layering (CI runs it before the tests): ruff lint + format, import-linter contracts.
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	# (import-linter contracts: added with the restructure)
 
 bench: setup
 	$(BIN)/minisgl bench --dtype bfloat16 --num-requests 32 --input-len 100 --output-len 64

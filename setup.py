@@ -21,7 +21,9 @@ class BuildPyWithPth(build_py):
         super().run()
         # A wheel installs build_lib's top level into site-packages. An editable (PEP 660) build
         # ignores build_lib; what the `install` command targets is the unpacked editable wheel.
-        target = Path(self.get_finalized_command("install").install_lib if self.editable_mode else self.build_lib)
+        target = Path(
+            self.get_finalized_command("install").install_lib if self.editable_mode else self.build_lib
+        )
         target.mkdir(parents=True, exist_ok=True)
         (target / PTH_NAME).write_text(PTH_LINE)
 
@@ -54,8 +56,10 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:  # compiler missing or failing, pybind11 missing, ...
             bar = "=" * 78
             print(
-                f"\n{bar}\nWARNING: could not build the native extension {ext.name} ({type(exc).__name__}: {exc}).\n"
-                "minisgl will use the Python callback path (PyInflightTracker), which is slower (BRIEF S14).\n"
+                f"\n{bar}\nWARNING: could not build the native extension {ext.name} "
+                f"({type(exc).__name__}: {exc}).\n"
+                "minisgl will use the Python callback path (PyInflightTracker), which is slower "
+                "(docs/requirements.md, S14).\n"
                 f"{bar}\n",
                 file=sys.stderr,
             )

@@ -9,13 +9,13 @@ to the tool's JSON schema, so the call always parses), the call after a tool res
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from langchain.agents import create_agent
 from langchain.agents.middleware import ModelRequest, ModelResponse, wrap_model_call
 from langchain_core.messages import ToolMessage
 from langchain_core.tools import tool
-
 from langchain_minisgl import ChatMiniSGL
 
 
@@ -26,7 +26,9 @@ def get_weather(city: str) -> str:
 
 
 @wrap_model_call
-def tool_first_then_answer(request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]) -> ModelResponse:
+def tool_first_then_answer(
+    request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]
+) -> ModelResponse:
     has_result = any(isinstance(m, ToolMessage) for m in request.messages)
     return handler(request.override(tool_choice="none" if has_result else "any"))
 

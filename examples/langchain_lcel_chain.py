@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
-
 from langchain_minisgl import ChatMiniSGL
 
 
 def main(countries: tuple[str, ...] = ("France", "Italy", "Japan")) -> list[str]:
-    prompt = ChatPromptTemplate.from_messages([
-        ("system", "You answer in one short sentence."),
-        ("human", "What is the capital of {country}?"),
-    ])
+    prompt = ChatPromptTemplate.from_messages(
+        [
+            ("system", "You answer in one short sentence."),
+            ("human", "What is the capital of {country}?"),
+        ]
+    )
     llm = ChatMiniSGL(temperature=0, max_tokens=32, engine_config={"dtype": "bfloat16"})
     chain = prompt | llm | StrOutputParser()
     answers = chain.batch([{"country": c} for c in countries])

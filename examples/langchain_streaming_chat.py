@@ -1,12 +1,11 @@
 """Streaming chat on the embedded model, offline: tokens are printed as the engine produces them.
 
-    python examples/langchain_streaming_chat.py
+python examples/langchain_streaming_chat.py
 """
 
 from __future__ import annotations
 
 from langchain_core.messages import HumanMessage, SystemMessage
-
 from langchain_minisgl import ChatMiniSGL
 
 
@@ -19,7 +18,10 @@ def main(question: str = "Write a haiku about the sea.") -> list[str]:
         print(chunk.content, end="", flush=True)
         pieces.append(chunk.content)
         full = chunk if full is None else full + chunk
-    print(f"\n[{full.usage_metadata['output_tokens']} tokens, finish: {full.response_metadata['finish_reason']}]")
+    print(
+        f"\n[{full.usage_metadata['output_tokens']} tokens, "
+        f"finish: {full.response_metadata['finish_reason']}]"
+    )
     return pieces
 
 

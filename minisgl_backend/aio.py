@@ -8,7 +8,8 @@ simply no longer told.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from minisgl_backend.scheduler.request import RequestHandle
 from minisgl_backend.types import RequestOutput
@@ -22,7 +23,7 @@ def call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None
         pass
 
 
-def result_future(handle: RequestHandle) -> "asyncio.Future[RequestOutput]":
+def result_future(handle: RequestHandle) -> asyncio.Future[RequestOutput]:
     """A future of the running loop that settles with the handle's result (or its error)."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[RequestOutput] = loop.create_future()

@@ -10,7 +10,8 @@ import random
 import statistics
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -38,7 +39,12 @@ def summarize(outputs: Sequence[RequestOutput], wall: float) -> dict[str, float]
         if len(o.token_ids) > 1
     ]
     gen = sum(len(o.token_ids) for o in outputs)
-    row = {"requests": len(outputs), "wall_s": wall, "req_per_s": len(outputs) / wall, "output_tok_per_s": gen / wall}
+    row = {
+        "requests": len(outputs),
+        "wall_s": wall,
+        "req_per_s": len(outputs) / wall,
+        "output_tok_per_s": gen / wall,
+    }
     for name, xs in (("ttft_ms", ttft), ("tpot_ms", tpot)):
         row[f"{name}_mean"] = 1000 * statistics.fmean(xs) if xs else float("nan")
         row[f"{name}_p50"] = 1000 * _pct(xs, 50)
@@ -46,16 +52,22 @@ def summarize(outputs: Sequence[RequestOutput], wall: float) -> dict[str, float]
     return row
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], output_len: int, warmup: bool = True) -> dict[str, float]:
+def run_engine(
+    engine: Engine, prompts: list[list[int]], output_len: int, warmup: bool = True
+) -> dict[str, float]:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     if warmup:
-        engine.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        engine.generate(
+            prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False
+        )
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, use_tqdm=False)
     return summarize(outs, time.perf_counter() - t0)
 
 
-def run_hf(model_dir: str, dtype: str, prompts: list[list[int]], output_len: int, batch_size: int) -> dict[str, float]:
+def run_hf(
+    model_dir: str, dtype: str, prompts: list[list[int]], output_len: int, batch_size: int
+) -> dict[str, float]:
     """HF transformers `generate`, static batches of `batch_size` (left padded), greedy."""
     from transformers import AutoModelForCausalLM
 
@@ -67,15 +79,26 @@ def run_hf(model_dir: str, dtype: str, prompts: list[list[int]], output_len: int
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=pad)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         return (out.shape[1] - width) * len(batch)
 
     run_batch(prompts[:2], 2)  # warm-up
     t0 = time.perf_counter()
     gen = sum(run_batch(prompts[i : i + batch_size], output_len) for i in range(0, len(prompts), batch_size))
     wall = time.perf_counter() - t0
-    return {"requests": len(prompts), "wall_s": wall, "req_per_s": len(prompts) / wall, "output_tok_per_s": gen / wall}
+    return {
+        "requests": len(prompts),
+        "wall_s": wall,
+        "req_per_s": len(prompts) / wall,
+        "output_tok_per_s": gen / wall,
+    }
 
 
 # The seed's four rows (section 5.3) as plain config overrides.
@@ -83,31 +106,44 @@ SEED_TABLE: dict[str, dict[str, Any]] = {
     "serial, no chunking": {"overlap": False, "chunk_size": None, "mixed_batches": False, "max_inflight": 1},
     "overlap, chunk too small": {"overlap": True, "chunk_size": 32, "mixed_batches": True, "max_inflight": 4},
     "overlap, moderate chunk": {"overlap": True, "chunk_size": 256, "mixed_batches": True, "max_inflight": 4},
-    "overlap, over-synchronised": {"overlap": True, "chunk_size": 256, "mixed_batches": True, "max_inflight": 1},
+    "overlap, over-synchronised": {
+        "overlap": True,
+        "chunk_size": 256,
+        "mixed_batches": True,
+        "max_inflight": 1,
+    },
 }
 
 
-def mixed_prompts(n: int, vocab: int, short: int = 64, long: int = 768, long_every: int = 4,
-                  seed: int = 0) -> list[list[int]]:
+def mixed_prompts(
+    n: int, vocab: int, short: int = 64, long: int = 768, long_every: int = 4, seed: int = 0
+) -> list[list[int]]:
     """Mostly short prompts with a long one every `long_every`: long prefills arrive while others decode."""
     rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 1) for _ in range(long if i % long_every == long_every - 1 else short)]
-            for i in range(n)]
+    return [
+        [rng.randrange(100, vocab - 1) for _ in range(long if i % long_every == long_every - 1 else short)]
+        for i in range(n)
+    ]
 
 
 # The prefix-cache scenario: every mode on one shared-prefix workload, in one run.
-PREFIX_TABLE: dict[str, dict[str, Any]] = {f"prefix_cache={m}": {"prefix_cache": m} for m in ("off", "sync", "async")}
+PREFIX_TABLE: dict[str, dict[str, Any]] = {
+    f"prefix_cache={m}": {"prefix_cache": m} for m in ("off", "sync", "async")
+}
 
 
-def shared_prefix_prompts(n: int, vocab: int, num_stems: int = 4, stem_len: int = 512, tail_len: int = 32,
-                          seed: int = 0) -> list[list[int]]:
+def shared_prefix_prompts(
+    n: int, vocab: int, num_stems: int = 4, stem_len: int = 512, tail_len: int = 32, seed: int = 0
+) -> list[list[int]]:
     """Few-shot shape: each prompt is one of a few long shared stems plus its own short question."""
     rng = random.Random(seed)
     stems = [[rng.randrange(100, vocab - 1) for _ in range(stem_len)] for _ in range(num_stems)]
     return [stems[i % num_stems] + [rng.randrange(100, vocab - 1) for _ in range(tail_len)] for i in range(n)]
 
 
-def run_closed_loop(engine: Engine, prompts: list[list[int]], output_len: int, concurrency: int) -> dict[str, float]:
+def run_closed_loop(
+    engine: Engine, prompts: list[list[int]], output_len: int, concurrency: int
+) -> dict[str, float]:
     """`concurrency` clients, each sending its next request when the previous one finished."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     queue_ = list(reversed(prompts))
@@ -133,16 +169,23 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], output_len: int, c
     return summarize(outs, time.perf_counter() - t0)
 
 
-def bench_configs(base: EngineConfig, variants: dict[str, dict[str, Any]], num_requests: int,
-                  output_len: int, concurrency: int,
-                  trace_events: list[dict] | None = None,
-                  workload: Callable[[int, int], list[list[int]]] = mixed_prompts) -> dict[str, dict[str, Any]]:
+def bench_configs(
+    base: EngineConfig,
+    variants: dict[str, dict[str, Any]],
+    num_requests: int,
+    output_len: int,
+    concurrency: int,
+    trace_events: list[dict] | None = None,
+    workload: Callable[[int, int], list[list[int]]] = mixed_prompts,
+) -> dict[str, dict[str, Any]]:
     """The same workload (`workload(num_requests, vocab)`) under each config variant, one engine at
     a time. With `trace_events`, every run's timeline is appended (one trace process per variant) and
     each row reports how much of the scheduler thread's busy time overlapped a running forward pass."""
     rows: dict[str, dict[str, Any]] = {}
     for i, (name, overrides) in enumerate(variants.items()):
-        cfg = base.replace(**overrides, metrics_exact=True, **({"trace": True} if trace_events is not None else {}))
+        cfg = base.replace(
+            **overrides, metrics_exact=True, **({"trace": True} if trace_events is not None else {})
+        )
         with Engine(cfg) as engine:
             prompts = workload(num_requests, engine.vocab_size)
             warm = [[101, 102, 103]]  # shares no prefix with the workload: the cache starts cold
@@ -163,17 +206,32 @@ def _prefill_stats(before: dict[str, float], after: dict[str, float]) -> dict[st
     """Prefill work and prefix-cache effect of one run: tokens computed, tokens and requests served
     from the cache, evictions, and the scheduler time spent inserting into the tree."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    return {"prefill_tokens": d.get("prefill_tokens", 0.0),
-            "prefix_hit_tokens": d.get("prefix_hit_tokens", 0.0),
-            "prefix_token_hit_rate": d.get("prefix_hit_tokens", 0.0) / max(d.get("prefix_query_tokens", 0.0), 1.0),
-            "prefix_request_hit_rate": d.get("prefix_hits", 0.0) / max(d.get("prefix_queries", 0.0), 1.0),
-            "prefix_evicted_blocks": d.get("prefix_evicted_blocks", 0.0),
-            "prefix_insert_ms": 1000 * d.get("prefix_insert_s", 0.0)}
+    return {
+        "prefill_tokens": d.get("prefill_tokens", 0.0),
+        "prefix_hit_tokens": d.get("prefix_hit_tokens", 0.0),
+        "prefix_token_hit_rate": d.get("prefix_hit_tokens", 0.0)
+        / max(d.get("prefix_query_tokens", 0.0), 1.0),
+        "prefix_request_hit_rate": d.get("prefix_hits", 0.0) / max(d.get("prefix_queries", 0.0), 1.0),
+        "prefix_evicted_blocks": d.get("prefix_evicted_blocks", 0.0),
+        "prefix_insert_ms": 1000 * d.get("prefix_insert_s", 0.0),
+    }
 
 
 def format_table(rows: dict[str, dict[str, Any]], extra: Sequence[str] = ()) -> str:
-    cols = ["requests", "wall_s", "req_per_s", "output_tok_per_s", "ttft_ms_mean", "ttft_ms_p50",
-            "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99", "sched_overlap", *extra]
+    cols = [
+        "requests",
+        "wall_s",
+        "req_per_s",
+        "output_tok_per_s",
+        "ttft_ms_mean",
+        "ttft_ms_p50",
+        "ttft_ms_p99",
+        "tpot_ms_mean",
+        "tpot_ms_p50",
+        "tpot_ms_p99",
+        "sched_overlap",
+        *extra,
+    ]
     width = max(map(len, rows)) + 2
     widths = [max(17, len(c) + 2) for c in cols]
     lines = ["".ljust(width) + "".join(c.rjust(w) for c, w in zip(cols, widths))]
@@ -186,18 +244,34 @@ def format_table(rows: dict[str, dict[str, Any]], extra: Sequence[str] = ()) -> 
     return "\n".join(lines)
 
 
-def bench(config: EngineConfig, num_requests: int, input_len: int, output_len: int,
-          hf: bool = True, hf_batch_size: int | None = None) -> dict[str, Any]:
+def bench(
+    config: EngineConfig,
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    hf: bool = True,
+    hf_batch_size: int | None = None,
+) -> dict[str, Any]:
     with Engine(config) as engine:
         prompts = random_prompts(num_requests, input_len, engine.vocab_size)
         rows: dict[str, dict[str, Any]] = {"minisgl": run_engine(engine, prompts, output_len)}
         leaked = engine.check_invariants()
         model_dir = str(engine.model_dir)
     if hf:
-        rows["hf_generate"] = run_hf(model_dir, config.dtype, prompts, output_len, hf_batch_size or num_requests)
+        rows["hf_generate"] = run_hf(
+            model_dir, config.dtype, prompts, output_len, hf_batch_size or num_requests
+        )
         rows["ratio_minisgl_over_hf"] = {
             k: rows["minisgl"][k] / rows["hf_generate"][k] for k in ("req_per_s", "output_tok_per_s")
         }
-    return {"config": {"dtype": config.dtype, "num_requests": num_requests, "input_len": input_len,
-                       "output_len": output_len, "chunk_size": config.chunk_size},
-            "results": rows, "kv_blocks_after_drain": leaked}
+    return {
+        "config": {
+            "dtype": config.dtype,
+            "num_requests": num_requests,
+            "input_len": input_len,
+            "output_len": output_len,
+            "chunk_size": config.chunk_size,
+        },
+        "results": rows,
+        "kv_blocks_after_drain": leaked,
+    }

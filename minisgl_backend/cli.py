@@ -20,10 +20,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", help="YAML engine preset (e.g. configs/engine/default.yaml)")
     g.add_argument("--model", help="alias, Hugging Face directory or .gguf path")
     g.add_argument("--dtype", choices=["float32", "bfloat16"])
-    g.add_argument("--chunk-size", type=lambda s: None if s.lower() == "none" else int(s),
-                   default=argparse.SUPPRESS, help="prefill chunk size, or 'none' for whole-prompt prefill")
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any EngineConfig field (repeatable), value parsed as YAML: --set num_blocks=512")
+    g.add_argument(
+        "--chunk-size",
+        type=lambda s: None if s.lower() == "none" else int(s),
+        default=argparse.SUPPRESS,
+        help="prefill chunk size, or 'none' for whole-prompt prefill",
+    )
+    g.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any EngineConfig field (repeatable), value parsed as YAML: --set num_blocks=512",
+    )
 
 
 def _engine_config(args: argparse.Namespace, base: dict[str, Any] | None = None) -> EngineConfig:
@@ -55,15 +64,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from minisgl_backend.types import SamplingParams
 
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
     )
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     with Engine(_engine_config(args)) as engine:
         if args.chat:
             prompts = [
-                engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                     add_generation_prompt=True)
+                engine.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
                 for p in prompts
             ]
         if args.stream:
@@ -74,24 +89,47 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             return 0
         for prompt, out in zip(args.prompts or prompts, engine.generate(prompts, params)):
             if args.json:
-                print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
-                                  "seed": out.seed, "num_tokens": len(out.token_ids)}))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": prompt,
+                            "text": out.text,
+                            "finish_reason": out.finish_reason,
+                            "seed": out.seed,
+                            "num_tokens": len(out.token_ids),
+                        }
+                    )
+                )
             else:
-                print(f"### {prompt}\n{out.text}\n[finish_reason={out.finish_reason} tokens={len(out.token_ids)} seed={out.seed}]\n")
+                print(
+                    f"### {prompt}\n{out.text}\n[finish_reason={out.finish_reason} "
+                    f"tokens={len(out.token_ids)} seed={out.seed}]\n"
+                )
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from minisgl_backend.bench import (PREFIX_TABLE, SEED_TABLE, bench, bench_configs, format_table,
-                                       mixed_prompts, shared_prefix_prompts)
+    from minisgl_backend.bench import (
+        PREFIX_TABLE,
+        SEED_TABLE,
+        bench,
+        bench_configs,
+        format_table,
+        mixed_prompts,
+        shared_prefix_prompts,
+    )
 
     if (args.trace or args.plot) and not (args.scenario or args.sweep):
-        raise MiniSGLError("--trace and --plot record the timeline of --scenario or --sweep runs; give one of them")
+        raise MiniSGLError(
+            "--trace and --plot record the timeline of --scenario or --sweep runs; give one of them"
+        )
     if args.scenario or args.sweep:
         if args.sweep:
             key, _, values = args.sweep.partition("=")
             if key not in EngineConfig.field_names() or not values:
-                raise MiniSGLError(f"--sweep expects FIELD=v1,v2,... with an EngineConfig field, got {args.sweep!r}")
+                raise MiniSGLError(
+                    f"--sweep expects FIELD=v1,v2,... with an EngineConfig field, got {args.sweep!r}"
+                )
             variants = {f"{key}={v}": {key: yaml.safe_load(v)} for v in values.split(",")}
         else:
             variants = PREFIX_TABLE if args.scenario == "prefix" else SEED_TABLE
@@ -104,8 +142,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
             require_matplotlib()  # before minutes of benchmarking, not after
         events: list[dict] | None = [] if args.trace or args.plot else None
-        rows = bench_configs(_engine_config(args), variants, args.num_requests, args.output_len, args.concurrency,
-                             trace_events=events, workload=workload)
+        rows = bench_configs(
+            _engine_config(args),
+            variants,
+            args.num_requests,
+            args.output_len,
+            args.concurrency,
+            trace_events=events,
+            workload=workload,
+        )
         if args.trace:
             with open(args.trace, "w") as f:
                 json.dump({"traceEvents": events}, f)
@@ -116,17 +161,41 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             plot_utilisation(events, args.plot)
             print(f"wrote {args.plot} (compute / scheduler busy over time, one row per config)")
         prompts = "4 shared 512-token stems + 32 own tokens" if prefix else "64 tokens, every 4th 768"
-        result = {"workload": {"num_requests": args.num_requests, "output_len": args.output_len,
-                               "concurrency": args.concurrency, "prompts": prompts},
-                  "results": rows}
-        print(format_table(rows, extra=["prefill_tokens", "prefix_token_hit_rate", "prefix_request_hit_rate",
-                                        "prefix_evicted_blocks", "prefix_insert_ms"] if prefix else []))
+        result = {
+            "workload": {
+                "num_requests": args.num_requests,
+                "output_len": args.output_len,
+                "concurrency": args.concurrency,
+                "prompts": prompts,
+            },
+            "results": rows,
+        }
+        print(
+            format_table(
+                rows,
+                extra=[
+                    "prefill_tokens",
+                    "prefix_token_hit_rate",
+                    "prefix_request_hit_rate",
+                    "prefix_evicted_blocks",
+                    "prefix_insert_ms",
+                ]
+                if prefix
+                else [],
+            )
+        )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
         return 0
-    result = bench(_engine_config(args), args.num_requests, args.input_len, args.output_len,
-                   hf=not args.no_hf, hf_batch_size=args.hf_batch_size)
+    result = bench(
+        _engine_config(args),
+        args.num_requests,
+        args.input_len,
+        args.output_len,
+        hf=not args.no_hf,
+        hf_batch_size=args.hf_batch_size,
+    )
     print(format_table(result["results"]))
     print(f"KV blocks after drain: {result['kv_blocks_after_drain']}")
     if args.json:
@@ -142,14 +211,31 @@ def _cmd_stress(args: argparse.Namespace) -> int:
 
     # A pool small enough that blocks and rows are reused constantly (S18), and prompt-only batches
     # (mixed_batches off) that do not wait for the copy stage: the widest race window. Overridable.
-    base = {"model": str(make_tiny_llama()), "num_blocks": 40, "block_size": 4, "chunk_size": 4,
-            "max_num_batched_tokens": 64, "max_num_seqs": 4, "max_model_len": 64, "mixed_batches": False}
+    base = {
+        "model": str(make_tiny_llama()),
+        "num_blocks": 40,
+        "block_size": 4,
+        "chunk_size": 4,
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 4,
+        "max_model_len": 64,
+        "mixed_batches": False,
+    }
     cfg = _engine_config(args, base)
-    report = run_stress(cfg, args.num_requests, abort_prob=args.abort_prob, seed=args.seed,
-                        shared_prefixes=args.shared_prefixes, progress=True)
-    print(f"requests={report.requests} completed={report.completed} aborted={report.aborted} "
-          f"mismatches={report.mismatches} wall={report.wall_s:.1f}s prefix_hit_tokens={report.prefix_hit_tokens} "
-          f"prefix_evicted_blocks={report.prefix_evicted_blocks}")
+    report = run_stress(
+        cfg,
+        args.num_requests,
+        abort_prob=args.abort_prob,
+        seed=args.seed,
+        shared_prefixes=args.shared_prefixes,
+        progress=True,
+    )
+    print(
+        f"requests={report.requests} completed={report.completed} aborted={report.aborted} "
+        f"mismatches={report.mismatches} wall={report.wall_s:.1f}s "
+        f"prefix_hit_tokens={report.prefix_hit_tokens} "
+        f"prefix_evicted_blocks={report.prefix_evicted_blocks}"
+    )
     print(f"KV after drain: {report.kv_after_drain}")
     for ex in report.examples:
         print("  mismatch:", ex)
@@ -187,8 +273,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine = Engine(_engine_config(args))
     except KeyboardInterrupt:  # stopped while loading the model
         return 130
-    run_server(engine, host=args.host, port=args.port, api_key=args.api_key or None,
-               model_name=args.served_model_name, log_level=args.log_level)
+    run_server(
+        engine,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        model_name=args.served_model_name,
+        log_level=args.log_level,
+    )
     return 0
 
 
@@ -197,10 +289,19 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from minisgl_backend.serve.server import _require_extra
 
     _require_extra()
-    kw = dict(api_key=args.api_key, model=args.served_model_name, num_requests=args.num_requests,
-              num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-              concurrency=args.concurrency, request_rate=args.request_rate, disconnect_prob=args.disconnect_prob,
-              check=args.check, seed=args.seed)
+    kw = dict(
+        api_key=args.api_key,
+        model=args.served_model_name,
+        num_requests=args.num_requests,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        disconnect_prob=args.disconnect_prob,
+        check=args.check,
+        seed=args.seed,
+    )
     if args.url:
         row = bench_serve(args.url.rstrip("/").removesuffix("/v1"), **kw)
     else:  # our own server in this process: the engine can be drained and its blocks checked at the end
@@ -224,7 +325,9 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
                 srv.stop()
             row["kv_after_drain"] = counts
             row["kv_all_free"] = counts["FREE"] == engine.num_blocks
-            reasons = [getattr(finished.get(f"bench-{i}"), "finish_reason", None) for i in row["disconnected_ids"]]
+            reasons = [
+                getattr(finished.get(f"bench-{i}"), "finish_reason", None) for i in row["disconnected_ids"]
+            ]
             row["disconnects_aborted"] = reasons.count("abort")
             row["disconnects_finished"] = sum(r in ("stop", "length") for r in reasons)
             row["disconnects_unaccounted"] = reasons.count(None)
@@ -234,8 +337,12 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(row, f, indent=2)
-    failed = (row["errors"] > 0 or row.get("mismatches", 0) > 0 or row.get("kv_all_free") is False
-              or row.get("disconnects_unaccounted", 0) > 0)
+    failed = (
+        row["errors"] > 0
+        or row.get("mismatches", 0) > 0
+        or row.get("kv_all_free") is False
+        or row.get("disconnects_unaccounted", 0) > 0
+    )
     return 1 if failed else 0
 
 
@@ -265,19 +372,39 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-batch-size", type=int, help="HF static batch size (default: all requests)")
     b.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     b.add_argument("--json", help="also write the results to this JSON file")
-    b.add_argument("--scenario", choices=["seed-table", "prefix"],
-                   help="seed-table: the seed's four rows (serial / chunk too small / moderate / "
-                        "over-synchronised) on a mixed-length closed-loop workload; prefix: prefix_cache "
-                        "off / sync / async on a shared-prefix (few-shot) workload")
-    b.add_argument("--sweep", metavar="FIELD=v1,v2,..", help="the mixed workload under each value of one field "
-                   "(e.g. chunk_size=32,128,256,512 or max_inflight=1,2,4,8 or callback_impl=python,native)")
+    b.add_argument(
+        "--scenario",
+        choices=["seed-table", "prefix"],
+        help="seed-table: the seed's four rows (serial / chunk too small / moderate / "
+        "over-synchronised) on a mixed-length closed-loop workload; prefix: prefix_cache "
+        "off / sync / async on a shared-prefix (few-shot) workload",
+    )
+    b.add_argument(
+        "--sweep",
+        metavar="FIELD=v1,v2,..",
+        help="the mixed workload under each value of one field "
+        "(e.g. chunk_size=32,128,256,512 or max_inflight=1,2,4,8 or callback_impl=python,native)",
+    )
     b.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for --scenario/--sweep")
-    b.add_argument("--repeat", type=int, default=1, help="with --scenario/--sweep: run the variants this many "
-                   "times, interleaved (compare ratios on a noisy machine)")
-    b.add_argument("--trace", metavar="OUT.json", help="with --scenario/--sweep: Chrome-trace timeline "
-                   "(scheduler, compute, copy lanes per iteration, one process per config)")
-    b.add_argument("--plot", metavar="OUT.png", help="with --scenario/--sweep: utilisation over time per config "
-                   "(compute busy fraction in small bins, the seed's ECG curve); needs minisgl[plot]")
+    b.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="with --scenario/--sweep: run the variants this many "
+        "times, interleaved (compare ratios on a noisy machine)",
+    )
+    b.add_argument(
+        "--trace",
+        metavar="OUT.json",
+        help="with --scenario/--sweep: Chrome-trace timeline "
+        "(scheduler, compute, copy lanes per iteration, one process per config)",
+    )
+    b.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="with --scenario/--sweep: utilisation over time per config "
+        "(compute busy fraction in small bins, the seed's ECG curve); needs minisgl[plot]",
+    )
     _engine_args(b)
     b.set_defaults(fn=_cmd_bench)
 
@@ -285,37 +412,71 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--num-requests", type=int, default=20000)
     st.add_argument("--abort-prob", type=float, default=0.1)
     st.add_argument("--seed", type=int, default=0)
-    st.add_argument("--shared-prefixes", action="store_true",
-                    help="prompts grow from a few shared stems: the prefix cache hits, evicts and reuses blocks")
+    st.add_argument(
+        "--shared-prefixes",
+        action="store_true",
+        help="prompts grow from a few shared stems: the prefix cache hits, evicts and reuses blocks",
+    )
     _engine_args(st)
     st.set_defaults(fn=_cmd_stress)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the serve extra)")
-    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (env MINISGL_API_KEY)")
-    sv.add_argument("--served-model-name", help="the model id clients send and /v1/models lists (default: --model)")
-    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                    help="uvicorn's log level")
+    sv.add_argument(
+        "--api-key",
+        default=os.environ.get("MINISGL_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (env MINISGL_API_KEY)",
+    )
+    sv.add_argument(
+        "--served-model-name", help="the model id clients send and /v1/models lists (default: --model)"
+    )
+    sv.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level",
+    )
     _engine_args(sv)
     sv.set_defaults(fn=_cmd_serve)
 
-    bs = sub.add_parser("bench-serve", help="concurrent streaming clients against a server (--url) or against "
-                        "one started in this process; req/s, tok/s, TTFT/TPOT/ITL; --check vs solo references")
-    bs.add_argument("--url", help="server root (http://HOST:PORT); default: start one here with the engine flags")
+    bs = sub.add_parser(
+        "bench-serve",
+        help="concurrent streaming clients against a server (--url) or against "
+        "one started in this process; req/s, tok/s, TTFT/TPOT/ITL; --check vs solo references",
+    )
+    bs.add_argument(
+        "--url", help="server root (http://HOST:PORT); default: start one here with the engine flags"
+    )
     bs.add_argument("--tiny", action="store_true", help="without --url: serve the tiny random model")
     bs.add_argument("--api-key")
     bs.add_argument("--served-model-name", help="model name to send / serve")
     bs.add_argument("--num-requests", type=int, default=200)
     bs.add_argument("--num-prompts", type=int, default=64, help="distinct prompts, drawn with replacement")
-    bs.add_argument("--input-len", type=int, default=64, help="mean prompt length (uniform in [len/2, 3len/2])")
+    bs.add_argument(
+        "--input-len", type=int, default=64, help="mean prompt length (uniform in [len/2, 3len/2])"
+    )
     bs.add_argument("--output-len", type=int, default=32)
-    bs.add_argument("--concurrency", type=int, default=32, help="clients (closed loop) or cap on requests in flight")
-    bs.add_argument("--request-rate", type=float, default=float("inf"),
-                    help="Poisson arrivals at this many requests/s (default inf: closed loop)")
-    bs.add_argument("--disconnect-prob", type=float, default=0.0, help="chance that a client hangs up after its first chunk")
-    bs.add_argument("--check", action="store_true", help="compare every completed response with a solo run of its prompt")
+    bs.add_argument(
+        "--concurrency", type=int, default=32, help="clients (closed loop) or cap on requests in flight"
+    )
+    bs.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals at this many requests/s (default inf: closed loop)",
+    )
+    bs.add_argument(
+        "--disconnect-prob",
+        type=float,
+        default=0.0,
+        help="chance that a client hangs up after its first chunk",
+    )
+    bs.add_argument(
+        "--check", action="store_true", help="compare every completed response with a solo run of its prompt"
+    )
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--json", help="also write the results to this JSON file")
     _engine_args(bs)
@@ -323,11 +484,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     from minisgl_backend.determinism import DEFAULT_GRID, DEFAULT_PROMPTS
 
-    det = sub.add_parser("determinism", help="run one request set under a grid of scheduling configs and count "
-                         "distinct outputs per request (exit 1 if any request has more than one)")
-    det.add_argument("--grid", default=str(DEFAULT_GRID), help="grid YAML (default: configs/determinism/default.yaml)")
-    det.add_argument("--prompts", default=str(DEFAULT_PROMPTS),
-                     help="request-set YAML (default: configs/determinism/prompts.yaml)")
+    det = sub.add_parser(
+        "determinism",
+        help="run one request set under a grid of scheduling configs and count "
+        "distinct outputs per request (exit 1 if any request has more than one)",
+    )
+    det.add_argument(
+        "--grid", default=str(DEFAULT_GRID), help="grid YAML (default: configs/determinism/default.yaml)"
+    )
+    det.add_argument(
+        "--prompts",
+        default=str(DEFAULT_PROMPTS),
+        help="request-set YAML (default: configs/determinism/prompts.yaml)",
+    )
     det.add_argument("--json", help="also write the report to this JSON file")
     _engine_args(det)
     det.set_defaults(fn=_cmd_determinism)

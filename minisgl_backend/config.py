@@ -54,7 +54,9 @@ class EngineConfig:
     # --- sampling (S8) ---
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh random seeds
     # --- limits ---
-    max_logprobs: int = 20  # most `logprobs` / `prompt_logprobs` alternatives a request may ask for (vLLM's default)
+    max_logprobs: int = (
+        20  # most `logprobs` / `prompt_logprobs` alternatives a request may ask for (vLLM's default)
+    )
     # --- runtime ---
     num_threads: int | None = None  # torch intra-op threads; None = torch default
 
@@ -72,15 +74,17 @@ class EngineConfig:
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         mem = machine_memory_gb()
         if device_type == "cpu" and mem is not None and self.kv_cache_memory_gb > mem:
-            raise ConfigError(f"kv_cache_memory_gb must be > 0 and at most this machine's memory "
-                              f"({mem:.1f} GiB), got {self.kv_cache_memory_gb}")
+            raise ConfigError(
+                f"kv_cache_memory_gb must be > 0 and at most this machine's memory "
+                f"({mem:.1f} GiB), got {self.kv_cache_memory_gb}"
+            )
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "EngineConfig":
+    def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
             raise ConfigError(
@@ -89,7 +93,7 @@ class EngineConfig:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides: Any) -> "EngineConfig":
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
         """Load a YAML preset (a flat mapping of field names), then apply keyword overrides."""
         path = Path(path)
         if not path.is_file():
@@ -99,7 +103,7 @@ class EngineConfig:
             raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
         return cls.from_dict({**data, **overrides})
 
-    def replace(self, **changes: Any) -> "EngineConfig":
+    def replace(self, **changes: Any) -> EngineConfig:
         return self.from_dict({**dataclasses.asdict(self), **changes})
 
 

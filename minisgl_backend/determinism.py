@@ -24,9 +24,10 @@ import random
 import struct
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import yaml
 
@@ -88,7 +89,7 @@ class Grid:
     prefill_check: bool = True  # decode logprobs vs a fresh prefill of the same tokens, once per group
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "grid") -> "Grid":
+    def from_dict(cls, data: dict[str, Any], where: str = "grid") -> Grid:
         _check_keys(data, [f.name for f in dataclasses.fields(cls)], where)
         grid = cls(
             base=_engine_fields(data.get("base"), f"{where}.base", lists=False),
@@ -106,7 +107,7 @@ class Grid:
         return grid
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "Grid":
+    def from_yaml(cls, path: str | Path) -> Grid:
         return cls.from_dict(_load_mapping(path, "grid"), where=str(path))
 
     def groups(self) -> list[dict[str, Any]]:
@@ -141,18 +142,26 @@ class Workload:
     requests: tuple[RequestSpec, ...]
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "prompts") -> "Workload":
+    def from_dict(cls, data: dict[str, Any], where: str = "prompts") -> Workload:
         _check_keys(data, ["prompts", "sampling", "max_tokens", "logprobs"], where)
         prompts = data.get("prompts")
         if not isinstance(prompts, list) or not prompts:
             raise ConfigError(f"{where}.prompts: expected a non-empty list of strings or token-id lists")
         for i, p in enumerate(prompts):
-            if not (isinstance(p, str) and p) and not (isinstance(p, list) and p and all(isinstance(t, int) for t in p)):
-                raise ConfigError(f"{where}.prompts[{i}]: expected a non-empty string or list of token ids, got {p!r}")
+            if not (isinstance(p, str) and p) and not (
+                isinstance(p, list) and p and all(isinstance(t, int) for t in p)
+            ):
+                raise ConfigError(
+                    f"{where}.prompts[{i}]: expected a non-empty string or list of token ids, got {p!r}"
+                )
         modes = data.get("sampling", {"greedy": {"temperature": 0}})
         if not isinstance(modes, dict) or not modes:
             raise ConfigError(f"{where}.sampling: expected a mapping of mode name -> SamplingParams fields")
-        common = {"max_tokens": data.get("max_tokens", 16), "logprobs": data.get("logprobs", 0), "ignore_eos": True}
+        common = {
+            "max_tokens": data.get("max_tokens", 16),
+            "logprobs": data.get("logprobs", 0),
+            "ignore_eos": True,
+        }
         requests = []
         for mode, fields in modes.items():
             if not isinstance(fields, dict):
@@ -169,7 +178,7 @@ class Workload:
         return cls(tuple(requests))
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "Workload":
+    def from_yaml(cls, path: str | Path) -> Workload:
         return cls.from_dict(_load_mapping(path, "prompts"), where=str(path))
 
 
@@ -194,7 +203,7 @@ class Fingerprint:
     logprobs: bytes
 
     @classmethod
-    def of(cls, out: RequestOutput) -> "Fingerprint":
+    def of(cls, out: RequestOutput) -> Fingerprint:
         return cls(tuple(out.token_ids), _lp_bytes(out.logprobs or []))
 
 
@@ -242,7 +251,9 @@ class DeterminismReport:
         lines = [head, "-" * len(head)]
         for r in self.requests:
             pre = "-" if r.prefill_match is None else ("yes" if r.prefill_match else "NO")
-            lines.append(f"{r.group:<24}{r.name:<16}{r.points:>7}{r.distinct_tokens:>8}{r.distinct_outputs:>9}{pre:>17}")
+            lines.append(
+                f"{r.group:<24}{r.name:<16}{r.points:>7}{r.distinct_tokens:>8}{r.distinct_outputs:>9}{pre:>17}"
+            )
         lines.append(
             f"summary: {len(self.requests)} requests x {self.points_run} grid points; "
             f"{self.num_differing} with more than one distinct output "
@@ -252,26 +263,44 @@ class DeterminismReport:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "num_differing": self.num_differing, "num_prefill_mismatch": self.num_prefill_mismatch,
-                "points_run": self.points_run, "wall_s": self.wall_s, "configs": self.configs,
-                "requests": [dataclasses.asdict(r) for r in self.requests]}
+        return {
+            "ok": self.ok,
+            "num_differing": self.num_differing,
+            "num_prefill_mismatch": self.num_prefill_mismatch,
+            "points_run": self.points_run,
+            "wall_s": self.wall_s,
+            "configs": self.configs,
+            "requests": [dataclasses.asdict(r) for r in self.requests],
+        }
 
 
 # ---------------------------------------------------------------- running
-def _fillers(rng: random.Random, n: int, vocab: int, max_tokens: int,
-             max_len: int) -> list[tuple[Prompt, SamplingParams]]:
+def _fillers(
+    rng: random.Random, n: int, vocab: int, max_tokens: int, max_len: int
+) -> list[tuple[Prompt, SamplingParams]]:
     """Random co-running requests: random token prompts and lengths, unseeded random sampling
     (so seeded requests of the set are batched with unseeded ones)."""
-    return [([rng.randrange(100, vocab - 1) for _ in range(rng.randrange(1, max(2, min(96, max_len))))],
-             SamplingParams(temperature=1.0, max_tokens=rng.randrange(1, 2 * max_tokens + 1), ignore_eos=True))
-            for _ in range(n)]
+    return [
+        (
+            [rng.randrange(100, vocab - 1) for _ in range(rng.randrange(1, max(2, min(96, max_len))))],
+            SamplingParams(temperature=1.0, max_tokens=rng.randrange(1, 2 * max_tokens + 1), ignore_eos=True),
+        )
+        for _ in range(n)
+    ]
 
 
-def run_point(engine: Engine, workload: Workload, rng: random.Random, num_fillers: int) -> dict[str, RequestOutput]:
+def run_point(
+    engine: Engine, workload: Workload, rng: random.Random, num_fillers: int
+) -> dict[str, RequestOutput]:
     """Submit the set plus fillers in a shuffled order, in random bursts; the set's outputs by name."""
     max_tokens = max(r.params.max_tokens for r in workload.requests)
-    items: list[tuple[str | None, Prompt, SamplingParams]] = [(r.name, r.prompt, r.params) for r in workload.requests]
-    items += [(None, p, sp) for p, sp in _fillers(rng, num_fillers, engine.vocab_size, max_tokens, engine.max_model_len)]
+    items: list[tuple[str | None, Prompt, SamplingParams]] = [
+        (r.name, r.prompt, r.params) for r in workload.requests
+    ]
+    items += [
+        (None, p, sp)
+        for p, sp in _fillers(rng, num_fillers, engine.vocab_size, max_tokens, engine.max_model_len)
+    ]
     rng.shuffle(items)
     handles = []
     i = 0
@@ -288,27 +317,41 @@ def run_point(engine: Engine, workload: Workload, rng: random.Random, num_filler
 def prefill_matches(engine: Engine, workload: Workload, outputs: dict[str, RequestOutput]) -> dict[str, bool]:
     """For each request: do its generated tokens' logprobs equal those a fresh prefill of
     prompt + output assigns to the same tokens (prompt logprobs), bit for bit?"""
-    specs = [s for s in workload.requests
-             if outputs[s.name].logprobs is not None
-             and len(outputs[s.name].prompt_token_ids) + len(outputs[s.name].token_ids) <= engine.max_model_len]
+    specs = [
+        s
+        for s in workload.requests
+        if outputs[s.name].logprobs is not None
+        and len(outputs[s.name].prompt_token_ids) + len(outputs[s.name].token_ids) <= engine.max_model_len
+    ]
     prompts, params = [], []
     for spec in specs:  # all at once: the fresh prefills share batches, which must not matter either
         out = outputs[spec.name]
         prompts.append(list(out.prompt_token_ids) + list(out.token_ids))
-        params.append(SamplingParams(max_tokens=1, prompt_logprobs=spec.params.logprobs or 0,
-                                     prompt_logprobs_start=len(out.prompt_token_ids)))
+        params.append(
+            SamplingParams(
+                max_tokens=1,
+                prompt_logprobs=spec.params.logprobs or 0,
+                prompt_logprobs_start=len(out.prompt_token_ids),
+            )
+        )
     fresh = engine.generate(prompts, params, use_tqdm=False)
-    return {spec.name: _lp_bytes(f.prompt_logprobs[len(outputs[spec.name].prompt_token_ids):])
-            == _lp_bytes(outputs[spec.name].logprobs)
-            for spec, f in zip(specs, fresh)}
+    return {
+        spec.name: _lp_bytes(f.prompt_logprobs[len(outputs[spec.name].prompt_token_ids) :])
+        == _lp_bytes(outputs[spec.name].logprobs)
+        for spec, f in zip(specs, fresh)
+    }
 
 
 def _label(values: dict[str, Any]) -> str:
     return " ".join(f"{k}={json.dumps(v)}" for k, v in values.items()) or "(base)"
 
 
-def run_check(grid: Grid, workload: Workload, overrides: dict[str, Any] | None = None,
-              progress: Callable[[str], None] | None = None) -> DeterminismReport:
+def run_check(
+    grid: Grid,
+    workload: Workload,
+    overrides: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> DeterminismReport:
     """Run `workload` at every grid point (every group x every point) and compare per group."""
     overrides = dict(overrides or {})
     _check_keys(overrides, EngineConfig.field_names(), "overrides")
@@ -333,8 +376,10 @@ def run_check(grid: Grid, workload: Workload, overrides: dict[str, Any] | None =
             configs.append({**group, **point})
             if progress:
                 progress(f"[{done}/{total}] {_label({**group, **point})}: {time.perf_counter() - t0:.1f}s")
-        reports += [dataclasses.replace(r, prefill_match=prefill.get(r.name)) if prefill else r
-                    for r in compare(_label(group), runs)]
+        reports += [
+            dataclasses.replace(r, prefill_match=prefill.get(r.name)) if prefill else r
+            for r in compare(_label(group), runs)
+        ]
     return DeterminismReport(reports, total, time.perf_counter() - t_start, configs)
 
 

@@ -12,8 +12,9 @@ import random
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -46,11 +47,11 @@ from minisgl_backend.validation import check_text
 
 log = logging.getLogger("minisgl")
 
-Prompt = Union[str, Sequence[int]]
-ParamsLike = Union[SamplingParams, dict, None]
+Prompt = str | Sequence[int]
+ParamsLike = SamplingParams | dict | None
 
 
-_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 @atexit.register
@@ -64,10 +65,10 @@ def _close_live_engines() -> None:
 
 # Engines whose idle scheduler thread has a command coming: the command's sender may drop the
 # Engine right after sending, and the thread must still find it alive to serve that command.
-_PINNED: "set[Engine]" = set()
+_PINNED: set[Engine] = set()
 
 
-def _scheduler_main(ref: "weakref.ref[Engine]") -> None:
+def _scheduler_main(ref: weakref.ref[Engine]) -> None:
     """The scheduler thread. It holds the Engine strongly only while there is work: when idle it
     waits for the next command through a weak reference, so an Engine dropped without close() is
     collected and its finaliser stops every thread (nothing can be pending then: idle means every
@@ -95,7 +96,9 @@ def _scheduler_main(ref: "weakref.ref[Engine]") -> None:
         del engine
 
 
-def _shutdown(inbox: queue.SimpleQueue, tracker: Any, thread: threading.Thread, executor: Any, metrics: Metrics) -> None:
+def _shutdown(
+    inbox: queue.SimpleQueue, tracker: Any, thread: threading.Thread, executor: Any, metrics: Metrics
+) -> None:
     """Stop an engine's threads (Engine.close, or the finaliser of an Engine dropped without it).
     Holds no reference to the Engine itself."""
     inbox.put(("stop",))
@@ -104,7 +107,9 @@ def _shutdown(inbox: queue.SimpleQueue, tracker: Any, thread: threading.Thread, 
     if thread is not current and thread.is_alive():
         thread.join()
     if current in executor.threads:  # collected on a worker thread: it cannot join itself
-        threading.Thread(target=_close_workers, args=(executor, metrics), name="minisgl-closer", daemon=True).start()
+        threading.Thread(
+            target=_close_workers, args=(executor, metrics), name="minisgl-closer", daemon=True
+        ).start()
     else:
         _close_workers(executor, metrics)
 
@@ -153,8 +158,11 @@ class Engine:
         self._tracker = make_tracker(config.callback_impl, self._max_inflight)
         # Known once the model is loaded; the stats line (a metrics thread) may fire before that.
         self.num_blocks = 0
-        self._metrics = Metrics(exact=config.metrics_exact, stats_line=_weak_stats_line(self._stats_line),
-                                stats_every_s=config.stats_interval_s)
+        self._metrics = Metrics(
+            exact=config.metrics_exact,
+            stats_line=_weak_stats_line(self._stats_line),
+            stats_every_s=config.stats_interval_s,
+        )
         self.tracer = Tracer(config.trace)
         try:
             self._executor = make_executor(config, self._tracker, self._metrics, self.tracer)
@@ -163,16 +171,27 @@ class Engine:
             raise
         try:
             # Heavy torch work runs on the compute thread, the only one with an OpenMP team (see executor).
-            loaded = self._executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
+            loaded = self._executor.run_on_compute(
+                lambda: load_model(config.model, config.dtype, config.device)
+            )
             if config.deterministic:
                 self._executor.run_on_compute(lambda: batch_invariant.enable(loaded.model))
             spec = loaded.model.spec
-            per_block = kv_bytes_per_block(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim,
-                                           DTYPES[config.dtype])
+            per_block = kv_bytes_per_block(
+                spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, DTYPES[config.dtype]
+            )
             self.num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
-            kv = self._executor.run_on_compute(lambda: KVCache(
-                spec.num_layers, self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
-                DTYPES[config.dtype], config.device))
+            kv = self._executor.run_on_compute(
+                lambda: KVCache(
+                    spec.num_layers,
+                    self.num_blocks,
+                    config.block_size,
+                    spec.num_kv_heads,
+                    spec.head_dim,
+                    DTYPES[config.dtype],
+                    config.device,
+                )
+            )
         except BaseException:
             self._executor.close()
             self._metrics.close()
@@ -205,23 +224,32 @@ class Engine:
         self._resumed: list[tuple] = []  # the command that woke an idle scheduler thread (_scheduler_main)
         self._idle = False  # the scheduler thread waits without holding the Engine (under _life_lock)
         # The thread holds only a weak reference (see _scheduler_main): dropping the Engine closes it.
-        self._thread = threading.Thread(target=_scheduler_main, args=(weakref.ref(self),),
-                                        name="minisgl-scheduler", daemon=True)
+        self._thread = threading.Thread(
+            target=_scheduler_main, args=(weakref.ref(self),), name="minisgl-scheduler", daemon=True
+        )
         # Blocking calls from these threads (a logits processor, a done-callback) would deadlock.
         self._own_threads = frozenset([self._thread, *self._executor.threads])
-        self._finalizer = weakref.finalize(self, _shutdown, self._inbox, self._tracker, self._thread,
-                                           self._executor, self._metrics)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._inbox, self._tracker, self._thread, self._executor, self._metrics
+        )
         self._thread.start()
         _LIVE_ENGINES.add(self)
 
     # ------------------------------------------------------------------ public API
-    def submit(self, prompt: Prompt, params: ParamsLike = None, request_id: str | None = None) -> RequestHandle:
+    def submit(
+        self, prompt: Prompt, params: ParamsLike = None, request_id: str | None = None
+    ) -> RequestHandle:
         """Queue one request; returns at once. Safe to call from many threads. With
         `max_waiting_requests` set, raises QueueFullError while that many requests wait for admission."""
         req = self._make_request(prompt, _as_params(params), request_id)
-        if self.config.max_waiting_requests is not None and self.num_waiting() >= self.config.max_waiting_requests:
-            raise QueueFullError(f"{self.config.max_waiting_requests} requests are already waiting "
-                                 "(max_waiting_requests); retry later")
+        if (
+            self.config.max_waiting_requests is not None
+            and self.num_waiting() >= self.config.max_waiting_requests
+        ):
+            raise QueueFullError(
+                f"{self.config.max_waiting_requests} requests are already waiting "
+                "(max_waiting_requests); retry later"
+            )
         self._send("add", req)
         return req.handle
 
@@ -317,7 +345,7 @@ class Engine:
         self._not_reentrant("Engine.close()")
         self._finalizer()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -340,7 +368,8 @@ class Engine:
             raise ReentrantCallError(
                 f"{what} was called from the engine's own thread {current.name!r} (e.g. inside a logits "
                 "processor or a result callback): it would wait for work that this thread must do, a "
-                "deadlock. Call it from another thread.")
+                "deadlock. Call it from another thread."
+            )
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         fut: Future = Future()
@@ -352,11 +381,16 @@ class Engine:
             check_text("the prompt", prompt, InvalidRequestError)
             with self._encode_lock:
                 return list(self.tokenizer.encode(prompt))
-        if (isinstance(prompt, (bytes, bytearray, memoryview)) or not isinstance(prompt, Sequence)
-                or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)):
+        if (
+            isinstance(prompt, (bytes, bytearray, memoryview))
+            or not isinstance(prompt, Sequence)
+            or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
+        ):
             kind = type(prompt).__name__
-            raise InvalidRequestError(f"a prompt must be a string or a list of int token ids, got {kind}"
-                                      + (" (decode bytes to str first)" if isinstance(prompt, bytes) else ""))
+            raise InvalidRequestError(
+                f"a prompt must be a string or a list of int token ids, got {kind}"
+                + (" (decode bytes to str first)" if isinstance(prompt, bytes) else "")
+            )
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -369,17 +403,21 @@ class Engine:
             raise EmptyPromptError("the prompt is empty (it has no tokens)")
         if len(ids) > self.max_model_len:
             raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens but the context limit (max_model_len) is {self.max_model_len}"
+                f"the prompt has {len(ids)} tokens but the context limit (max_model_len) "
+                f"is {self.max_model_len}"
             )
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
-            raise InvalidSamplingParamsError(f"stop_token_ids out of range [0, {self.vocab_size}): {bad_stop}")
+            raise InvalidSamplingParamsError(
+                f"stop_token_ids out of range [0, {self.vocab_size}): {bad_stop}"
+            )
         cap = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > cap:
                 raise InvalidSamplingParamsError(
-                    f"{name} must be in [0, {cap}] (the engine's max_logprobs setting), got {k}")
+                    f"{name} must be in [0, {cap}] (the engine's max_logprobs setting), got {k}"
+                )
         seed = params.seed
         if seed is None:  # reported in the output so the sample can be replayed
             with self._seed_lock:
@@ -407,11 +445,18 @@ class Engine:
                 refs[b] = refs.get(b, 0) + 1
         for b, rc in enumerate(self._pool.refcount):
             if rc != refs.get(b, 0):
-                raise InvariantError(f"block {b} ({self._pool.state[b].name}) has refcount {rc} "
-                                     f"but {refs.get(b, 0)} holders")
+                raise InvariantError(
+                    f"block {b} ({self._pool.state[b].name}) has refcount {rc} but {refs.get(b, 0)} holders"
+                )
         cached = sched.cache.num_blocks if sched.cache is not None else 0
-        return {**counts, "cached": cached, "running": len(sched.running), "waiting": len(sched.waiting),
-                "rows_free": self._rows.num_free, "inflight": len(self._inflight)}
+        return {
+            **counts,
+            "cached": cached,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "rows_free": self._rows.num_free,
+            "inflight": len(self._inflight),
+        }
 
     def _loop(self) -> bool:
         """Run until idle (True: _scheduler_main waits for the next command without holding the
@@ -454,9 +499,14 @@ class Engine:
                     self._watchdog.observe(sched.progress, len(done), busy=sched.has_work())
                 except EngineStalledError as e:
                     self._metrics.add("stalls")
-                    log.error("%s; running=%d waiting=%d free_blocks=%d pending_blocks=%d", e,
-                              len(sched.running), len(sched.waiting), self._pool.num_free,
-                              self._pool.num_pending)
+                    log.error(
+                        "%s; running=%d waiting=%d free_blocks=%d pending_blocks=%d",
+                        e,
+                        len(sched.running),
+                        len(sched.waiting),
+                        self._pool.num_free,
+                        self._pool.num_pending,
+                    )
                     raise
                 done = []
                 if self._drain_waiters and not sched.has_work() and not self._inflight:
@@ -485,8 +535,13 @@ class Engine:
             self._metrics.add("prefill_tokens", prefill)
             self._metrics.add("decode_tokens", len(batch.decode))
             if DEBUG_LOG:
-                log.debug("iteration %d: %d decode rows, %d prefill tokens, waits for %d",
-                          batch.iteration, len(batch.decode), prefill, batch.depends_on)
+                log.debug(
+                    "iteration %d: %d decode rows, %d prefill tokens, waits for %d",
+                    batch.iteration,
+                    len(batch.decode),
+                    prefill,
+                    batch.depends_on,
+                )
 
     def _process(self, done: list[int]) -> None:
         """Apply completed iterations in order and deliver what they produced."""
@@ -514,12 +569,17 @@ class Engine:
         def rate(key: str) -> float:
             return (cur.get(key, 0.0) - prev.get(key, 0.0)) / dt
 
-        return (f"running={cur.get('running', 0):.0f} waiting={cur.get('waiting', 0):.0f} "
-                f"kv={cur.get('kv_used_blocks', 0) / max(1, self.num_blocks):.0%} "
-                f"gen={rate('generated_tokens'):.1f} tok/s prefill={rate('prefill_tokens'):.1f} tok/s "
-                f"iterations={rate('iterations'):.1f}/s"
-                + (f" prefix_hit={rate('prefix_hit_tokens') / max(rate('prefix_query_tokens'), 1e-9):.0%}"
-                   if self.config.prefix_cache != "off" else ""))
+        return (
+            f"running={cur.get('running', 0):.0f} waiting={cur.get('waiting', 0):.0f} "
+            f"kv={cur.get('kv_used_blocks', 0) / max(1, self.num_blocks):.0%} "
+            f"gen={rate('generated_tokens'):.1f} tok/s prefill={rate('prefill_tokens'):.1f} tok/s "
+            f"iterations={rate('iterations'):.1f}/s"
+            + (
+                f" prefix_hit={rate('prefix_hit_tokens') / max(rate('prefix_query_tokens'), 1e-9):.0%}"
+                if self.config.prefix_cache != "off"
+                else ""
+            )
+        )
 
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]

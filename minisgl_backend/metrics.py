@@ -17,16 +17,21 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("minisgl")
 DEBUG_LOG = os.environ.get("MINISGL_DEBUG_LOG") == "1"
 
 
 class Metrics:
-    def __init__(self, *, exact: bool = False, interval_s: float = 1.0,
-                 stats_line: Callable[[dict[str, float], dict[str, float], float], str] | None = None,
-                 stats_every_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        exact: bool = False,
+        interval_s: float = 1.0,
+        stats_line: Callable[[dict[str, float], dict[str, float], float], str] | None = None,
+        stats_every_s: float = 0.0,
+    ) -> None:
         self.exact = exact
         self._local = threading.local()
         self._buffers: list[dict[str, float]] = []  # one per recording thread, written only by it
@@ -36,8 +41,9 @@ class Metrics:
         self._stats_line = stats_line
         self._stats_every = stats_every_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._aggregate_loop, args=(interval_s,),
-                                        name="minisgl-metrics", daemon=True)
+        self._thread = threading.Thread(
+            target=self._aggregate_loop, args=(interval_s,), name="minisgl-metrics", daemon=True
+        )
         self._thread.start()
 
     def add(self, name: str, value: float = 1.0) -> None:
@@ -108,17 +114,31 @@ class Tracer:
         if self.enabled:
             self.spans.append((lane, name, start, end))
 
-    def chrome_events(self, pid: int = 0, process_name: str = "minisgl", t0: float | None = None) -> list[dict]:
+    def chrome_events(
+        self, pid: int = 0, process_name: str = "minisgl", t0: float | None = None
+    ) -> list[dict]:
         t0 = min((s[2] for s in self.spans), default=0.0) if t0 is None else t0
         events: list[dict] = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process_name}}]
-        events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": i, "args": {"name": lane}}
-                   for i, lane in enumerate(self.LANES)]
-        events += [{"name": name, "ph": "X", "pid": pid, "tid": self.LANES.index(lane),
-                    "ts": (a - t0) * 1e6, "dur": (b - a) * 1e6} for lane, name, a, b in self.spans]
+        events += [
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": i, "args": {"name": lane}}
+            for i, lane in enumerate(self.LANES)
+        ]
+        events += [
+            {
+                "name": name,
+                "ph": "X",
+                "pid": pid,
+                "tid": self.LANES.index(lane),
+                "ts": (a - t0) * 1e6,
+                "dur": (b - a) * 1e6,
+            }
+            for lane, name, a, b in self.spans
+        ]
         return events
 
     def busy_overlap(self) -> float:
         """Fraction of the scheduler lane's busy time during which the compute lane was busy too."""
+
         def busy(lane: str) -> list[tuple[float, float]]:
             return sorted((a, b) for ln, _, a, b in self.spans if ln == lane)
 
@@ -132,7 +152,9 @@ class Tracer:
 class RingBufferHandler(logging.Handler):
     """Keeps the newest `capacity` records; a background thread hands them to `target` (S9)."""
 
-    def __init__(self, target: logging.Handler, capacity: int = 10_000, flush_interval_s: float = 0.2) -> None:
+    def __init__(
+        self, target: logging.Handler, capacity: int = 10_000, flush_interval_s: float = 0.2
+    ) -> None:
         super().__init__()
         self.target = target
         self.records: collections.deque[logging.LogRecord] = collections.deque(maxlen=capacity)

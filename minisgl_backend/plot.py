@@ -13,7 +13,7 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -50,8 +50,12 @@ def lanes_by_config(events: list[dict]) -> dict[str, dict[str, list[tuple[float,
     """{config name: {lane: [(start_s, end_s)]}} from Chrome-trace events, times from each run's start."""
     from minisgl_backend.metrics import Tracer
 
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
-    out: dict[str, dict[str, list[tuple[float, float]]]] = {n: {lane: [] for lane in LANES} for n in names.values()}
+    names = {
+        e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"
+    }
+    out: dict[str, dict[str, list[tuple[float, float]]]] = {
+        n: {lane: [] for lane in LANES} for n in names.values()
+    }
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -76,12 +80,20 @@ def plot_utilisation(events: list[dict], out: str, bins: int = 300) -> None:
     end = max((b for lanes in configs.values() for spans in lanes.values() for _, b in spans), default=1.0)
     edges = np.linspace(0.0, end, bins + 1)
     mids = (edges[:-1] + edges[1:]) / 2
-    fig, axes = plt.subplots(len(configs), 1, figsize=(11, 1.7 * len(configs) + 0.8), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(configs), 1, figsize=(11, 1.7 * len(configs) + 0.8), sharex=True, squeeze=False
+    )
     for ax, (name, lanes) in zip(axes[:, 0], configs.items()):
         compute = busy_fraction(lanes["compute"], edges)
         ax.fill_between(mids, compute, step="mid", alpha=0.6, color="tab:blue", label="compute busy")
-        ax.plot(mids, busy_fraction(lanes["scheduler"], edges), drawstyle="steps-mid", lw=0.8,
-                color="tab:orange", label="scheduler busy")
+        ax.plot(
+            mids,
+            busy_fraction(lanes["scheduler"], edges),
+            drawstyle="steps-mid",
+            lw=0.8,
+            color="tab:orange",
+            label="scheduler busy",
+        )
         run_end = max((b for spans in lanes.values() for _, b in spans), default=0.0)
         busy = busy_fraction(lanes["compute"], np.array([0.0, run_end]))[0] if run_end else 0.0
         ax.set_title(f"{name}: compute busy {busy:.0%} of {run_end:.2f} s", fontsize=9, loc="left")

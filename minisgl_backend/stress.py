@@ -40,7 +40,9 @@ class StressReport:
         return self.kv_after_drain.get("FREE") != self.kv_after_drain.get("total")
 
 
-def _templates(n: int, vocab: int, rng: random.Random, shared_prefixes: bool) -> list[tuple[list[int], SamplingParams]]:
+def _templates(
+    n: int, vocab: int, rng: random.Random, shared_prefixes: bool
+) -> list[tuple[list[int], SamplingParams]]:
     # shared_prefixes: prompts grow from a few stems, so the prefix cache hits, evicts and reuses.
     stems = [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 36))] for _ in range(6 * shared_prefixes)]
     out = []
@@ -49,20 +51,30 @@ def _templates(n: int, vocab: int, rng: random.Random, shared_prefixes: bool) ->
         prompt += [rng.randrange(3, vocab) for _ in range(rng.randint(1, 40 - len(prompt) // 2))]
         max_tokens = rng.randint(1, 24)
         if i % 2:
-            params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=rng.randrange(2**31),
-                                    max_tokens=max_tokens)
+            params = SamplingParams(
+                temperature=0.9, top_k=40, top_p=0.95, seed=rng.randrange(2**31), max_tokens=max_tokens
+            )
         else:
             params = SamplingParams(temperature=0, max_tokens=max_tokens)
         out.append((prompt, params))
     return out
 
 
-def run_stress(config: EngineConfig, num_requests: int, *, num_templates: int = 200, abort_prob: float = 0.1,
-               seed: int = 0, shared_prefixes: bool = False, progress: bool = False) -> StressReport:
+def run_stress(
+    config: EngineConfig,
+    num_requests: int,
+    *,
+    num_templates: int = 200,
+    abort_prob: float = 0.1,
+    seed: int = 0,
+    shared_prefixes: bool = False,
+    progress: bool = False,
+) -> StressReport:
     rng = random.Random(seed)
     # The reference runs each request alone, serially, without the prefix cache.
-    reference_cfg = config.replace(overlap=False, debug_unsafe_reclaim=False, debug_delay_ms=0.0, num_blocks=None,
-                                   prefix_cache="off")
+    reference_cfg = config.replace(
+        overlap=False, debug_unsafe_reclaim=False, debug_delay_ms=0.0, num_blocks=None, prefix_cache="off"
+    )
     with Engine(reference_cfg) as ref:
         templates = _templates(num_templates, ref.vocab_size, rng, shared_prefixes)
         solo = [ref.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in templates]

@@ -19,15 +19,30 @@ from minisgl_backend.model.loader import cache_root, resolve_model_dir
 # Llama shapes by name. "tiny": 2 layers, hidden 64, large weights so that outputs depend on context
 # and greedy choices are well separated. "1b": Llama-3.2-1B-like (≈1.2B parameters untied).
 SHAPES: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.25),
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, max_position_embeddings=4096, initializer_range=0.02),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.25,
+    ),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+    ),
 }
 
 
-def make_random_llama(out: Path, shape: str, seed: int = 0, dtype: str = "float32",
-                      tokenizer: str | Path | None = None) -> Path:
+def make_random_llama(
+    out: Path, shape: str, seed: int = 0, dtype: str = "float32", tokenizer: str | Path | None = None
+) -> Path:
     """Write (once) and return a Llama directory of `shape` with SmolLM2's tokenizer and vocabulary.
     `tokenizer`: a directory with those tokenizer files (default: from the embedded model)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -35,26 +50,39 @@ def make_random_llama(out: Path, shape: str, seed: int = 0, dtype: str = "float3
     out = Path(out)
     if (out / "config.json").is_file():
         return out
-    cfg = LlamaConfig(vocab_size=49152, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                      rms_norm_eps=1e-5, **SHAPES[shape])
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-5,
+        **SHAPES[shape],
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(out)
-    AutoTokenizer.from_pretrained(tokenizer or resolve_model_dir("smollm2-135m-instruct")).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer or resolve_model_dir("smollm2-135m-instruct")).save_pretrained(
+        out
+    )
     return out
 
 
 def make_tiny_llama(out: Path | None = None, seed: int = 0, tokenizer: str | Path | None = None) -> Path:
     """Write (once) and return the 2-layer, hidden-64 test Llama."""
-    return make_random_llama(out if out is not None else cache_root() / f"tiny-llama-{seed}", "tiny", seed,
-                             tokenizer=tokenizer)
+    return make_random_llama(
+        out if out is not None else cache_root() / f"tiny-llama-{seed}", "tiny", seed, tokenizer=tokenizer
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minisgl_backend.tiny", description="write a random-weight Llama")
+    p = argparse.ArgumentParser(
+        prog="python -m minisgl_backend.tiny", description="write a random-weight Llama"
+    )
     p.add_argument("out", type=Path)
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="stored weight dtype")
-    p.add_argument("--tokenizer", help="directory with SmolLM2's tokenizer files (default: the embedded model)")
+    p.add_argument(
+        "--tokenizer", help="directory with SmolLM2's tokenizer files (default: the embedded model)"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     print(make_random_llama(args.out, args.shape, args.seed, args.dtype, args.tokenizer))

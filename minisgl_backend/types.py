@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -32,7 +32,8 @@ class SamplingParams:
 
     temperature 0 means greedy, and so does any temperature below GREEDY_EPSILON (1e-5). top_k 0
     (or -1) and top_p 1 and min_p 0 disable those filters. `seed` (0 <= seed < 2**64) fixes the
-    random draws: the token at absolute position p is chosen with noise derived from hash(seed, p, token id) only, so it does not depend on batching or chunking (S8).
+    random draws: the token at absolute position p is chosen with noise derived from
+    hash(seed, p, token id) only, so it does not depend on batching or chunking (S8).
     `logprobs=k` returns the sampled token's logprob plus the k most likely alternatives;
     `prompt_logprobs=k` does the same for prompt tokens from index `prompt_logprobs_start` on.
     `logprobs` / `prompt_logprobs` are capped by the engine's `max_logprobs` (checked at submit).
@@ -62,9 +63,12 @@ class SamplingParams:
         err = InvalidSamplingParamsError
         # Accept lists / a single string for convenience, store tuples so params stay hashable.
         object.__setattr__(self, "stop", check_str_sequence("stop", self.stop, err))
-        object.__setattr__(self, "stop_token_ids", check_int_sequence("stop_token_ids", self.stop_token_ids, err))
-        object.__setattr__(self, "logits_processors",
-                           check_callables("logits_processors", self.logits_processors, err))
+        object.__setattr__(
+            self, "stop_token_ids", check_int_sequence("stop_token_ids", self.stop_token_ids, err)
+        )
+        object.__setattr__(
+            self, "logits_processors", check_callables("logits_processors", self.logits_processors, err)
+        )
         if self.top_k == -1 and not isinstance(self.top_k, bool):
             object.__setattr__(self, "top_k", 0)
         validate_fields(self, _SPECS, err)
@@ -82,7 +86,7 @@ class SamplingParams:
         return _SPECS[field].check(label or field, value, InvalidSamplingParamsError)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(values) - set(names))
         if unknown:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 SEED_LIMIT = 2**64  # seeds (config and per request) are 0 <= seed < 2**64: the sampler's 64-bit key
 
@@ -50,7 +51,8 @@ class Spec:
         else:
             text = "an int" if self.kind == "int" else "a finite number"
             if self.lo is not None and self.hi is not None:
-                text += f" in {'(' if self.lo_open else '['}{_num(self.lo)}, {_num(self.hi)}{')' if self.hi_open else ']'}"
+                lo, hi = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+                text += f" in {lo}{_num(self.lo)}, {_num(self.hi)}{hi}"
             elif self.lo is not None:
                 text += f" {'>' if self.lo_open else '>='} {_num(self.lo)}"
             elif self.hi is not None:
@@ -134,7 +136,11 @@ def check_int_sequence(name: str, value: Any, error: type[Exception]) -> tuple[i
         return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise error(f"{name} must be a list of ints, got {_fmt(value)}")
-    bad = [t for t in value if type(t) is not int and (isinstance(t, bool) or not isinstance(t, numbers.Integral))]
+    bad = [
+        t
+        for t in value
+        if type(t) is not int and (isinstance(t, bool) or not isinstance(t, numbers.Integral))
+    ]
     if bad:
         raise error(f"{name} must be a list of ints, got {_fmt(value)} (not ints: {_fmt(bad[:5])})")
     return tuple(int(t) for t in value)
@@ -145,8 +151,10 @@ def check_text(name: str, text: str, error: type[Exception]) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise error(f"{name} is not valid Unicode text (lone surrogate at index {e.start}: "
-                    f"{_fmt(text[e.start:e.end])}); pass well-formed text or token ids") from None
+        raise error(
+            f"{name} is not valid Unicode text (lone surrogate at index {e.start}: "
+            f"{_fmt(text[e.start : e.end])}); pass well-formed text or token ids"
+        ) from None
     return text
 
 

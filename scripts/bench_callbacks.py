@@ -104,7 +104,10 @@ def main() -> None:
         rate = producer_rate(make, args.work_items, a)
         rows.append((impl, only, xt, args.completions / batches, rate))
 
-    print(f"completions={args.completions:,}  producer items={args.work_items:,} ({args.matrix}x{args.matrix} matmul)")
+    print(
+        f"completions={args.completions:,}  producer items={args.work_items:,} "
+        f"({args.matrix}x{args.matrix} matmul)"
+    )
     print(f"producer alone (no tracker): {alone:,.0f} it/s")
     head = ("impl", "complete() ns", "cross-thread ns/id", "ids per wake", "producer it/s", "vs alone")
     print("| " + " | ".join(head) + " |")

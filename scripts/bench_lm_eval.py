@@ -23,12 +23,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_lm_eval(model: str, model_args: str, tasks: str, out: Path, extra: list[str]) -> tuple[float, dict, dict]:
+def run_lm_eval(
+    model: str, model_args: str, tasks: str, out: Path, extra: list[str]
+) -> tuple[float, dict, dict]:
     """Returns (wall seconds, metrics per task, {(task, doc_id, request index): response})."""
     cmd = [
-        str(Path(sys.executable).with_name("lm_eval")), "--model", model, "--model_args", model_args,
-        "--include_path", "configs/tasks", "--tasks", tasks, "--device", "cpu",
-        "--output_path", str(out), "--log_samples", *extra,
+        str(Path(sys.executable).with_name("lm_eval")),
+        "--model",
+        model,
+        "--model_args",
+        model_args,
+        "--include_path",
+        "configs/tasks",
+        "--tasks",
+        tasks,
+        "--device",
+        "cpu",
+        "--output_path",
+        str(out),
+        "--log_samples",
+        *extra,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     t0 = time.perf_counter()
@@ -66,8 +80,11 @@ def compare(a: dict, b: dict) -> dict:
         else:  # loglikelihood_rolling: a number
             max_ll = max(max_ll, abs(float(ra) - float(rb)))
     return {
-        "requests": len(a), "max_abs_loglikelihood_diff": max_ll, "is_greedy_mismatches": greedy_diff,
-        "generations": gen_total, "generation_mismatches": gen_diff,
+        "requests": len(a),
+        "max_abs_loglikelihood_diff": max_ll,
+        "is_greedy_mismatches": greedy_diff,
+        "generations": gen_total,
+        "generation_mismatches": gen_diff,
     }
 
 
@@ -84,10 +101,17 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="engine model reference")
     ap.add_argument("--hf-batch-sizes", default="1,16", help="hf runs to time (lm-eval's default is 1)")
     ap.add_argument("--minisgl-args", default="", help="extra model_args for minisgl, e.g. chunk_size=512")
-    ap.add_argument("--variant", action="append", default=[], metavar="K=V[,K=V]",
-                    help="also run minisgl with these extra model_args (repeatable), e.g. prefix_cache=off")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="K=V[,K=V]",
+        help="also run minisgl with these extra model_args (repeatable), e.g. prefix_cache=off",
+    )
     ap.add_argument("--limit", type=float, default=None)
-    ap.add_argument("--num-fewshot", type=int, default=None, help="lm-eval --num_fewshot (longer shared contexts)")
+    ap.add_argument(
+        "--num-fewshot", type=int, default=None, help="lm-eval --num_fewshot (longer shared contexts)"
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = ap.parse_args()
 
@@ -100,14 +124,21 @@ def main() -> None:
         extra += ["--num_fewshot", str(args.num_fewshot)]
     runs: dict[str, tuple[float, dict, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        mini_args = f"pretrained={args.model},dtype=float32" + (f",{args.minisgl_args}" if args.minisgl_args else "")
+        mini_args = f"pretrained={args.model},dtype=float32" + (
+            f",{args.minisgl_args}" if args.minisgl_args else ""
+        )
         runs["minisgl"] = run_lm_eval("minisgl", mini_args, args.tasks, Path(tmp, "minisgl"), extra)
         for i, variant in enumerate(args.variant):
-            runs[f"minisgl {variant}"] = run_lm_eval("minisgl", f"{mini_args},{variant}", args.tasks,
-                                                     Path(tmp, f"variant{i}"), extra)
+            runs[f"minisgl {variant}"] = run_lm_eval(
+                "minisgl", f"{mini_args},{variant}", args.tasks, Path(tmp, f"variant{i}"), extra
+            )
         for bs in filter(None, args.hf_batch_sizes.split(",")):
             runs[f"hf bs={bs}"] = run_lm_eval(
-                "hf", f"pretrained={hf_dir},dtype=float32", args.tasks, Path(tmp, f"hf{bs}"), extra + ["--batch_size", bs]
+                "hf",
+                f"pretrained={hf_dir},dtype=float32",
+                args.tasks,
+                Path(tmp, f"hf{bs}"),
+                extra + ["--batch_size", bs],
             )
     base_wall, base_metrics, base_resp = runs["minisgl"]
     summary = {"tasks": args.tasks, "limit": args.limit, "num_fewshot": args.num_fewshot, "runs": {}}

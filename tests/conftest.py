@@ -25,4 +25,6 @@ def tiny_model_dir(tmp_path_factory):
     machine cannot carry the model: scripts/gpu_check.sh)."""
     from minisgl_backend.tiny import make_tiny_llama
 
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer=os.environ.get("MINISGL_TOKENIZER"))
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-llama"), tokenizer=os.environ.get("MINISGL_TOKENIZER")
+    )

@@ -11,9 +11,18 @@ def _tiny(kind: str, out, tokenizer_dir):
     import transformers
     from transformers import AutoTokenizer
 
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  tie_word_embeddings=False, rms_norm_eps=1e-6, initializer_range=0.2)
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+    )
     cfg, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -33,14 +42,21 @@ def test_engine_matches_hf(kind, tmp_path, smollm_dir):
     hf = _tiny(kind, tmp_path, smollm_dir)
     prompt = [(7 * i + 3) % 40000 + 100 for i in range(37)]
     with Engine(EngineConfig(model=str(tmp_path), chunk_size=16, block_size=4, num_blocks=64)) as eng:
-        out = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=5),
-                           use_tqdm=False)[0]
+        out = eng.generate(
+            [prompt],
+            SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=5),
+            use_tqdm=False,
+        )[0]
         eng.drain()
     with torch.inference_mode():
         ref = torch.log_softmax(hf(torch.tensor([prompt + out.token_ids])).logits[0].float(), -1)
         greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert out.token_ids == greedy[0, len(prompt):].tolist()
-    worst = max(abs(lp.logprob - ref[i - 1, prompt[i]].item()) for i, lp in enumerate(out.prompt_logprobs) if lp)
+    assert out.token_ids == greedy[0, len(prompt) :].tolist()
+    worst = max(
+        abs(lp.logprob - ref[i - 1, prompt[i]].item()) for i, lp in enumerate(out.prompt_logprobs) if lp
+    )
     n = len(prompt)
-    worst = max([worst] + [abs(lp.logprob - ref[n - 1 + k, lp.token_id].item()) for k, lp in enumerate(out.logprobs)])
+    worst = max(
+        [worst] + [abs(lp.logprob - ref[n - 1 + k, lp.token_id].item()) for k, lp in enumerate(out.logprobs)]
+    )
     assert worst < 1e-4, f"{kind}: max |logprob - HF| = {worst:.2e}"

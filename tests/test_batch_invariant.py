@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from minisgl_backend.model.batch_invariant import KV_SPLIT, TiledLinear, attend, tiles_for
 

@@ -6,8 +6,9 @@ import sys
 
 
 def _minisgl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "minisgl_backend.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "minisgl_backend.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_json(tiny_model_dir):
@@ -20,12 +21,31 @@ def test_generate_json(tiny_model_dir):
 
 def test_seed_table_scenario_writes_all_four_rows(tiny_model_dir, tmp_path):
     out, trace = tmp_path / "table.json", tmp_path / "trace.json"
-    r = _minisgl("bench", "--scenario", "seed-table", "--model", str(tiny_model_dir), "--num-requests", "8",
-                 "--output-len", "4", "--concurrency", "4", "--json", str(out), "--trace", str(trace))
+    r = _minisgl(
+        "bench",
+        "--scenario",
+        "seed-table",
+        "--model",
+        str(tiny_model_dir),
+        "--num-requests",
+        "8",
+        "--output-len",
+        "4",
+        "--concurrency",
+        "4",
+        "--json",
+        str(out),
+        "--trace",
+        str(trace),
+    )
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["results"]
-    assert list(rows) == ["serial, no chunking", "overlap, chunk too small", "overlap, moderate chunk",
-                          "overlap, over-synchronised"]
+    assert list(rows) == [
+        "serial, no chunking",
+        "overlap, chunk too small",
+        "overlap, moderate chunk",
+        "overlap, over-synchronised",
+    ]
     assert all(row["requests"] == 8 and row["req_per_s"] > 0 for row in rows.values())
     # The timeline has the three lanes for all four configs, one complete span per forward pass.
     events = json.loads(trace.read_text())["traceEvents"]

@@ -22,8 +22,15 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def _config(tiny_model_dir, **overrides) -> EngineConfig:
-    return EngineConfig(model=str(tiny_model_dir), num_blocks=256, block_size=4, chunk_size=16,
-                        max_num_batched_tokens=64, max_model_len=128, **overrides)
+    return EngineConfig(
+        model=str(tiny_model_dir),
+        num_blocks=256,
+        block_size=4,
+        chunk_size=16,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        **overrides,
+    )
 
 
 def _run(cfg: EngineConfig, prompts, params):

@@ -52,8 +52,12 @@ TINY_PROMPTS = {
     "max_tokens": 10,
     "logprobs": 2,
     "sampling": {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 5}},
-    "prompts": ["The capital of France is", "a b c d e f g h i j k l m n o p q r s t u v w x y z",
-                list(range(300, 340)), "Hi"],
+    "prompts": [
+        "The capital of France is",
+        "a b c d e f g h i j k l m n o p q r s t u v w x y z",
+        list(range(300, 340)),
+        "Hi",
+    ],
 }
 
 
@@ -73,7 +77,10 @@ def test_tiny_grid_deterministic_mode_gives_one_output_per_request(tiny_reports)
     on, _ = tiny_reports
     print(on.format_table())
     assert on.points_run == 10 and len(on.requests) == 2 * 8  # 2 dtypes x (4 prompts x 2 modes)
-    assert {c["block_size"] for c in on.configs} == {16, 12} and {c["chunk_size"] for c in on.configs} >= {None, 3}
+    assert {c["block_size"] for c in on.configs} == {16, 12} and {c["chunk_size"] for c in on.configs} >= {
+        None,
+        3,
+    }
     assert all(r.points == 5 for r in on.requests)
     assert on.num_differing == 0 and all(r.distinct_outputs == 1 for r in on.requests)
     # Decode logprobs (and top alternatives) are bitwise those of a fresh prefill of the same tokens.
@@ -94,8 +101,12 @@ def test_injected_one_bit_perturbation_is_detected(tiny_model_dir):
     second distinct output for exactly that request (the comparison does not pass vacuously)."""
     workload = Workload.from_dict(TINY_PROMPTS)
     with Engine(EngineConfig(model=str(tiny_model_dir), deterministic=True, **_BASE)) as engine:
-        runs = {str(i): {n: Fingerprint.of(o) for n, o in run_point(engine, workload, random.Random(i), 3).items()}
-                for i in range(2)}
+        runs = {
+            str(i): {
+                n: Fingerprint.of(o) for n, o in run_point(engine, workload, random.Random(i), 3).items()
+            }
+            for i in range(2)
+        }
     assert all(r.distinct_outputs == 1 for r in compare("g", runs))
     victim = runs["1"]["2/seeded"]
     flipped = bytearray(victim.logprobs)
@@ -112,8 +123,11 @@ def test_seeded_request_keeps_its_output_beside_unseeded_ones(tiny_model_dir):
     cfg = EngineConfig(model=str(tiny_model_dir), deterministic=True, chunk_size=4, **_BASE)
     with Engine(cfg) as engine:
         alone = engine.generate(["Once upon a time"], seeded, use_tqdm=False)[0]
-        mixed = engine.generate(["lorem ipsum", "Once upon a time", "x" * 40, "What is 2+2?"],
-                                [unseeded, seeded, unseeded, unseeded], use_tqdm=False)[1]
+        mixed = engine.generate(
+            ["lorem ipsum", "Once upon a time", "x" * 40, "What is 2+2?"],
+            [unseeded, seeded, unseeded, unseeded],
+            use_tqdm=False,
+        )[1]
     assert mixed.token_ids == alone.token_ids and mixed.seed == alone.seed == 123
     assert mixed.logprobs == alone.logprobs
 
@@ -121,8 +135,12 @@ def test_seeded_request_keeps_its_output_beside_unseeded_ones(tiny_model_dir):
 def test_embedded_model_grid(smollm_dir):
     """The embedded SmolLM2 (fp32): 3 scheduling configs, mode on -> one output per request and
     decode == prefill bitwise; mode off -> the same grid finds differing logprobs."""
-    grid = {"fillers": 2, "base": _BASE, "max_points": None,
-            "axes": {"chunk_size": [None, 7], "max_num_seqs": [3, 16]}}
+    grid = {
+        "fillers": 2,
+        "base": _BASE,
+        "max_points": None,
+        "axes": {"chunk_size": [None, 7], "max_num_seqs": [3, 16]},
+    }
     prompts = {**TINY_PROMPTS, "max_tokens": 6, "prompts": TINY_PROMPTS["prompts"][:3]}
     on = _check(grid, str(smollm_dir), True, prompts)
     off = _check(grid, str(smollm_dir), False, prompts, prefill_check=False)
@@ -135,20 +153,28 @@ def test_embedded_model_grid(smollm_dir):
 def test_shipped_grid_and_prompts_load():
     grid, workload = Grid.from_yaml(DEFAULT_GRID), Workload.from_yaml(DEFAULT_PROMPTS)
     assert grid.base["deterministic"] is True and "dtype" in grid.compare_within
-    assert len(grid.points()) == grid.max_points and grid.points()[0] == {k: v[0] for k, v in grid.axes.items()}
+    assert len(grid.points()) == grid.max_points and grid.points()[0] == {
+        k: v[0] for k, v in grid.axes.items()
+    }
     assert {r.name.split("/")[1] for r in workload.requests} == {"greedy", "seeded"}
     seeds = {r.params.seed for r in workload.requests if r.name.endswith("seeded")}
     assert len(seeds) == len(workload.requests) // 2  # one fixed seed per prompt
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"axes": {"chunksize": [1]}}, "unknown key(s) ['chunksize']"),
-    ({"axes": {"chunk_size": 16}}, "expected a non-empty list"),
-    ({"base": {"no_such": 1}}, "valid keys: model"),
-    ({"grid": {}}, "unknown key(s) ['grid']"),
-    ({"axes": {"dtype": ["float32"]}, "compare_within": {"dtype": ["float32"]}}, "both axes and compare_within"),
-    ({"max_points": 0}, "max_points"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"axes": {"chunksize": [1]}}, "unknown key(s) ['chunksize']"),
+        ({"axes": {"chunk_size": 16}}, "expected a non-empty list"),
+        ({"base": {"no_such": 1}}, "valid keys: model"),
+        ({"grid": {}}, "unknown key(s) ['grid']"),
+        (
+            {"axes": {"dtype": ["float32"]}, "compare_within": {"dtype": ["float32"]}},
+            "both axes and compare_within",
+        ),
+        ({"max_points": 0}, "max_points"),
+    ],
+)
 def test_bad_grid_is_a_typed_error(data, message):
     with pytest.raises(ConfigError) as err:
         Grid.from_dict(data)
@@ -176,9 +202,24 @@ def test_cli_exit_codes(tiny_model_dir, tmp_path):
     out = tmp_path / "report.json"
 
     def cli(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "minisgl_backend.cli", "determinism", "--grid", str(grid),
-                               "--prompts", str(prompts), "--model", str(tiny_model_dir), *extra],
-                              capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "minisgl_backend.cli",
+                "determinism",
+                "--grid",
+                str(grid),
+                "--prompts",
+                str(prompts),
+                "--model",
+                str(tiny_model_dir),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     r = cli("--set", "deterministic=true", "--json", str(out))
     assert r.returncode == 0, r.stderr

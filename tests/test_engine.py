@@ -35,8 +35,16 @@ def _assert_drained(engine: Engine) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    with Engine(EngineConfig(model=str(tiny_model_dir), num_blocks=256, block_size=4, chunk_size=16,
-                             max_num_batched_tokens=64, max_model_len=128)) as eng:
+    with Engine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            num_blocks=256,
+            block_size=4,
+            chunk_size=16,
+            max_num_batched_tokens=64,
+            max_model_len=128,
+        )
+    ) as eng:
         yield eng
         _assert_drained(eng)
 
@@ -63,12 +71,15 @@ def solo(engine):
 )
 def test_batched_outputs_equal_solo_outputs_under_any_policy(tiny_model_dir, solo, overrides):
     prompts, seeded, greedy, sampled = solo
-    cfg = EngineConfig(model=str(tiny_model_dir), num_blocks=256, block_size=4, max_num_batched_tokens=64,
-                       max_model_len=96).replace(**overrides)
+    cfg = EngineConfig(
+        model=str(tiny_model_dir), num_blocks=256, block_size=4, max_num_batched_tokens=64, max_model_len=96
+    ).replace(**overrides)
     with Engine(cfg) as eng:
-        outs = eng.generate(prompts + prompts, [GREEDY] * len(prompts) + [seeded] * len(prompts), use_tqdm=False)
+        outs = eng.generate(
+            prompts + prompts, [GREEDY] * len(prompts) + [seeded] * len(prompts), use_tqdm=False
+        )
         assert [o.token_ids for o in outs[: len(prompts)]] == greedy
-        assert [o.token_ids for o in outs[len(prompts):]] == sampled
+        assert [o.token_ids for o in outs[len(prompts) :]] == sampled
         if "num_blocks" in overrides:
             assert sum(o.num_preemptions for o in outs) > 0, "the small pool should have forced preemption"
         _assert_drained(eng)
@@ -130,8 +141,9 @@ def test_stop_string_spanning_tokens_is_removed(engine):
     head = engine.tokenizer.decode(free.token_ids[:3])
     stop = t3[-2:] + t4[:2]
     assert len(t3) >= 2 and len(t4) >= 2 and stop not in head + t3[:-2]
-    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]),
-                          use_tqdm=False)[0]
+    out = engine.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0]
     assert out.finish_reason == "stop"
     assert out.text == head + t3[:-2]
     assert stop not in out.text and len(out.token_ids) == 5
@@ -139,8 +151,11 @@ def test_stop_string_spanning_tokens_is_removed(engine):
 
 def test_stop_token_ids_and_max_tokens_one(engine):
     free = engine.generate(["stop ids"], GREEDY, use_tqdm=False)[0]
-    out = engine.generate(["stop ids"], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free.token_ids[2]]),
-                          use_tqdm=False)[0]
+    out = engine.generate(
+        ["stop ids"],
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[free.token_ids[2]]),
+        use_tqdm=False,
+    )[0]
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:3]
     one = engine.generate(["stop ids"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
     assert one.token_ids == free.token_ids[:1] and one.finish_reason == "length"
@@ -149,11 +164,13 @@ def test_stop_token_ids_and_max_tokens_one(engine):
 
 def test_prompt_exactly_at_context_limit(engine):
     limit = engine.max_model_len
-    out = engine.generate([[300 + i % 1000 for i in range(limit)]], SamplingParams(temperature=0, max_tokens=5),
-                          use_tqdm=False)[0]
+    out = engine.generate(
+        [[300 + i % 1000 for i in range(limit)]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False
+    )[0]
     assert len(out.token_ids) == 1 and out.finish_reason == "length"
-    near = engine.generate([[300] * (limit - 3)], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
-                           use_tqdm=False)[0]
+    near = engine.generate(
+        [[300] * (limit - 3)], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(near.token_ids) == 4 and near.finish_reason == "length"  # KV never exceeds max_model_len
     with pytest.raises(PromptTooLongError, match=f"{limit + 1} tokens.*{limit}"):
         engine.submit([300] * (limit + 1))
@@ -162,15 +179,21 @@ def test_prompt_exactly_at_context_limit(engine):
 def test_unseeded_requests_report_a_replayable_seed(engine):
     params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
     first = engine.generate(["replay me"], params, use_tqdm=False)[0]
-    replay = engine.generate(["replay me"], SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True,
-                                                           seed=first.seed), use_tqdm=False)[0]
+    replay = engine.generate(
+        ["replay me"],
+        SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=first.seed),
+        use_tqdm=False,
+    )[0]
     assert replay.token_ids == first.token_ids
 
 
 def test_logprobs_and_prompt_logprobs(engine):
     prompt = _prompts(2)[1]
-    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2,
-                                                   prompt_logprobs_start=5), use_tqdm=False)[0]
+    out = engine.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2, prompt_logprobs_start=5),
+        use_tqdm=False,
+    )[0]
     assert [lp.token_id for lp in out.logprobs] == out.token_ids
     assert all(lp.rank == 1 and len(lp.top) == 3 and lp.top[0][0] == lp.token_id for lp in out.logprobs)
     assert out.prompt_logprobs[:5] == [None] * 5
@@ -178,8 +201,11 @@ def test_logprobs_and_prompt_logprobs(engine):
     assert [lp.token_id for lp in scored] == prompt[5:] and all(lp.logprob <= 0 for lp in scored)
     # Scoring inside chunked prefill gives the same numbers as scoring the whole prompt at once.
     with Engine(engine.config.replace(chunk_size=None, mixed_batches=False)) as whole:
-        ref = whole.generate([prompt], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2,
-                                                      prompt_logprobs_start=5), use_tqdm=False)[0]
+        ref = whole.generate(
+            [prompt],
+            SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, prompt_logprobs_start=5),
+            use_tqdm=False,
+        )[0]
     for a, b in zip(scored, ref.prompt_logprobs[5:]):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
 

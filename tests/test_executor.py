@@ -69,12 +69,19 @@ def test_staging_slot_grows_and_keeps_buffers_it_can_reuse() -> None:
 def _inputs() -> tuple[IterationInputs, torch.Tensor]:
     mask = torch.tensor([[True, True, False, False], [True, True, True, False]])[:, None, None, :]
     inp = IterationInputs(
-        iteration=7, depends_on=6,
-        token_rows=torch.tensor([0, 1, 2, 2, 2]), positions=torch.tensor([2, 3, 0, 1, 2]),
-        slot_mapping=torch.tensor([2, 7, 8, 9, 10]), prompt_writes=(), num_decode=2,
-        decode_block_tables=torch.tensor([[0], [1]]), decode_mask=mask,
-        prefill_rows=(PrefillRow(2, 3, 3, torch.tensor([2])),), logits_index=torch.tensor([0, 1, 4]),
-        samples=(), scores=(),
+        iteration=7,
+        depends_on=6,
+        token_rows=torch.tensor([0, 1, 2, 2, 2]),
+        positions=torch.tensor([2, 3, 0, 1, 2]),
+        slot_mapping=torch.tensor([2, 7, 8, 9, 10]),
+        prompt_writes=(),
+        num_decode=2,
+        decode_block_tables=torch.tensor([[0], [1]]),
+        decode_mask=mask,
+        prefill_rows=(PrefillRow(2, 3, 3, torch.tensor([2])),),
+        logits_index=torch.tensor([0, 1, 4]),
+        samples=(),
+        scores=(),
     )
     return inp, torch.tensor([11, 12, 13, 14, 15])
 
@@ -84,7 +91,14 @@ def test_upload_round_trips_every_index_tensor() -> None:
     slot = StagingSlot(pin=False)
     direct = forward_batch(inp, index_tensors(inp, ids))
     staged = forward_batch(inp, slot.upload(index_tensors(inp, ids), torch.device("cpu")))
-    for name in ("input_ids", "positions", "slot_mapping", "decode_block_tables", "decode_mask", "logits_index"):
+    for name in (
+        "input_ids",
+        "positions",
+        "slot_mapping",
+        "decode_block_tables",
+        "decode_mask",
+        "logits_index",
+    ):
         want, got = getattr(direct, name), getattr(staged, name)
         assert got.dtype == want.dtype and torch.equal(got, want), name
     assert staged.prefill_rows[0][:3] == direct.prefill_rows[0][:3]

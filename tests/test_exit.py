@@ -10,8 +10,10 @@ import sys
 SCRIPT = """
 from minisgl_backend import Engine, EngineConfig, SamplingParams
 eng = Engine(EngineConfig(dtype="bfloat16", stats_interval_s=0))
-first = eng.generate(["Hello there"] * 16, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0].token_ids[0]
-outs = eng.generate(["Hello there"] * 16, SamplingParams(temperature=0, max_tokens=200, stop_token_ids=[first]),
+greedy_one = SamplingParams(temperature=0, max_tokens=1)
+first = eng.generate(["Hello there"] * 16, greedy_one, use_tqdm=False)[0].token_ids[0]
+stop_at_first = SamplingParams(temperature=0, max_tokens=200, stop_token_ids=[first])
+outs = eng.generate(["Hello there"] * 16, stop_at_first,
                     use_tqdm=False)
 print("done", len(outs[0].token_ids))
 """

@@ -15,8 +15,8 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval adapter needs lm-eval installed")
 from lm_eval.api.instance import Instance  # noqa: E402
-
 from lm_eval_minisgl.model import MiniSGLLM, build_engine_config  # noqa: E402
+
 from minisgl_backend import ConfigError, Engine, EngineConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def _gen(*items: tuple[str, dict]) -> list[Instance]:
     return [Instance("generate_until", {}, item, i) for i, item in enumerate(items)]
 
 
-# ---------------------------------------------------------------------------------------------- registration
+# ---------------------------------------------------------------------------------------- registration
 def test_stock_registry_resolves_minisgl_and_keeps_builtins():
     # A fresh interpreter: only the installed .pth hook can have registered the model.
     code = (
@@ -70,7 +70,7 @@ def test_entry_point_declared_for_newer_lm_eval():
     assert {ep.name: ep.value for ep in eps}.get("minisgl") == "lm_eval_minisgl.model:MiniSGLLM"
 
 
-# ---------------------------------------------------------------------------------------------- model_args
+# ------------------------------------------------------------------------------------------ model_args
 def test_unknown_model_arg_is_a_clear_error_listing_valid_keys():
     with pytest.raises(ConfigError) as err:
         MiniSGLLM.create_from_arg_string("pretrained=smollm2-135m-instruct,chunk_sz=64")
@@ -80,12 +80,25 @@ def test_unknown_model_arg_is_a_clear_error_listing_valid_keys():
 
 def test_engine_knobs_and_presets_reach_the_engine_config(tmp_path):
     cfg = build_engine_config(
-        {"pretrained": "some/dir", "dtype": "bf16", "chunk_size": "None", "num_blocks": 64, "seed": 7,
-         "max_num_seqs": 8, "mixed_batches": False}
+        {
+            "pretrained": "some/dir",
+            "dtype": "bf16",
+            "chunk_size": "None",
+            "num_blocks": 64,
+            "seed": 7,
+            "max_num_seqs": 8,
+            "mixed_batches": False,
+        }
     )
-    assert (cfg.model, cfg.dtype, cfg.chunk_size, cfg.num_blocks, cfg.seed, cfg.max_num_seqs, cfg.mixed_batches) == (
-        "some/dir", "bfloat16", None, 64, 7, 8, False
-    )
+    assert (
+        cfg.model,
+        cfg.dtype,
+        cfg.chunk_size,
+        cfg.num_blocks,
+        cfg.seed,
+        cfg.max_num_seqs,
+        cfg.mixed_batches,
+    ) == ("some/dir", "bfloat16", None, 64, 7, 8, False)
     preset = tmp_path / "preset.yaml"
     preset.write_text("chunk_size: 128\nmax_num_batched_tokens: 512\n")
     cfg = build_engine_config({"config": str(preset), "chunk_size": 64})
@@ -97,13 +110,15 @@ def test_engine_knobs_and_presets_reach_the_engine_config(tmp_path):
 def test_deterministic_mode_is_a_model_arg():
     from lm_eval.utils import simple_parse_args_string
 
-    assert build_engine_config(simple_parse_args_string("pretrained=x,deterministic=true")).deterministic is True
+    assert (
+        build_engine_config(simple_parse_args_string("pretrained=x,deterministic=true")).deterministic is True
+    )
     assert build_engine_config({"pretrained": "x"}).deterministic is False
     with pytest.raises(ConfigError, match="deterministic must be true or false"):
         build_engine_config({"pretrained": "x", "deterministic": "yes"})
 
 
-# ---------------------------------------------------------------------------------------------- request types
+# --------------------------------------------------------------------------------------- request types
 def test_loglikelihood_matches_hf(lm, hf):
     reqs = _ll(
         ("The capital of France is", " Paris"),
@@ -124,7 +139,9 @@ def test_loglikelihood_matches_hf(lm, hf):
 def test_loglikelihood_rolling_and_truncation_match_hf(engine, hf):
     short = MiniSGLLM(engine=engine, max_length=32)  # forces several windows and left truncation
     text = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
-    rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate([text, "Just one short line."])]
+    rolling = [
+        Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate([text, "Just one short line."])
+    ]
     long_ll = _ll((text, " The end."))
     hf._max_length = 32
     try:
@@ -140,7 +157,10 @@ def test_loglikelihood_rolling_and_truncation_match_hf(engine, hf):
 
 def test_generate_until_greedy_matches_hf_and_removes_stops(lm, hf):
     reqs = _gen(
-        ("Question: What is the capital of France?\nAnswer:", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
+        (
+            "Question: What is the capital of France?\nAnswer:",
+            {"until": ["\n"], "max_gen_toks": 12, "do_sample": False},
+        ),
         ("1, 2, 3, 4,", {"until": [" 7"], "max_gen_toks": 20, "do_sample": False}),
         ("Once upon a time", {"until": ["Question:"], "max_gen_toks": 8, "temperature": 0.0}),
     )
@@ -153,7 +173,9 @@ def test_generate_until_greedy_matches_hf_and_removes_stops(lm, hf):
 def test_sampled_generation_is_seeded_per_request(lm):
     kw = {"until": ["\n\n"], "max_gen_toks": 16, "do_sample": True, "temperature": 1.0, "top_p": 0.95}
     prompt = "Write a word:"
-    a = lm.generate_until(_gen((prompt, {**kw, "seed": 11}), (prompt, {**kw, "seed": 12}), ("Other prompt", kw)))
+    a = lm.generate_until(
+        _gen((prompt, {**kw, "seed": 11}), (prompt, {**kw, "seed": 12}), ("Other prompt", kw))
+    )
     b = lm.generate_until(_gen((prompt, {**kw, "seed": 11})))
     assert a[0] == b[0]  # same seed, different batch company: same text
     c = lm.generate_until(_gen(*[(prompt, {**kw, "seed": s}) for s in range(20, 26)]))
@@ -179,7 +201,7 @@ def test_chat_template_and_tokenizer_name(lm):
     assert lm.chat_template(True)  # lm-eval's --apply_chat_template finds the template
 
 
-# ---------------------------------------------------------------------------------------------- CLI end to end
+# -------------------------------------------------------------------------------------- CLI end to end
 def _lm_eval(exe: str, args: list[str], out: Path) -> dict:
     cmd = [str(BIN / exe), "--include_path", "configs/tasks", "--output_path", str(out), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=OFFLINE, capture_output=True, text=True, timeout=600)
@@ -190,8 +212,16 @@ def _lm_eval(exe: str, args: list[str], out: Path) -> dict:
 def test_stock_cli_runs_all_local_tasks(tmp_path):
     res = _lm_eval(
         "lm_eval",
-        ["--model", "minisgl", "--model_args", "pretrained=smollm2-135m-instruct,dtype=float32,chunk_size=64",
-         "--tasks", "minisgl_mc,minisgl_gen,minisgl_ppl", "--limit", "8"],
+        [
+            "--model",
+            "minisgl",
+            "--model_args",
+            "pretrained=smollm2-135m-instruct,dtype=float32,chunk_size=64",
+            "--tasks",
+            "minisgl_mc,minisgl_gen,minisgl_ppl",
+            "--limit",
+            "8",
+        ],
         tmp_path,
     )["results"]
     assert res["minisgl_mc"]["acc,none"] >= 0.5  # chance is 0.25; the first items are easy facts
@@ -202,8 +232,19 @@ def test_stock_cli_runs_all_local_tasks(tmp_path):
 def test_wrapper_script_with_chat_template_and_multiturn_fewshot(tmp_path):
     res = _lm_eval(
         "minisgl-lm-eval",
-        ["--model", "minisgl", "--model_args", "pretrained=smollm2-135m-instruct,dtype=bfloat16",
-         "--tasks", "minisgl_gen", "--limit", "4", "--apply_chat_template", "--fewshot_as_multiturn", "--log_samples"],
+        [
+            "--model",
+            "minisgl",
+            "--model_args",
+            "pretrained=smollm2-135m-instruct,dtype=bfloat16",
+            "--tasks",
+            "minisgl_gen",
+            "--limit",
+            "4",
+            "--apply_chat_template",
+            "--fewshot_as_multiturn",
+            "--log_samples",
+        ],
         tmp_path,
     )
     assert "exact_match,first-number" in res["results"]["minisgl_gen"]

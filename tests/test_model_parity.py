@@ -11,7 +11,7 @@ from minisgl_backend import Engine, EngineConfig, SamplingParams
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Q: What is 12 times 7?\nA:",
     "The three primary colors are",
     "In machine learning, overfitting means",
@@ -46,7 +46,9 @@ def _hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
 def test_prompt_logprobs_match_hf_under_every_chunk_size(hf_model, engine, chunk_size):
     with Engine(engine.config.replace(chunk_size=chunk_size, mixed_batches=chunk_size is not None)) as eng:
         prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[8]]  # 5 to 70 tokens: one chunk to several
-        outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=TOP), use_tqdm=False)
+        outs = eng.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=TOP), use_tqdm=False
+        )
     worst = 0.0
     for out in outs:
         ids = out.prompt_token_ids
@@ -61,7 +63,9 @@ def test_prompt_logprobs_match_hf_under_every_chunk_size(hf_model, engine, chunk
 
 
 def test_decode_logprobs_match_hf(hf_model, engine):
-    out = engine.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=16, logprobs=TOP), use_tqdm=False)[0]
+    out = engine.generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=16, logprobs=TOP), use_tqdm=False
+    )[0]
     ids = out.prompt_token_ids + out.token_ids
     ref = _hf_logprobs(hf_model, ids)
     n = len(out.prompt_token_ids)
@@ -79,9 +83,10 @@ def test_greedy_generations_equal_hf_generate(hf_model, engine):
     assert sum(len(o.token_ids) for o in outs) > 200
     for prompt, out in zip(PROMPTS, outs):
         with torch.inference_mode():
-            ref = hf_model.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=32, do_sample=False,
-                                    pad_token_id=2)
-        assert out.token_ids == ref[0, len(out.prompt_token_ids):].tolist(), prompt
+            ref = hf_model.generate(
+                torch.tensor([out.prompt_token_ids]), max_new_tokens=32, do_sample=False, pad_token_id=2
+            )
+        assert out.token_ids == ref[0, len(out.prompt_token_ids) :].tolist(), prompt
 
 
 def test_paged_attention_with_scattered_blocks_equals_contiguous():
@@ -91,10 +96,22 @@ def test_paged_attention_with_scattered_blocks_equals_contiguous():
     from minisgl_backend.model.llama import Attention, ForwardBatch, ModelSpec, PrefillRow, chunk_mask
 
     torch.manual_seed(0)
-    spec = ModelSpec(vocab_size=10, hidden_size=32, intermediate_size=8, num_layers=1, num_heads=4,
-                     num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
-                     max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=False, mlp_bias=False,
-                     qk_norm=False)
+    spec = ModelSpec(
+        vocab_size=10,
+        hidden_size=32,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+    )
     attn = Attention(spec, 0).eval()
     bs, n = 4, 19
     x = torch.randn(n, spec.hidden_size)
@@ -105,14 +122,23 @@ def test_paged_attention_with_scattered_blocks_equals_contiguous():
     def run(kv, rows, num_decode, lo, hi, table, dec_mask=None):
         pos = torch.arange(lo, hi)
         slots = table[pos // bs] * bs + pos % bs
-        fb = ForwardBatch(pos, pos, slots, num_decode, table[None] if num_decode else None, dec_mask, rows,
-                          torch.arange(hi - lo))
+        fb = ForwardBatch(
+            pos,
+            pos,
+            slots,
+            num_decode,
+            table[None] if num_decode else None,
+            dec_mask,
+            rows,
+            torch.arange(hi - lo),
+        )
         with torch.inference_mode():
             return attn(x[lo:hi], rotary(pos, x.dtype), fb, kv, [chunk_mask(r) for r in rows])
 
     contiguous = torch.arange(5)
-    ref = run(KVCache(1, 5, bs, 2, 8, torch.float32, "cpu"), (PrefillRow(0, n, n, contiguous),), 0, 0, n,
-              contiguous)
+    ref = run(
+        KVCache(1, 5, bs, 2, 8, torch.float32, "cpu"), (PrefillRow(0, n, n, contiguous),), 0, 0, n, contiguous
+    )
     kv = KVCache(1, 16, bs, 2, 8, torch.float32, "cpu")
     table = torch.randperm(16)[:5]
     first = run(kv, (PrefillRow(0, 10, 10, table[:3]),), 0, 0, 10, table)

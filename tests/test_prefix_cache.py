@@ -56,7 +56,9 @@ def test_eviction_takes_lru_unreferenced_leaves_and_fences_them():
 
 
 def _tiny(tiny_model_dir, **kw) -> EngineConfig:
-    base = dict(model=str(tiny_model_dir), num_blocks=128, block_size=BS, chunk_size=16, seed=3, metrics_exact=True)
+    base = dict(
+        model=str(tiny_model_dir), num_blocks=128, block_size=BS, chunk_size=16, seed=3, metrics_exact=True
+    )
     return EngineConfig(**{**base, **kw})
 
 
@@ -68,7 +70,9 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperatur
 @pytest.fixture(scope="module")
 def no_cache_outputs(tiny_model_dir):
     with Engine(_tiny(tiny_model_dir, prefix_cache="off")) as eng:
-        return {i: [o.token_ids for o in eng.generate(PROMPTS, p, use_tqdm=False)] for i, p in enumerate(PARAMS)}
+        return {
+            i: [o.token_ids for o in eng.generate(PROMPTS, p, use_tqdm=False)] for i, p in enumerate(PARAMS)
+        }
 
 
 @pytest.mark.parametrize("mode,overlap", [("sync", True), ("async", True), ("async", False)])
@@ -92,13 +96,15 @@ def test_prompt_logprobs_are_scored_with_a_cached_context(tiny_model_dir):
     """lm-eval's multiple choice: choices share the question; the scored span is never skipped."""
     question = list(range(300, 341))
     choices = [[50 + i, 60 + i, 70 + i] for i in range(4)]
-    params = [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2, prompt_logprobs_start=len(question))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2, prompt_logprobs_start=len(question))
+    ]
     prompts = [question + c for c in choices]
     results = {}
     for mode in ("off", "async"):
         with Engine(_tiny(tiny_model_dir, prefix_cache=mode)) as eng:
             outs = eng.generate(prompts, params * len(prompts), use_tqdm=False)
-            results[mode] = [[lp.logprob for lp in o.prompt_logprobs[len(question):]] for o in outs]
+            results[mode] = [[lp.logprob for lp in o.prompt_logprobs[len(question) :]] for o in outs]
             hits = eng.metrics().get("prefix_hit_tokens", 0)
     assert hits >= 3 * 40  # three choices reuse the question's 10 full blocks (the last query row stays)
     for off, on in zip(results["off"], results["async"]):
@@ -108,8 +114,16 @@ def test_prompt_logprobs_are_scored_with_a_cached_context(tiny_model_dir):
 def test_eviction_under_pressure_keeps_every_output_correct(tiny_model_dir):
     """Shared-prefix templates through a 40-block pool: cached blocks are evicted and reused while
     other requests read them; every output still equals its solo, cache-off run."""
-    cfg = EngineConfig(model=str(tiny_model_dir), num_blocks=40, block_size=BS, chunk_size=4,
-                       max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64, prefix_cache="async")
+    cfg = EngineConfig(
+        model=str(tiny_model_dir),
+        num_blocks=40,
+        block_size=BS,
+        chunk_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        max_model_len=64,
+        prefix_cache="async",
+    )
     report = run_stress(cfg, 400, num_templates=40, shared_prefixes=True, seed=4)
     assert report.mismatches == 0, report.examples
     assert report.prefix_hit_tokens > 500 and report.prefix_evicted_blocks > 0, report

@@ -24,8 +24,17 @@ POLICIES = [
 
 
 def _cfg(tiny_model_dir, **kw) -> EngineConfig:
-    base = dict(model=str(tiny_model_dir), num_blocks=10, block_size=4, chunk_size=4, max_num_seqs=4,
-                max_num_batched_tokens=64, prefix_cache="off", max_model_len=40, num_threads=1)
+    base = dict(
+        model=str(tiny_model_dir),
+        num_blocks=10,
+        block_size=4,
+        chunk_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        prefix_cache="off",
+        max_model_len=40,
+        num_threads=1,
+    )
     return EngineConfig(**{**base, **kw})
 
 
@@ -42,9 +51,12 @@ def _run_reproducer(eng: Engine) -> list:
 def test_preemption_under_a_tight_pool_always_finishes(tiny_model_dir, policy):
     solo_cfg = _cfg(tiny_model_dir, overlap=False, num_blocks=64)
     with Engine(solo_cfg) as ref:
-        expected = [ref.generate([p], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                                 use_tqdm=False)[0].token_ids
-                    for p, n in (([11, 12, 13, 14, 15], 28), ([21, 22], 28), ([31], 32))]
+        expected = [
+            ref.generate([p], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[
+                0
+            ].token_ids
+            for p, n in (([11, 12, 13, 14, 15], 28), ([21, 22], 28), ([31], 32))
+        ]
     with Engine(_cfg(tiny_model_dir, **policy)) as eng:
         t0 = time.perf_counter()
         outs = _run_reproducer(eng)

@@ -39,8 +39,15 @@ INNOCENT = [100 + (j * 37) % 3000 for j in range(23)]  # 23 tokens: several chun
 BAD_PROMPT = [200 + (j * 11) % 3000 for j in range(9)]
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True, logprobs=2)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-CONFIG = dict(num_blocks=64, block_size=4, chunk_size=8, max_num_batched_tokens=32, max_model_len=96,
-              num_threads=1, stats_interval_s=0)
+CONFIG = dict(
+    num_blocks=64,
+    block_size=4,
+    chunk_size=8,
+    max_num_batched_tokens=32,
+    max_model_len=96,
+    num_threads=1,
+    stats_interval_s=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +84,16 @@ def _serves_next(engine: Engine) -> None:
 def _raises(exc: BaseException):
     def proc(_ids, _logits):
         raise exc
+
     return proc
 
 
 def _after(n: int, fn):
     """Behave like the identity for n tokens, then like `fn` (a failure mid-decode)."""
+
     def proc(ids, logits):
         return fn(ids, logits) if len(ids) >= n else logits
+
     return proc
 
 
@@ -99,12 +109,26 @@ def _nan_one(_ids, logits):
 
 RUNTIME_TRIGGERS = {
     # name: (sampling params of the bad request, text the error must contain, type of the cause or None)
-    "processor raises ValueError": (dict(logits_processors=[_raises(ValueError("boom"))]), "ValueError", ValueError),
-    "processor raises SystemExit": (dict(logits_processors=[_raises(SystemExit(3))]), "SystemExit", SystemExit),
-    "processor raises KeyboardInterrupt": (dict(logits_processors=[_raises(KeyboardInterrupt())]),
-                                           "KeyboardInterrupt", KeyboardInterrupt),
-    "processor raises mid-decode": (dict(logits_processors=[_after(3, _raises(RuntimeError("late")))]),
-                                    "late", RuntimeError),
+    "processor raises ValueError": (
+        dict(logits_processors=[_raises(ValueError("boom"))]),
+        "ValueError",
+        ValueError,
+    ),
+    "processor raises SystemExit": (
+        dict(logits_processors=[_raises(SystemExit(3))]),
+        "SystemExit",
+        SystemExit,
+    ),
+    "processor raises KeyboardInterrupt": (
+        dict(logits_processors=[_raises(KeyboardInterrupt())]),
+        "KeyboardInterrupt",
+        KeyboardInterrupt,
+    ),
+    "processor raises mid-decode": (
+        dict(logits_processors=[_after(3, _raises(RuntimeError("late")))]),
+        "late",
+        RuntimeError,
+    ),
     "all -inf with top_p": (dict(top_p=0.5, logits_processors=[_const(float("-inf"))]), "all -inf", None),
     "all -inf with top_k": (dict(top_k=5, logits_processors=[_const(float("-inf"))]), "all -inf", None),
     "all -inf greedy": (dict(temperature=0, logits_processors=[_const(float("-inf"))]), "all -inf", None),
@@ -122,8 +146,10 @@ RUNTIME_TRIGGERS = {
 def test_runtime_trigger_fails_only_its_request(engine, solo, name):
     params, match, cause = RUNTIME_TRIGGERS[name]
     innocent = engine.submit(INNOCENT, SEEDED)
-    bad = engine.submit(BAD_PROMPT, SamplingParams(**{"temperature": 0.7, "seed": 1, "max_tokens": 8,
-                                                      "ignore_eos": True, **params}))
+    bad = engine.submit(
+        BAD_PROMPT,
+        SamplingParams(**{"temperature": 0.7, "seed": 1, "max_tokens": 8, "ignore_eos": True, **params}),
+    )
     with pytest.raises(RequestFailedError, match=match) as err:
         bad.result(timeout=60)
     if cause is not None:
@@ -139,8 +165,9 @@ def test_stream_of_a_failing_request_raises_and_others_stream_on(engine, solo):
     innocent = engine.submit(INNOCENT, SEEDED)
     deltas = []
     with pytest.raises(RequestFailedError, match="SystemExit"):
-        for d in engine.stream(BAD_PROMPT, SamplingParams(max_tokens=8, logits_processors=[
-                _after(2, _raises(SystemExit(1)))])):
+        for d in engine.stream(
+            BAD_PROMPT, SamplingParams(max_tokens=8, logits_processors=[_after(2, _raises(SystemExit(1)))])
+        ):
             deltas.append(d)
     assert len(deltas) == 2  # two tokens streamed before the failure
     assert innocent.result(timeout=60).token_ids == solo.token_ids
@@ -168,7 +195,9 @@ def test_prompt_logprob_scoring_error_fails_only_that_request(engine, monkeypatc
     assert isinstance(err.value.__cause__, OverflowError)
     out = innocent.result(timeout=60)
     assert out.token_ids == ref.token_ids
-    assert [lp and lp.token_id for lp in out.prompt_logprobs] == [lp and lp.token_id for lp in ref.prompt_logprobs]
+    assert [lp and lp.token_id for lp in out.prompt_logprobs] == [
+        lp and lp.token_id for lp in ref.prompt_logprobs
+    ]
     assert out.prompt_logprobs[0] is None and all(lp is not None for lp in out.prompt_logprobs[1:])
     monkeypatch.undo()
     _serves_next(engine)
@@ -178,21 +207,32 @@ def test_prompt_logprob_scoring_error_fails_only_that_request(engine, monkeypatc
 def test_tiny_temperature_is_greedy(engine):
     """Below GREEDY_EPSILON (1e-5) a temperature is greedy: 1e-320 with top_p < 1 used to draw from
     an empty candidate set and kill the engine."""
-    greedy = engine.generate([INNOCENT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    tiny = engine.generate([INNOCENT], SamplingParams(temperature=1e-320, top_p=0.5, max_tokens=8, ignore_eos=True,
-                                                      seed=3), use_tqdm=False)
+    greedy = engine.generate(
+        [INNOCENT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
+    tiny = engine.generate(
+        [INNOCENT],
+        SamplingParams(temperature=1e-320, top_p=0.5, max_tokens=8, ignore_eos=True, seed=3),
+        use_tqdm=False,
+    )
     assert tiny[0].token_ids == greedy[0].token_ids
     assert SamplingParams(temperature=9.9e-6).greedy and not SamplingParams(temperature=1e-5).greedy
 
 
 def test_empty_candidate_set_is_a_row_error_not_a_crash():
-    rows = [SampleRow(SamplingParams(temperature=1.0, top_p=0.5, seed=1), 1, 0, ()),
-            SampleRow(SamplingParams(temperature=1.0, seed=1), 1, 0, ())]
+    rows = [
+        SampleRow(SamplingParams(temperature=1.0, top_p=0.5, seed=1), 1, 0, ()),
+        SampleRow(SamplingParams(temperature=1.0, seed=1), 1, 0, ()),
+    ]
     logits = np.zeros((2, 8), dtype=np.float32)
     logits[0, :] = -np.inf
     errors: dict = {}
     tokens = sample(logits, rows, errors)
-    assert list(errors) == [0] and isinstance(errors[0], RequestFailedError) and "no token to draw" in str(errors[0])
+    assert (
+        list(errors) == [0]
+        and isinstance(errors[0], RequestFailedError)
+        and "no token to draw" in str(errors[0])
+    )
     assert 0 <= tokens[1] < 8
     with pytest.raises(RequestFailedError):
         sample(logits, rows)  # without an errors dict the failure is raised
@@ -232,7 +272,7 @@ SAMPLING_TRIGGERS = [
     ({"ignore_eos": "false"}, "ignore_eos"),
     ({"skip_special_tokens": 1}, "skip_special_tokens"),
     ({"prompt_logprobs_start": 0}, "prompt_logprobs_start"),
-    ({"logits_processors": lambda i, l: l}, "logits_processors"),
+    ({"logits_processors": lambda ids, logits: logits}, "logits_processors"),
 ]
 
 
@@ -250,17 +290,23 @@ def test_bad_sampling_params_are_rejected_naming_the_field(engine, solo, kwargs,
 def test_logprobs_are_capped_by_max_logprobs(engine, field, value):
     with pytest.raises(InvalidSamplingParamsError, match=f"{field}.*max_logprobs"):
         engine.submit(BAD_PROMPT, {field: value})
-    assert engine.generate([BAD_PROMPT], {field: 20, "max_tokens": 1}, use_tqdm=False)[0].finish_reason == "length"
+    assert (
+        engine.generate([BAD_PROMPT], {field: 20, "max_tokens": 1}, use_tqdm=False)[0].finish_reason
+        == "length"
+    )
 
 
-@pytest.mark.parametrize("prompt, match", [
-    (b"hello", "bytes"),
-    (bytearray(b"hi"), "bytearray"),
-    ("caf\udce9", "surrogate"),
-    ([1, True, 3], "int token ids"),
-    ([1, 2.0], "int token ids"),
-    ("\ud800", "surrogate"),
-])
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        (b"hello", "bytes"),
+        (bytearray(b"hi"), "bytearray"),
+        ("caf\udce9", "surrogate"),
+        ([1, True, 3], "int token ids"),
+        ([1, 2.0], "int token ids"),
+        ("\ud800", "surrogate"),
+    ],
+)
 def test_bad_prompts_are_invalid_requests(engine, prompt, match):
     with pytest.raises(InvalidRequestError, match=match):
         engine.submit(prompt, GREEDY)
@@ -311,8 +357,10 @@ def test_bad_config_values_are_config_errors_naming_the_field(tmp_path, override
         EngineConfig.from_dict(overrides)
     with pytest.raises(ConfigError, match=field):
         EngineConfig().replace(**overrides)
-    if all(isinstance(v, (str, bool, int, float)) and (not isinstance(v, float) or math.isfinite(v))
-           for v in overrides.values()):
+    if all(
+        isinstance(v, (str, bool, int, float)) and (not isinstance(v, float) or math.isfinite(v))
+        for v in overrides.values()
+    ):
         preset = tmp_path / "p.yaml"
         preset.write_text(json.dumps(overrides))  # JSON is YAML: the same value types
         with pytest.raises(ConfigError, match=field):
@@ -320,11 +368,15 @@ def test_bad_config_values_are_config_errors_naming_the_field(tmp_path, override
 
 
 def test_config_error_names_the_accepted_range():
-    with pytest.raises(ConfigError, match=r"seed must be an int in \[0, 2\*\*64\) or None, got 18446744073709551616"):
+    with pytest.raises(
+        ConfigError, match=r"seed must be an int in \[0, 2\*\*64\) or None, got 18446744073709551616"
+    ):
         EngineConfig(seed=2**64)
     with pytest.raises(ConfigError, match=r"overlap must be true or false \(a bool\), got 'false'"):
         EngineConfig(overlap="false")
-    with pytest.raises(InvalidSamplingParamsError, match=r"top_p must be a finite number in \(0, 1\], got '0.9'"):
+    with pytest.raises(
+        InvalidSamplingParamsError, match=r"top_p must be a finite number in \(0, 1\], got '0.9'"
+    ):
         SamplingParams(top_p="0.9")
 
 
@@ -335,9 +387,15 @@ def test_good_values_are_normalised():
     assert sp.temperature == 1.0 and sp.top_k == 0 and sp.stop == ("\n",) and sp.stop_token_ids == (5,)
 
 
-@pytest.mark.parametrize("item, field", [("overlap=maybe", "overlap"), ("block_size=16.5", "block_size"),
-                                         ("seed=18446744073709551616", "seed"), ("debug_unsafe_reclaim='false'",
-                                                                                 "debug_unsafe_reclaim")])
+@pytest.mark.parametrize(
+    "item, field",
+    [
+        ("overlap=maybe", "overlap"),
+        ("block_size=16.5", "block_size"),
+        ("seed=18446744073709551616", "seed"),
+        ("debug_unsafe_reclaim='false'", "debug_unsafe_reclaim"),
+    ],
+)
 def test_cli_set_goes_through_the_same_checks(capsys, item, field):
     from minisgl_backend.cli import main
 
@@ -346,8 +404,9 @@ def test_cli_set_goes_through_the_same_checks(capsys, item, field):
 
 
 def test_seed_at_the_top_of_the_range_samples(engine):
-    out = engine.generate([BAD_PROMPT], SamplingParams(temperature=1.0, seed=2**64 - 1, max_tokens=4, top_p=0.9),
-                          use_tqdm=False)[0]
+    out = engine.generate(
+        [BAD_PROMPT], SamplingParams(temperature=1.0, seed=2**64 - 1, max_tokens=4, top_p=0.9), use_tqdm=False
+    )[0]
     assert out.seed == 2**64 - 1 and len(out.token_ids) >= 1
 
 
@@ -480,8 +539,9 @@ def test_dropped_engine_is_closed_by_its_finaliser(tiny_model_dir):
 
 def test_engine_dropped_with_work_in_flight_finishes_it_then_closes(tiny_model_dir):
     base = _engine_threads()
-    handle = Engine(EngineConfig(model=str(tiny_model_dir), num_blocks=32, block_size=4, num_threads=1)).submit(
-        [1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    handle = Engine(
+        EngineConfig(model=str(tiny_model_dir), num_blocks=32, block_size=4, num_threads=1)
+    ).submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     gc.collect()
     assert len(handle.result(timeout=60).token_ids) == 20  # the busy engine stayed alive for it
     assert _wait_threads(base) == base
@@ -539,8 +599,16 @@ def test_lm_eval_bad_gen_kwargs_fail_the_call_not_the_engine(engine, solo, gen_k
     with pytest.raises(InvalidSamplingParamsError, match=field):
         lm.generate_until([Instance("generate_until", {}, ("Hello", {"until": ["\n"], **gen_kwargs}), 0)])
     _same_as_solo(innocent.result(timeout=60), solo)
-    good = lm.generate_until([Instance("generate_until", {}, ("Hello", {"until": ["\n\n"], "do_sample": True,
-                                                                         "temperature": 0.5, "seed": 2**64 - 1}), 0)])
+    good = lm.generate_until(
+        [
+            Instance(
+                "generate_until",
+                {},
+                ("Hello", {"until": ["\n\n"], "do_sample": True, "temperature": 0.5, "seed": 2**64 - 1}),
+                0,
+            )
+        ]
+    )
     assert isinstance(good[0], str) and engine.is_alive
     _assert_drained(engine)
 

@@ -77,7 +77,10 @@ def test_failing_logits_processor_is_reported_per_row():
         return out
 
     logits = np.zeros((2, 10), dtype=np.float32)
-    rows = [_row(SamplingParams(logits_processors=[boom])), _row(SamplingParams(logits_processors=[only_token_3]))]
+    rows = [
+        _row(SamplingParams(logits_processors=[boom])),
+        _row(SamplingParams(logits_processors=[only_token_3])),
+    ]
     processed, errors = apply_processors(logits, rows)
     assert list(errors) == [0] and "bad processor" in str(errors[0])
     assert sample(processed, rows)[1] == 3
@@ -103,5 +106,7 @@ def test_invalid_sampling_params(kwargs, match):
 
 
 def test_unknown_sampling_key_lists_valid_ones():
-    with pytest.raises(InvalidSamplingParamsError, match="unknown sampling parameter.*temprature.*valid:.*temperature"):
+    with pytest.raises(
+        InvalidSamplingParamsError, match="unknown sampling parameter.*temprature.*valid:.*temperature"
+    ):
         SamplingParams.from_dict({"temprature": 0.5})

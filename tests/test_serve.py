@@ -36,8 +36,17 @@ REPO = Path(__file__).resolve().parents[1]
 def server(tiny_model_dir):
     # A tight KV pool (64 blocks of 16 tokens for up to 16 running requests): concurrent clients
     # preempt each other. Overlap on, prefix cache on (the defaults).
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_blocks=64, max_num_seqs=16, num_threads=1,
-                                 stats_interval_s=0, max_waiting_requests=MAX_WAITING, seed=0))
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_model_dir),
+            num_blocks=64,
+            max_num_seqs=16,
+            num_threads=1,
+            stats_interval_s=0,
+            max_waiting_requests=MAX_WAITING,
+            seed=0,
+        )
+    )
     srv = start_in_thread(engine, api_key=KEY, model_name=MODEL)
     yield srv
     srv.stop()
@@ -62,7 +71,9 @@ def _drained_free(server) -> None:
 
 
 def _good(client) -> None:
-    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    r = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
 
@@ -77,42 +88,64 @@ def _sse_events(lines) -> list:
         if not line:
             continue
         assert line.startswith("data: "), line
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
 
-# ---------------------------------------------------------------------------------------------- completions
+# ----------------------------------------------------------------------------------------- completions
 def test_completion_prompt_forms_give_one_choice_each_and_match_the_engine(server, client):
     eng = _engine(server)
     ids = list(eng.tokenizer.encode("The quick brown fox"))
     ref_text = _greedy(eng, "The quick brown fox", 6).text
     ref_other = _greedy(eng, [5, 6, 7, 8], 6).text
-    cases = [("The quick brown fox", [ref_text]), (["The quick brown fox", "The quick brown fox"], [ref_text] * 2),
-             (ids, [ref_text]), ([ids, [5, 6, 7, 8]], [ref_text, ref_other])]
+    cases = [
+        ("The quick brown fox", [ref_text]),
+        (["The quick brown fox", "The quick brown fox"], [ref_text] * 2),
+        (ids, [ref_text]),
+        ([ids, [5, 6, 7, 8]], [ref_text, ref_other]),
+    ]
     for prompt, expected in cases:
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+        r = client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["object"] == "text_completion" and body["model"] == MODEL
         assert [c["index"] for c in body["choices"]] == list(range(len(expected)))
         assert [c["text"] for c in body["choices"]] == expected
         assert body["usage"]["completion_tokens"] == 6 * len(expected)
-        assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+        assert (
+            body["usage"]["total_tokens"]
+            == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+        )
 
 
 def test_echo_logprobs_are_what_lm_eval_local_completions_reads(server, client):
     eng = _engine(server)
     ids = list(eng.tokenizer.encode("Question: what is two plus two?\nAnswer: four"))
-    ref = eng.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, logprobs=1),
-                       use_tqdm=False)[0]
+    ref = eng.generate(
+        [ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, logprobs=1), use_tqdm=False
+    )[0]
     for max_tokens in (1, 0):
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": max_tokens,
-                                                 "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234})
+        r = client.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": ids,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "logprobs": 1,
+                "echo": True,
+                "seed": 1234,
+            },
+        )
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         lp = choice["logprobs"]
-        assert len(lp["token_logprobs"]) == len(ids) + max_tokens == len(lp["top_logprobs"]) == len(lp["tokens"])
+        assert (
+            len(lp["token_logprobs"]) == len(ids) + max_tokens == len(lp["top_logprobs"]) == len(lp["tokens"])
+        )
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         for i in range(1, len(ids)):
             assert lp["token_logprobs"][i] == ref.prompt_logprobs[i].logprob  # bitwise through JSON
@@ -128,8 +161,9 @@ def test_echo_logprobs_are_what_lm_eval_local_completions_reads(server, client):
 def test_streaming_completion_equals_the_non_streamed_one(client):
     req = {"model": MODEL, "prompt": ["Once upon a time", "In a galaxy"], "max_tokens": 12, "temperature": 0}
     whole = client.post("/v1/completions", json=req).json()
-    with client.stream("POST", "/v1/completions",
-                       json={**req, "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with client.stream(
+        "POST", "/v1/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}}
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = _sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
@@ -150,8 +184,9 @@ def test_stop_strings_and_seeded_sampling(server, client):
     a = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
     b = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
     assert a == b  # seeded: the same sample every time
-    ref = _engine(server).generate(["Tell me"], SamplingParams(temperature=0.9, seed=7, max_tokens=16),
-                                   use_tqdm=False)[0]
+    ref = _engine(server).generate(
+        ["Tell me"], SamplingParams(temperature=0.9, seed=7, max_tokens=16), use_tqdm=False
+    )[0]
     assert a == ref.text
     if len(a) > 4:
         stop = a[2:4]
@@ -159,22 +194,37 @@ def test_stop_strings_and_seeded_sampling(server, client):
         assert c["finish_reason"] == "stop" and stop not in c["text"] and a.startswith(c["text"])
 
 
-# ---------------------------------------------------------------------------------------------- chat
+# ------------------------------------------------------------------------------------------------ chat
 def test_chat_completion_stream_and_non_stream(server, client):
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
-    req = {"model": MODEL, "messages": msgs, "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    ]
+    req = {
+        "model": MODEL,
+        "messages": msgs,
+        "max_tokens": 10,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     whole = client.post("/v1/chat/completions", json=req).json()
     (choice,) = whole["choices"]
     assert whole["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
     assert len(choice["logprobs"]["content"]) == whole["usage"]["completion_tokens"] == 10
     assert all(len(e["top_logprobs"]) == 2 for e in choice["logprobs"]["content"])
     eng = _engine(server)
-    prompt = eng.tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
-                                                {"role": "user", "content": "Hi"}],
-                                               tokenize=False, add_generation_prompt=True)
+    prompt = eng.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert whole["usage"]["prompt_tokens"] == len(eng.tokenizer.encode(prompt, add_special_tokens=False))
-    with client.stream("POST", "/v1/chat/completions",
-                       json={**req, "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={**req, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
         events = _sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"]
     deltas = [ev["choices"][0] for ev in events[:-2]]
@@ -184,27 +234,47 @@ def test_chat_completion_stream_and_non_stream(server, client):
     assert all(ev["object"] == "chat.completion.chunk" for ev in events[:-2])
 
 
-ADD_TOOL = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 
 
 def test_forced_tool_call_parses_even_from_a_random_model(client):
     for i in range(3):
-        req = {"model": MODEL, "messages": [{"role": "user", "content": f"Add {i} and 2."}], "tools": [ADD_TOOL],
-               "tool_choice": {"type": "function", "function": {"name": "add"}}, "temperature": 1.0, "seed": i,
-               "max_tokens": 160}
+        req = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Add {i} and 2."}],
+            "tools": [ADD_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "add"}},
+            "temperature": 1.0,
+            "seed": i,
+            "max_tokens": 160,
+        }
         r = client.post("/v1/chat/completions", json=req)
         assert r.status_code == 200, r.text
         (choice,) = r.json()["choices"]
         assert choice["finish_reason"] == "tool_calls", choice
         (call,) = choice["message"]["tool_calls"]
-        assert call["type"] == "function" and call["function"]["name"] == "add" and call["id"].startswith("call_")
+        assert (
+            call["type"] == "function"
+            and call["function"]["name"] == "add"
+            and call["id"].startswith("call_")
+        )
         args = json.loads(call["function"]["arguments"])
         assert set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
     # streamed: the call arrives as one tool_calls delta, then finish_reason tool_calls
-    with client.stream("POST", "/v1/chat/completions", json={**req, "tool_choice": "required", "stream": True}) as r:
+    with client.stream(
+        "POST", "/v1/chat/completions", json={**req, "tool_choice": "required", "stream": True}
+    ) as r:
         events = _sse_events(r.iter_lines())
     deltas = [ev["choices"][0] for ev in events[:-1]]
     calls = [d["delta"]["tool_calls"] for d in deltas if d["delta"].get("tool_calls")]
@@ -214,22 +284,50 @@ def test_forced_tool_call_parses_even_from_a_random_model(client):
 
 
 def test_tool_results_in_the_conversation_render(client):
-    msgs = [{"role": "user", "content": "Add 1 and 2."},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
-    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": [ADD_TOOL],
-                                                   "max_tokens": 4, "temperature": 0})
+    msgs = [
+        {"role": "user", "content": "Add 1 and 2."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    ]
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": msgs, "tools": [ADD_TOOL], "max_tokens": 4, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
 
 
 def test_response_format_json_schema_constrains_the_output(client):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "unit": {"enum": ["C", "F"]}},
-              "required": ["ok", "unit"], "additionalProperties": False}  # bounded: it always terminates
-    for fmt in ({"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}, {"type": "json_object"}):
-        r = client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "Reply."}], "response_format": fmt,
-            "temperature": 1.0, "seed": 3, "max_tokens": 200})
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "unit": {"enum": ["C", "F"]}},
+        "required": ["ok", "unit"],
+        "additionalProperties": False,
+    }  # bounded: it always terminates
+    for fmt in (
+        {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        {"type": "json_object"},
+    ):
+        r = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Reply."}],
+                "response_format": fmt,
+                "temperature": 1.0,
+                "seed": 3,
+                "max_tokens": 200,
+            },
+        )
         assert r.status_code == 200, r.text
         (choice,) = r.json()["choices"]
         if choice["finish_reason"] == "length" and fmt["type"] == "json_object":
@@ -240,7 +338,7 @@ def test_response_format_json_schema_constrains_the_output(client):
             assert set(obj) == {"ok", "unit"} and isinstance(obj["ok"], bool) and obj["unit"] in ("C", "F")
 
 
-# ---------------------------------------------------------------------------------------------- other endpoints
+# ------------------------------------------------------------------------------------- other endpoints
 def test_models_tokenize_detokenize_tokenizer_info(server, client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
@@ -249,7 +347,9 @@ def test_models_tokenize_detokenize_tokenizer_info(server, client):
     assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
     assert info["chat_template"] == tok.chat_template
     t = client.post("/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()
-    assert t["tokens"] == list(tok.encode("hello world", add_special_tokens=False)) and t["count"] == len(t["tokens"])
+    assert t["tokens"] == list(tok.encode("hello world", add_special_tokens=False)) and t["count"] == len(
+        t["tokens"]
+    )
     assert t["max_model_len"] == _engine(server).max_model_len
     t2 = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert t2["count"] > 3
@@ -264,7 +364,7 @@ def test_models_tokenize_detokenize_tokenizer_info(server, client):
     assert rt.eos_token_id == tok.eos_token_id and rt.decode(rt.encode("abc def")) == "abc def"
 
 
-# ---------------------------------------------------------------------------------------------- bad input
+# ------------------------------------------------------------------------------------------- bad input
 LONG = "hello " * 2000  # > max_model_len (1024) tokens
 BAD_REQUESTS = [
     # (name, method-path-body, expected status, expected param/code fragment)
@@ -295,36 +395,99 @@ BAD_REQUESTS = [
     ("bad JSON", ("/v1/completions", '{"prompt": "x",'), 400, "invalid_json"),
     ("body not an object", ("/v1/completions", "[1, 2]"), 400, None),
     ("unknown model", ("/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404, "model_not_found"),
-    ("chat unknown role", ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}), 400, "role"),
+    (
+        "chat unknown role",
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+        400,
+        "role",
+    ),
     ("chat no messages", ("/v1/chat/completions", {"messages": []}), 400, "messages"),
-    ("chat image part", ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}), 400, None),
+    (
+        "chat image part",
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            },
+        ),
+        400,
+        None,
+    ),
     ("chat message without content", ("/v1/chat/completions", {"messages": [{"role": "user"}]}), 400, None),
-    ("chat tool_choice names no tool", ("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "x"}], "tools": [ADD_TOOL],
-        "tool_choice": {"type": "function", "function": {"name": "mul"}}}), 400, "invalid_chat_request"),
-    ("chat tool_choice without tools", ("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}), 400, None),
-    ("chat bad response_format", ("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}), 400, "response_format"),
-    ("chat top_logprobs without logprobs", ("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), 400, None),
-    ("chat max_tokens 0", ("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), 400, "max_tokens"),
+    (
+        "chat tool_choice names no tool",
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [ADD_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "mul"}},
+            },
+        ),
+        400,
+        "invalid_chat_request",
+    ),
+    (
+        "chat tool_choice without tools",
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}),
+        400,
+        None,
+    ),
+    (
+        "chat bad response_format",
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},
+        ),
+        400,
+        "response_format",
+    ),
+    (
+        "chat top_logprobs without logprobs",
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+        400,
+        None,
+    ),
+    (
+        "chat max_tokens 0",
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+        400,
+        "max_tokens",
+    ),
     ("detokenize out of range", ("/detokenize", {"tokens": [10**9]}), 400, "tokens"),
-    ("tokenize both inputs", ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}), 400, None),
+    (
+        "tokenize both inputs",
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}),
+        400,
+        None,
+    ),
     ("missing auth", ("/v1/completions", {"prompt": "x"}, {}), 401, "invalid_api_key"),
-    ("wrong auth", ("/v1/completions", {"prompt": "x"}, {"Authorization": "Bearer nope"}), 401, "invalid_api_key"),
+    (
+        "wrong auth",
+        ("/v1/completions", {"prompt": "x"}, {"Authorization": "Bearer nope"}),
+        401,
+        "invalid_api_key",
+    ),
     ("unknown route", ("/v1/nothing", {}), 404, None),
 ]
 
 
 @pytest.mark.parametrize("name,req,status,fragment", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
-def test_bad_request_gets_its_status_and_error_object_and_the_server_keeps_serving(client, name, req, status, fragment):
+def test_bad_request_gets_its_status_and_error_object_and_the_server_keeps_serving(
+    client, name, req, status, fragment
+):
     path, payload, *hdr = req
     headers = hdr[0] if hdr else AUTH
-    kw = {"content": payload, "headers": {**headers, "content-type": "application/json"}} if isinstance(payload, str) \
+    kw = (
+        {"content": payload, "headers": {**headers, "content-type": "application/json"}}
+        if isinstance(payload, str)
         else {"json": payload, "headers": headers}
+    )
     with httpx.Client(base_url=client.base_url, timeout=30) as c:
         r = c.post(path, **kw)
     assert r.status_code == status, r.text
@@ -344,7 +507,7 @@ def test_health_needs_no_key_and_everything_else_does(server):
             assert c.get(path, headers=AUTH).status_code == 200
 
 
-# ---------------------------------------------------------------------------------------------- overload
+# -------------------------------------------------------------------------------------------- overload
 def test_full_waiting_queue_answers_503_with_retry_after(server, client):
     """Stall the pipeline inside a logits processor: at most max_num_seqs requests get admitted, the
     rest pile up waiting until the bound, and past it requests are refused with 503 + Retry-After;
@@ -362,8 +525,9 @@ def test_full_waiting_queue_answers_503_with_retry_after(server, client):
     total = MAX_WAITING + eng.config.max_num_seqs + 1  # more than can be admitted plus the bound
 
     async def run() -> list:
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60,
-                                     limits=httpx.Limits(max_connections=total)) as ac:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=AUTH, timeout=60, limits=httpx.Limits(max_connections=total)
+        ) as ac:
             req = {"model": MODEL, "prompt": "queued", "max_tokens": 2, "temperature": 0}
             tasks = [asyncio.create_task(ac.post("/v1/completions", json=req)) for _ in range(total)]
             refused = []
@@ -399,12 +563,15 @@ def test_max_waiting_requests_is_validated():
     assert EngineConfig(max_waiting_requests=8).max_waiting_requests == 8
 
 
-# ---------------------------------------------------------------------------------------------- disconnects
+# ----------------------------------------------------------------------------------------- disconnects
 def _raw_post(server, path: str, body: dict) -> socket.socket:
     s = socket.create_connection((server.host, server.port))
     data = json.dumps(body).encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
     s.sendall(head + data)
     return s
 
@@ -424,8 +591,19 @@ def _wait_for_record(server, user: str, timeout: float = 30):
 def test_client_disconnect_aborts_the_request(server, stream):
     eng = _engine(server)
     user = f"gone-{stream}"
-    s = _raw_post(server, "/v1/completions", {"model": MODEL, "prompt": "bye", "max_tokens": 900, "ignore_eos": True,
-                                              "temperature": 0, "stream": stream, "user": user})
+    s = _raw_post(
+        server,
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "bye",
+            "max_tokens": 900,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": stream,
+            "user": user,
+        },
+    )
     deadline = time.monotonic() + 30
     while eng.check_invariants()["running"] == 0:  # wait until it holds KV
         assert time.monotonic() < deadline
@@ -445,7 +623,7 @@ def test_many_concurrent_streaming_clients_with_random_disconnects(server):
     eng = _engine(server)
     rng = random.Random(0)
     pool = []
-    for j in range(24):  # distinct requests, each run alone first (nothing else in the engine)
+    for _ in range(24):  # distinct requests, each run alone first (nothing else in the engine)
         prompt = [rng.randrange(3, 49152) for _ in range(rng.randrange(4, 40))]
         n = rng.randrange(4, 24)
         pool.append((prompt, n, _greedy(eng, prompt, n, ignore_eos=True).text))
@@ -457,15 +635,22 @@ def test_many_concurrent_streaming_clients_with_random_disconnects(server):
     async def one(ac, k: int) -> None:
         j, hang_up = plan[k]
         prompt, n, _ = pool[j]
-        req = {"model": MODEL, "prompt": prompt, "max_tokens": 200 if hang_up else n, "temperature": 0,
-               "ignore_eos": True, "stream": True, "user": f"c{k}"}
+        req = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 200 if hang_up else n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "user": f"c{k}",
+        }
         text, finish = "", None
         async with ac.stream("POST", "/v1/completions", json=req) as r:
             assert r.status_code == 200, await r.aread()
             async for line in r.aiter_lines():
                 if not line:
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     break
                 c = json.loads(data)["choices"][0]
@@ -478,8 +663,13 @@ def test_many_concurrent_streaming_clients_with_random_disconnects(server):
 
     async def main() -> None:
         queue = list(range(total))
-        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120,
-                                     limits=httpx.Limits(max_connections=clients, max_keepalive_connections=0)) as ac:
+        async with httpx.AsyncClient(
+            base_url=server.url,
+            headers=AUTH,
+            timeout=120,
+            limits=httpx.Limits(max_connections=clients, max_keepalive_connections=0),
+        ) as ac:
+
             async def worker() -> None:
                 while queue:
                     await one(ac, queue.pop())
@@ -509,8 +699,20 @@ def test_many_concurrent_streaming_clients_with_random_disconnects(server):
 def test_bench_serve_closed_loop_and_poisson_with_check(server, rate):
     from minisgl_backend.serve.bench import bench_serve, format_row
 
-    row = bench_serve(server.url, api_key=KEY, model=MODEL, num_requests=60, num_prompts=8, input_len=16,
-                      output_len=8, concurrency=8, request_rate=rate, disconnect_prob=0.2, check=True, seed=1)
+    row = bench_serve(
+        server.url,
+        api_key=KEY,
+        model=MODEL,
+        num_requests=60,
+        num_prompts=8,
+        input_len=16,
+        output_len=8,
+        concurrency=8,
+        request_rate=rate,
+        disconnect_prob=0.2,
+        check=True,
+        seed=1,
+    )
     text = format_row(row)
     assert row["errors"] == 0 and row["mismatches"] == 0, text
     assert row["completed"] + row["disconnected"] == 60 and row["disconnected"] > 0
@@ -519,15 +721,21 @@ def test_bench_serve_closed_loop_and_poisson_with_check(server, rate):
     _drained_free(server)
 
 
-# ---------------------------------------------------------------------------------------------- metrics
+# --------------------------------------------------------------------------------------------- metrics
 def _scrape(client) -> dict[tuple, float]:
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     out = {}
     for fam in text_string_to_metric_families(r.text):
         for s in fam.samples:
-            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "le")) if "le" not in s.labels
-                 else tuple(sorted(s.labels.items())))] = s.value
+            out[
+                (
+                    s.name,
+                    tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+                    if "le" not in s.labels
+                    else tuple(sorted(s.labels.items())),
+                )
+            ] = s.value
     return out
 
 
@@ -541,8 +749,16 @@ def test_metrics_scrape_matches_a_known_workload(server, client):
     before = _scrape(client)
     lens = [(5, 3), (9, 7), (2, 1), (12, 10)]
     for plen, n in lens:
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": list(range(10, 10 + plen)), "max_tokens": n,
-                                                 "temperature": 0, "ignore_eos": True})
+        r = client.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": list(range(10, 10 + plen)),
+                "max_tokens": n,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200
     after = _scrape(client)
 
@@ -558,28 +774,64 @@ def test_metrics_scrape_matches_a_known_workload(server, client):
     assert delta("minisgl:inter_token_latency_seconds_count") == sum(n - 1 for _, n in lens)
     assert delta("minisgl:e2e_request_latency_seconds_sum") > 0
     assert delta("minisgl:request_queue_time_seconds_count") == len(lens)
-    assert 0 <= delta("minisgl:request_queue_time_seconds_sum") <= delta("minisgl:e2e_request_latency_seconds_sum")
-    for gauge in ("minisgl:num_requests_running", "minisgl:num_requests_waiting", "minisgl:kv_cache_usage_perc"):
+    assert (
+        0
+        <= delta("minisgl:request_queue_time_seconds_sum")
+        <= delta("minisgl:e2e_request_latency_seconds_sum")
+    )
+    for gauge in (
+        "minisgl:num_requests_running",
+        "minisgl:num_requests_waiting",
+        "minisgl:kv_cache_usage_perc",
+    ):
         assert (gauge, (("model_name", MODEL),)) in after
-    assert _val(after, "minisgl:prefix_cache_queries_total") >= _val(after, "minisgl:prefix_cache_hits_total") >= 0
+    assert (
+        _val(after, "minisgl:prefix_cache_queries_total")
+        >= _val(after, "minisgl:prefix_cache_hits_total")
+        >= 0
+    )
 
 
-# ---------------------------------------------------------------------------------------------- lifecycle
+# ------------------------------------------------------------------------------------------- lifecycle
 def test_graceful_shutdown_on_sigint_and_sigterm(tiny_model_dir):
     """`minisgl serve` as subprocesses (both started at once): serves, then SIGINT (one) and SIGTERM
     (the other) stop it with exit code 0, an in-flight stream is ended at once (its request
     aborted), and nothing prints a traceback."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "adapters"),
-                                                        os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "adapters"), os.environ.get("PYTHONPATH", "")]),
+    }
     procs = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs[sig] = (port, subprocess.Popen(
-            [sys.executable, "-m", "minisgl_backend.cli", "serve", "--port", str(port), "--model", str(tiny_model_dir),
-             "--set", "num_threads=1", "--set", "stats_interval_s=0", "--served-model-name", "t"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO))
+        procs[sig] = (
+            port,
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "minisgl_backend.cli",
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--model",
+                    str(tiny_model_dir),
+                    "--set",
+                    "num_threads=1",
+                    "--set",
+                    "stats_interval_s=0",
+                    "--served-model-name",
+                    "t",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=REPO,
+            ),
+        )
     try:
         for sig, (port, proc) in procs.items():
             deadline = time.monotonic() + 120
@@ -593,15 +845,23 @@ def test_graceful_shutdown_on_sigint_and_sigterm(tiny_model_dir):
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
-                assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "model": "t"}).status_code == 200
-                with c.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 1000, "ignore_eos": True,
-                                                               "stream": True}) as r:
+                assert (
+                    c.post(
+                        "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "model": "t"}
+                    ).status_code
+                    == 200
+                )
+                with c.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True},
+                ) as r:
                     lines = r.iter_lines()
                     assert next(lines).startswith("data: ")
                     proc.send_signal(sig)
                     events = _sse_events(lines)  # the open stream is ended: its request aborted
                 assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
-        for sig, (port, proc) in procs.items():
+        for sig, (_port, proc) in procs.items():
             out, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, (sig, err)
             assert "Traceback" not in err and "Traceback" not in out, err

@@ -18,8 +18,14 @@ from minisgl_backend.serve import start_in_thread  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-clients"
 MODEL = "smollm2"
-ENGINE = dict(model="smollm2-135m-instruct", dtype="float32", deterministic=True, stats_interval_s=0, seed=1234,
-              num_threads=1)
+ENGINE = dict(
+    model="smollm2-135m-instruct",
+    dtype="float32",
+    deterministic=True,
+    stats_interval_s=0,
+    seed=1234,
+    num_threads=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,25 +49,42 @@ def test_lm_eval_local_completions_matches_the_in_process_model(server, monkeypa
     is-greedy flags, identical greedy generations, so identical scores."""
     import lm_eval
     from lm_eval.tasks import TaskManager
-
     from lm_eval_minisgl.model import MiniSGLLM
 
     monkeypatch.chdir(REPO)  # the local tasks' data_files are relative to the repository root
-    monkeypatch.setenv("OPENAI_API_KEY", KEY)  # local-completions sends it as the bearer token; auth_token: the tokenizer
+    monkeypatch.setenv(
+        "OPENAI_API_KEY", KEY
+    )  # local-completions sends it as the bearer token; auth_token: the tokenizer
     tm = TaskManager(include_path=str(REPO / "configs" / "tasks"))
     tasks = ["minisgl_mc", "minisgl_gen"]
     limit = 8
     http = lm_eval.simple_evaluate(
         model="local-completions",
         model_args=f"base_url={server.url}/v1/completions,tokenizer_backend=remote,model={MODEL},batch_size=8,num_concurrent=2,auth_token={KEY}",
-        tasks=tasks, task_manager=tm, limit=limit, log_samples=True, random_seed=0, numpy_random_seed=0,
-        torch_random_seed=0, fewshot_random_seed=0)
-    local_model = MiniSGLLM(pretrained=ENGINE["model"], dtype="float32", deterministic=True, stats_interval_s=0,
-                            num_threads=1)
+        tasks=tasks,
+        task_manager=tm,
+        limit=limit,
+        log_samples=True,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
+    local_model = MiniSGLLM(
+        pretrained=ENGINE["model"], dtype="float32", deterministic=True, stats_interval_s=0, num_threads=1
+    )
     try:
         local = lm_eval.simple_evaluate(
-            model=local_model, tasks=tasks, task_manager=tm, limit=limit, log_samples=True, random_seed=0,
-            numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+            model=local_model,
+            tasks=tasks,
+            task_manager=tm,
+            limit=limit,
+            log_samples=True,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+        )
     finally:
         local_model.close()
     a, b = _samples(http, "minisgl_mc"), _samples(local, "minisgl_mc")
@@ -81,19 +104,38 @@ def test_lm_eval_local_completions_matches_the_in_process_model(server, monkeypa
 def test_openai_sdk_completions_chat_and_streaming(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
     assert [m.id for m in client.models.list()] == [MODEL]
-    c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
-                                  logprobs=2)
+    c = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=2
+    )
     assert c.choices[0].text and c.usage.completion_tokens == len(c.choices[0].logprobs.tokens)
-    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if ch.choices)
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+        )
+        if ch.choices
+    )
     assert streamed == c.choices[0].text
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=16, temperature=0, seed=1)
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_completion_tokens=16, temperature=0, seed=1
+    )
     assert "Paris" in r.choices[0].message.content and r.usage.prompt_tokens > 5
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == r.choices[0].message.content
+    assert (
+        "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        == r.choices[0].message.content
+    )
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong").models.list()
@@ -106,19 +148,42 @@ def test_openai_sdk_completions_chat_and_streaming(server):
 
 def test_openai_sdk_forced_tool_call_and_json_schema(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
-    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                            "required": ["city"]}}}
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                       tools=[tool], tool_choice="required", temperature=0, max_tokens=64)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[tool],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=64,
+    )
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert set(json.loads(call.function.arguments)) == {"city"}
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
     r = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}], temperature=0, max_tokens=32,
-        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is 2+2?"}],
+        temperature=0,
+        max_tokens=32,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
     assert isinstance(json.loads(r.choices[0].message.content)["answer"], int)
 
 
@@ -139,4 +204,6 @@ def test_langchain_chat_openai_invoke_stream_and_tools(server):
         return a + b
 
     msg = chat.bind_tools([add], tool_choice="add").invoke("Add 2 and 3.", max_tokens=64)
-    assert msg.tool_calls and msg.tool_calls[0]["name"] == "add" and set(msg.tool_calls[0]["args"]) == {"a", "b"}
+    assert (
+        msg.tool_calls and msg.tool_calls[0]["name"] == "add" and set(msg.tool_calls[0]["args"]) == {"a", "b"}
+    )

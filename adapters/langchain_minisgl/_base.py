@@ -5,13 +5,22 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
 
-from minisgl_backend import Engine, EngineConfig, EngineDeadError, RequestHandle, RequestOutput, SamplingParams, StreamDelta
-from minisgl_backend.aio import call_soon, result_future
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from langchain_minisgl._engines import build_config, evict_engine, get_engine
+from minisgl_backend import (
+    Engine,
+    EngineConfig,
+    EngineDeadError,
+    RequestHandle,
+    RequestOutput,
+    SamplingParams,
+    StreamDelta,
+)
+from minisgl_backend.aio import call_soon, result_future
 
 # Per-call keyword arguments (invoke(..., max_tokens=5), .bind(temperature=0)) that map to sampling.
 SAMPLING_FIELDS = ("temperature", "max_tokens", "top_p", "top_k", "min_p", "seed")
@@ -66,10 +75,15 @@ class MiniSGLParams(BaseModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model_name, "engine_config": self._config, **self._sampling_dict({}), "stop": self.stop}
+        return {
+            "model": self.model_name,
+            "engine_config": self._config,
+            **self._sampling_dict({}),
+            "stop": self.stop,
+        }
 
     @model_validator(mode="after")
-    def _build_engine_config(self) -> "MiniSGLParams":
+    def _build_engine_config(self) -> MiniSGLParams:
         # Validated at construction (ConfigError on a bad key/value); the engine itself starts lazily.
         self._config = build_config(self.model, self.engine_config, self.engine_preset)
         SamplingParams(**self._sampling_dict({}))  # fail now on out-of-range sampling values
@@ -104,10 +118,14 @@ class MiniSGLParams(BaseModel):
         self, stop: Sequence[str] | None, kwargs: dict[str, Any], processors: Sequence[Callable] = ()
     ) -> SamplingParams:
         stops = list(self.stop or []) + [s for s in (stop or []) if s not in (self.stop or [])]
-        return SamplingParams(**self._sampling_dict(kwargs), stop=tuple(stops), logits_processors=tuple(processors))
+        return SamplingParams(
+            **self._sampling_dict(kwargs), stop=tuple(stops), logits_processors=tuple(processors)
+        )
 
     # ------------------------------------------------------------------ running requests
-    def run_sync(self, kwargs: dict[str, Any], submit: Callable[[Engine], list[RequestHandle]]) -> list[RequestOutput]:
+    def run_sync(
+        self, kwargs: dict[str, Any], submit: Callable[[Engine], list[RequestHandle]]
+    ) -> list[RequestOutput]:
         """Submit (all requests at once) and wait; a dead engine is replaced up to max_retries times."""
         for attempt in range(self.max_retries + 1):
             engine = self.engine_for(kwargs)
@@ -119,12 +137,16 @@ class MiniSGLParams(BaseModel):
                 evict_engine(self._config_for(kwargs), engine)
         raise AssertionError("unreachable")
 
-    async def run_async(self, kwargs: dict[str, Any], submit: Callable[[Engine], list[RequestHandle]]) -> list[RequestOutput]:
+    async def run_async(
+        self, kwargs: dict[str, Any], submit: Callable[[Engine], list[RequestHandle]]
+    ) -> list[RequestOutput]:
         for attempt in range(self.max_retries + 1):
             engine = await asyncio.to_thread(self.engine_for, kwargs)  # first use loads the model: seconds
             try:
                 handles = submit(engine)
-                return await asyncio.wait_for(asyncio.gather(*(await_handle(engine, h) for h in handles)), self.timeout)
+                return await asyncio.wait_for(
+                    asyncio.gather(*(await_handle(engine, h) for h in handles)), self.timeout
+                )
             except EngineDeadError:
                 if attempt == self.max_retries:
                     raise
@@ -135,7 +157,9 @@ class MiniSGLParams(BaseModel):
 def wait_all(engine: Engine, handles: list[RequestHandle], timeout: float | None) -> list[RequestOutput]:
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        return [h.result(None if deadline is None else max(0.0, deadline - time.monotonic())) for h in handles]
+        return [
+            h.result(None if deadline is None else max(0.0, deadline - time.monotonic())) for h in handles
+        ]
     finally:
         for h in handles:  # interrupted or failed: free the engine's blocks of the rest
             if not h.done():
@@ -191,7 +215,6 @@ def usage_of(outs: Sequence[RequestOutput]) -> dict[str, int]:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
 
 
 def check_call_kwargs(kwargs: dict[str, Any], extra: Sequence[str] = ()) -> None:

@@ -7,15 +7,20 @@ from typing import Any
 
 from langchain_core.messages import InvalidToolCall, ToolCall
 from langchain_core.messages.tool import invalid_tool_call, tool_call
+
 from minisgl_backend.chat import tools as _core
 from minisgl_backend.chat.tools import new_call_id, tool_system_prompt  # noqa: F401
 
 __all__ = ["ToolCallStreamSplitter", "new_call_id", "parse_tool_calls", "tool_system_prompt"]
 
 
-def _wrap(calls: list[dict[str, Any]], invalid: list[dict[str, Any]]) -> tuple[list[ToolCall], list[InvalidToolCall]]:
-    return ([tool_call(name=c["name"], args=c["args"], id=c["id"]) for c in calls],
-            [invalid_tool_call(name=c["name"], args=c["args"], id=c["id"], error=c["error"]) for c in invalid])
+def _wrap(
+    calls: list[dict[str, Any]], invalid: list[dict[str, Any]]
+) -> tuple[list[ToolCall], list[InvalidToolCall]]:
+    return (
+        [tool_call(name=c["name"], args=c["args"], id=c["id"]) for c in calls],
+        [invalid_tool_call(name=c["name"], args=c["args"], id=c["id"], error=c["error"]) for c in invalid],
+    )
 
 
 def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:

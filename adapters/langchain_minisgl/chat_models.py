@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
@@ -20,14 +21,17 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
-from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser, PydanticToolsParser
+from langchain_core.output_parsers import (
+    JsonOutputKeyToolsParser,
+    JsonOutputParser,
+    PydanticOutputParser,
+    PydanticToolsParser,
+)
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from minisgl_backend import Engine, RequestOutput, SamplingParams
-from minisgl_backend.chat import forced_tools, render_chat
 from pydantic import BaseModel, ConfigDict
 
 from langchain_minisgl._base import (
@@ -38,6 +42,8 @@ from langchain_minisgl._base import (
     stream_sync,
 )
 from langchain_minisgl._tools import ToolCallStreamSplitter, parse_tool_calls
+from minisgl_backend import Engine, RequestOutput, SamplingParams
+from minisgl_backend.chat import forced_tools, render_chat
 
 _CALL_OPTIONS = ("tools", "tool_choice", "response_format", "stream")
 
@@ -58,11 +64,17 @@ def _to_openai(message: BaseMessage) -> dict[str, Any]:
     if isinstance(message, HumanMessage):
         return {"role": "user", "content": _text(message)}
     if isinstance(message, AIMessage):
-        calls = [{"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["args"]}}
-                 for c in message.tool_calls]
+        calls = [
+            {"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["args"]}}
+            for c in message.tool_calls
+        ]
         return {"role": "assistant", "content": _text(message), **({"tool_calls": calls} if calls else {})}
     if isinstance(message, (ToolMessage, FunctionMessage)):
-        return {"role": "tool", "content": _text(message), "tool_call_id": getattr(message, "tool_call_id", None)}
+        return {
+            "role": "tool",
+            "content": _text(message),
+            "tool_call_id": getattr(message, "tool_call_id", None),
+        }
     if isinstance(message, ChatMessage):
         return {"role": message.role, "content": _text(message)}
     raise TypeError(f"ChatMiniSGL cannot render a {type(message).__name__}")
@@ -125,7 +137,11 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
         if method == "function_calling":
             name = convert_to_openai_tool(schema)["function"]["name"]
-            llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+            llm = self.bind_tools(
+                [schema],
+                tool_choice=name,
+                ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
+            )
             parser: Runnable = (
                 PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
                 if pydantic
@@ -135,10 +151,15 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
             # json_mode is constrained to the schema too: the parser below needs it, so any other
             # JSON object would only fail later.
             fmt = {"type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}}
-            llm = self.bind(response_format=fmt, ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+            llm = self.bind(
+                response_format=fmt,
+                ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
+            )
             parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()  # type: ignore[arg-type]
         else:
-            raise ValueError(f"method must be 'function_calling', 'json_schema' or 'json_mode', got {method!r}")
+            raise ValueError(
+                f"method must be 'function_calling', 'json_schema' or 'json_mode', got {method!r}"
+            )
         if not include_raw:
             return llm | parser
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
@@ -154,15 +175,30 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         engine = self.engine_for(kwargs)
         tok = engine.tokenizer
         if not getattr(tok, "chat_template", None):
-            raise ValueError(f"model {self.model_name!r} has no chat template; use MiniSGL (plain completion) instead")
-        prompt = render_chat(tok, [_to_openai(m) for m in messages], tools=kwargs.get("tools"),
-                             tool_choice=kwargs.get("tool_choice"), response_format=kwargs.get("response_format"))
-        return engine, prompt.token_ids, self.sampling_params(stop, kwargs, prompt.logits_processors), prompt.tool_names
+            raise ValueError(
+                f"model {self.model_name!r} has no chat template; use MiniSGL (plain completion) instead"
+            )
+        prompt = render_chat(
+            tok,
+            [_to_openai(m) for m in messages],
+            tools=kwargs.get("tools"),
+            tool_choice=kwargs.get("tool_choice"),
+            response_format=kwargs.get("response_format"),
+        )
+        return (
+            engine,
+            prompt.token_ids,
+            self.sampling_params(stop, kwargs, prompt.logits_processors),
+            prompt.tool_names,
+        )
 
     def _message(self, out: RequestOutput, tool_names: set[str], kwargs: dict[str, Any]) -> AIMessage:
         content, calls, invalid = parse_tool_calls(out.text, tool_names) if tool_names else (out.text, [], [])
         if invalid and out.finish_reason == "length":
-            invalid = [{**c, "error": f"{c['error']} (output cut at max_tokens={len(out.token_ids)})"} for c in invalid]
+            invalid = [
+                {**c, "error": f"{c['error']} (output cut at max_tokens={len(out.token_ids)})"}
+                for c in invalid
+            ]
         return AIMessage(
             content=content,
             tool_calls=calls,
@@ -184,8 +220,13 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
             "seed": out.seed,
         }
 
-    def _submitter(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any],
-                   prepared: dict[str, Any]) -> Callable[[Engine], list]:
+    def _submitter(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        kwargs: dict[str, Any],
+        prepared: dict[str, Any],
+    ) -> Callable[[Engine], list]:
         """Render and submit one conversation once the engine is known; tool names land in `prepared`."""
 
         def submit(engine: Engine) -> list:
@@ -261,14 +302,21 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         return ChatGenerationChunk(message=AIMessageChunk(content=text)) if text else None
 
     def _last_chunk(
-        self, text: str, splitter: ToolCallStreamSplitter | None, names: set[str], out: RequestOutput, kwargs: dict[str, Any]
+        self,
+        text: str,
+        splitter: ToolCallStreamSplitter | None,
+        names: set[str],
+        out: RequestOutput,
+        kwargs: dict[str, Any],
     ) -> ChatGenerationChunk:
         call_chunks = []
         if splitter is not None:
             splitter.feed(text)
             text, calls, invalid = splitter.finish(names)
             call_chunks = [
-                tool_call_chunk(name=c["name"], args=json.dumps(c["args"], ensure_ascii=False), id=c["id"], index=i)
+                tool_call_chunk(
+                    name=c["name"], args=json.dumps(c["args"], ensure_ascii=False), id=c["id"], index=i
+                )
                 for i, c in enumerate(calls)
             ] + [
                 tool_call_chunk(name=c["name"], args=c["args"], id=c["id"], index=len(calls) + i)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from minisgl_backend import RequestOutput, StreamDelta
 from pydantic import ConfigDict
 
 from langchain_minisgl._base import (
@@ -18,6 +18,7 @@ from langchain_minisgl._base import (
     stream_sync,
     usage_of,
 )
+from minisgl_backend import RequestOutput, StreamDelta
 
 
 class MiniSGL(MiniSGLParams, BaseLLM):
@@ -104,7 +105,9 @@ class MiniSGL(MiniSGLParams, BaseLLM):
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
-    def _chunk(self, delta: StreamDelta, out: RequestOutput | None, kwargs: dict[str, Any]) -> GenerationChunk:
+    def _chunk(
+        self, delta: StreamDelta, out: RequestOutput | None, kwargs: dict[str, Any]
+    ) -> GenerationChunk:
         if out is None:
             return GenerationChunk(text=delta.text)
         info = {

@@ -44,8 +44,13 @@ ADAPTER_ARGS = {
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
 _DEFAULT_SEED = 1234  # lm-eval's own default seed: sampled generations replay run to run
 _REPO_ROOT = Path(__file__).resolve().parents[2]  # editable/source checkout: configs/ lives here
-_GEN_KWARGS_CAST = {"temperature": "temperature", "max_gen_toks": "max_tokens", "max_new_tokens": "max_tokens",
-                    "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens"}
+_GEN_KWARGS_CAST = {
+    "temperature": "temperature",
+    "max_gen_toks": "max_tokens",
+    "max_new_tokens": "max_tokens",
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",
+}
 _GEN_KWARGS_USED = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k", "min_p", "seed"}
 
 
@@ -183,7 +188,10 @@ class MiniSGLLM(TemplateLM):
         return str(self.tokenizer.name_or_path).replace("/", "__")
 
     def get_model_info(self) -> dict[str, Any]:
-        return {"model_dir": str(self.engine.model_dir), "engine_config": dataclasses.asdict(self.engine.config)}
+        return {
+            "model_dir": str(self.engine.model_dir),
+            "engine_config": dataclasses.asdict(self.engine.config),
+        }
 
     def close(self) -> None:
         self.engine.close()
@@ -196,10 +204,14 @@ class MiniSGLLM(TemplateLM):
             special["add_special_tokens"] = False
         return list(self.tokenizer.encode(string, **special))
 
-    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         def render(history: list[dict[str, str]]) -> str:
             return self.tokenizer.apply_chat_template(
-                history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                history,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
                 continue_final_message=not add_generation_prompt,
             )
 
@@ -214,16 +226,25 @@ class MiniSGLLM(TemplateLM):
             self._warned_truncation = True
             log.warning(
                 "%s of %d tokens exceeds max_length=%d: left-truncated to its last %d tokens "
-                "(warned once; later truncations are silent)", what, original, self.max_length, kept,
+                "(warned once; later truncations are silent)",
+                what,
+                original,
+                self.max_length,
+                kept,
             )
 
-    def _run(self, prompts: list[list[int]], params: list[SamplingParams], disable_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[list[int]], params: list[SamplingParams], disable_tqdm: bool
+    ) -> list[RequestOutput]:
         # One call, all requests: the scheduler packs them into batches as KV space allows.
         return self.engine.generate(prompts, params, use_tqdm=not disable_tqdm)
 
     # ------------------------------------------------------------------ loglikelihood
     def _loglikelihood_tokens(
-        self, requests: list[tuple[tuple[str, str] | None, list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+        self,
+        requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
+        disable_tqdm: bool = False,
+        **kwargs: Any,
     ) -> list[tuple[float, bool]]:
         """Score each continuation in one prefill: the prompt is context + continuation, and the
         engine's prompt logprobs over the continuation give the sum and the greedy check."""
@@ -236,7 +257,9 @@ class MiniSGLLM(TemplateLM):
             if not cont:
                 raise ValueError("lm-eval sent an empty continuation")
             if len(cont) >= keep:
-                raise ValueError(f"a continuation of {len(cont)} tokens does not fit max_length={self.max_length}")
+                raise ValueError(
+                    f"a continuation of {len(cont)} tokens does not fit max_length={self.max_length}"
+                )
             seq = ctx + cont
             if len(seq) > keep:
                 self._warn_truncation("context + continuation", len(seq), keep)
@@ -245,13 +268,15 @@ class MiniSGLLM(TemplateLM):
         keys = list(unique)
         prompts = [list(k[1:]) for k in keys]
         params = [
-            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=len(p) - k[0])
+            SamplingParams(
+                temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=len(p) - k[0]
+            )
             for p, k in zip(prompts, keys)
         ]
         outs = self._run(prompts, params, disable_tqdm)
         scores: list[tuple[float, bool]] = []
         for out, key in zip(outs, keys):
-            lps = out.prompt_logprobs[-key[0]:]  # type: ignore[index]
+            lps = out.prompt_logprobs[-key[0] :]  # type: ignore[index]
             scores.append((float(sum(lp.logprob for lp in lps)), all(lp.rank == 1 for lp in lps)))
         results = [scores[i] for i, _ in spans]
         for (req_key, _, _), res in zip(requests, results):
@@ -268,8 +293,10 @@ class MiniSGLLM(TemplateLM):
             doc = [
                 make_disjoint_window(w)
                 for w in get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1,
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
                 )
             ]
             windows.extend((None, ctx, cont) for ctx, cont in doc)
@@ -319,7 +346,9 @@ class MiniSGLLM(TemplateLM):
             sp, until, max_gen = self._sampling_params(gen_kwargs, eos)
             max_ctx = self.max_length - max_gen  # room for the whole budget, as hf reserves it
             if max_ctx <= 0:
-                raise ValueError(f"max_gen_toks={max_gen} leaves no room for a context in max_length={self.max_length}")
+                raise ValueError(
+                    f"max_gen_toks={max_gen} leaves no room for a context in max_length={self.max_length}"
+                )
             ids = self.tok_encode(context)
             if len(ids) > max_ctx:
                 self._warn_truncation("a generation context", len(ids), max_ctx)

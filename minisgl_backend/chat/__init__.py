@@ -12,10 +12,27 @@ from minisgl_backend.chat.template import (
     template_supports_tools,
     to_template,
 )
-from minisgl_backend.chat.tools import ToolCallStreamSplitter, new_call_id, parse_tool_calls, tool_system_prompt
+from minisgl_backend.chat.tools import (
+    ToolCallStreamSplitter,
+    new_call_id,
+    parse_tool_calls,
+    tool_system_prompt,
+)
 
 __all__ = [
-    "ChatPrompt", "ChatTemplateError", "GrammarError", "GrammarProcessor", "ToolCallStreamSplitter",
-    "forced_tools", "json_grammar", "new_call_id", "parse_tool_calls", "render_chat", "response_schema",
-    "template_supports_tools", "to_template", "tool_call_grammar", "tool_system_prompt",
+    "ChatPrompt",
+    "ChatTemplateError",
+    "GrammarError",
+    "GrammarProcessor",
+    "ToolCallStreamSplitter",
+    "forced_tools",
+    "json_grammar",
+    "new_call_id",
+    "parse_tool_calls",
+    "render_chat",
+    "response_schema",
+    "template_supports_tools",
+    "to_template",
+    "tool_call_grammar",
+    "tool_system_prompt",
 ]

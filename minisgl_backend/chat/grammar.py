@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -24,7 +25,7 @@ _RIGID = {"whitespace_flexible": False}
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
-_tokenizers: "weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer]" = weakref.WeakKeyDictionary()
+_tokenizers: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 _tok_lock = threading.Lock()
 
 
@@ -52,12 +53,14 @@ def tool_call_grammar(tools: Sequence[dict[str, Any]]) -> str:
         if params.get("type") == "object" and "additionalProperties" not in params:
             # Only declared arguments: a small model otherwise invents extra keys until max_tokens.
             params = {**params, "additionalProperties": False}
-        alternatives.append({
-            "type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
+        alternatives.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
     body = json.dumps({**schema, "x-guidance": _RIGID})
     lark = f'start: "{TOOL_CALL_OPEN}\\n" call "\\n{TOOL_CALL_CLOSE}"\ncall: %json {body}'
@@ -95,7 +98,9 @@ class GrammarProcessor:
             self._seen = len(output_ids)
         if self._matcher.is_error():
             raise GrammarError(f"output left the grammar: {self._matcher.get_error()}")
-        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        bits = np.unpackbits(
+            np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
+        )
         allowed = torch.from_numpy(bits[: logits.shape[-1]].astype(bool))
         if allowed.shape[0] < logits.shape[-1]:  # padded model vocab beyond the tokenizer's: never valid
             allowed = torch.cat([allowed, torch.zeros(logits.shape[-1] - allowed.shape[0], dtype=torch.bool)])

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from minisgl_backend.chat.grammar import GrammarProcessor, json_grammar, tool_call_grammar
 from minisgl_backend.chat.tools import call_text, tool_system_prompt
 
-_native_tools: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_native_tools: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 _native_lock = threading.Lock()
 
 
@@ -32,8 +33,17 @@ def template_supports_tools(tokenizer: Any) -> bool:
     with _native_lock:
         if tokenizer not in _native_tools:
             probe = [{"role": "user", "content": "hi"}]
-            tool = {"type": "function", "function": {"name": "probe_tool", "description": "", "parameters": {"type": "object", "properties": {}}}}
-            with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False, add_generation_prompt=True)
+            tool = {
+                "type": "function",
+                "function": {
+                    "name": "probe_tool",
+                    "description": "",
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
+            with_tools = tokenizer.apply_chat_template(
+                probe, tools=[tool], tokenize=False, add_generation_prompt=True
+            )
             _native_tools[tokenizer] = "probe_tool" in with_tools
         return _native_tools[tokenizer]
 
@@ -88,11 +98,21 @@ def to_template(message: dict[str, Any], native: bool) -> dict[str, Any]:
         if not calls:
             return {"role": "assistant", "content": content}
         if native:
-            rendered = [{"type": "function", "id": c.get("id"),
-                         "function": {"name": c["function"]["name"], "arguments": _args_dict(c["function"]["arguments"])}}
-                        for c in calls]
+            rendered = [
+                {
+                    "type": "function",
+                    "id": c.get("id"),
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": _args_dict(c["function"]["arguments"]),
+                    },
+                }
+                for c in calls
+            ]
             return {"role": "assistant", "content": content, "tool_calls": rendered}
-        calls_text = "\n".join(call_text(c["function"]["name"], _args_dict(c["function"]["arguments"])) for c in calls)
+        calls_text = "\n".join(
+            call_text(c["function"]["name"], _args_dict(c["function"]["arguments"])) for c in calls
+        )
         return {"role": "assistant", "content": f"{content}\n{calls_text}" if content else calls_text}
     if role == "tool":
         if native:
@@ -139,7 +159,8 @@ def render_chat(
         schema = response_schema(response_format)
         processors.append(GrammarProcessor(tokenizer, json_grammar(schema)))
         instructions.append(
-            "Reply with a JSON object only" + (f" matching this JSON schema:\n{json.dumps(schema)}" if schema else ".")
+            "Reply with a JSON object only"
+            + (f" matching this JSON schema:\n{json.dumps(schema)}" if schema else ".")
         )
     msgs = [to_template(m, native) for m in messages]
     if instructions:
@@ -148,7 +169,8 @@ def render_chat(
             msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{extra}"}
         else:
             msgs.insert(0, {"role": "system", "content": extra})
-    text = tokenizer.apply_chat_template(msgs, tools=tools if native else None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(
+        msgs, tools=tools if native else None, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     ids = list(tokenizer.encode(text, add_special_tokens=False))  # the template already holds any BOS
     return ChatPrompt(text, ids, processors, {t["function"]["name"] for t in tools})

@@ -14,11 +14,14 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from minisgl_backend.chat.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
-_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.S)
+_BLOCK = re.compile(
+    re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.S
+)
 
 ParsedCall = dict[str, Any]
 
@@ -28,13 +31,15 @@ def tool_system_prompt(tools: Sequence[dict[str, Any]], forced: str | None) -> s
     must = (
         f"You must call the tool `{forced}` now."
         if forced and forced != "any"
-        else "You must call one of the tools now." if forced else
-        "Call a tool only when it helps; otherwise answer directly."
+        else "You must call one of the tools now."
+        if forced
+        else "Call a tool only when it helps; otherwise answer directly."
     )
     return (
         "You can call these tools:\n<tools>\n" + specs + "\n</tools>\n"
         "To call a tool, reply with exactly:\n"
-        f'{TOOL_CALL_OPEN}\n{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}\n{TOOL_CALL_CLOSE}\n'
+        f'{TOOL_CALL_OPEN}\n{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}\n'
+        f"{TOOL_CALL_CLOSE}\n"
         "A tool's result comes back inside <tool_response></tool_response>; use it to answer the user. "
         + must
     )
@@ -46,7 +51,8 @@ def new_call_id() -> str:
 
 def call_text(name: str, args: Any) -> str:
     """One call written in the tagged protocol (how earlier calls are shown to the model)."""
-    return f'{TOOL_CALL_OPEN}\n{json.dumps({"name": name, "arguments": args}, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}'
+    call = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"
 
 
 def _parse_one(body: str, calls: list[ParsedCall], invalid: list[ParsedCall]) -> None:
@@ -59,7 +65,9 @@ def _parse_one(body: str, calls: list[ParsedCall], invalid: list[ParsedCall]) ->
         if not isinstance(name, str) or not isinstance(args, dict):
             raise TypeError("'name' must be a string and 'arguments' an object")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        invalid.append({"name": None, "args": body, "id": new_call_id(), "error": f"unparseable tool call: {e}"})
+        invalid.append(
+            {"name": None, "args": body, "id": new_call_id(), "error": f"unparseable tool call: {e}"}
+        )
         return
     calls.append({"name": name, "args": args, "id": new_call_id()})
 

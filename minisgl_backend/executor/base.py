@@ -20,8 +20,9 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,21 +41,37 @@ STOP = None
 
 def index_tensors(inp: IterationInputs, input_ids: torch.Tensor) -> list[torch.Tensor | None]:
     """Every tensor of one iteration that the forward reads, in a fixed order (see forward_batch)."""
-    return [input_ids, inp.positions, inp.slot_mapping, inp.decode_block_tables, inp.decode_mask,
-            inp.logits_index, *(row.block_table for row in inp.prefill_rows)]
+    return [
+        input_ids,
+        inp.positions,
+        inp.slot_mapping,
+        inp.decode_block_tables,
+        inp.decode_mask,
+        inp.logits_index,
+        *(row.block_table for row in inp.prefill_rows),
+    ]
 
 
 def forward_batch(inp: IterationInputs, tensors: Sequence[torch.Tensor | None]) -> ForwardBatch:
     """The ForwardBatch of `inp` over `tensors` laid out as by index_tensors (on any device)."""
     ids, positions, slots, tables, mask, logits_index, *row_tables = tensors
     rows = tuple(PrefillRow(r.start, r.length, r.ctx_len, t) for r, t in zip(inp.prefill_rows, row_tables))
-    return ForwardBatch(input_ids=ids, positions=positions, slot_mapping=slots, num_decode=inp.num_decode,
-                        decode_block_tables=tables, decode_mask=mask, prefill_rows=rows, logits_index=logits_index)
+    return ForwardBatch(
+        input_ids=ids,
+        positions=positions,
+        slot_mapping=slots,
+        num_decode=inp.num_decode,
+        decode_block_tables=tables,
+        decode_mask=mask,
+        prefill_rows=rows,
+        logits_index=logits_index,
+    )
 
 
 class DualWorkerExecutor:
-    def __init__(self, tracker: InflightTracker, metrics: Metrics, tracer: Tracer, *,
-                 debug_delay_ms: float = 0.0) -> None:
+    def __init__(
+        self, tracker: InflightTracker, metrics: Metrics, tracer: Tracer, *, debug_delay_ms: float = 0.0
+    ) -> None:
         self.tracker = tracker
         self.metrics = metrics
         self.tracer = tracer

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -28,7 +28,9 @@ class CPUExecutor(DualWorkerExecutor):
     def _launch(self, inp: IterationInputs, input_ids: torch.Tensor) -> None:
         t0 = time.perf_counter()
         # S16: only the rows that sample or score leave the model, as float32 on the host.
-        logits = self.model(forward_batch(inp, index_tensors(inp, input_ids)), self.kv).to(torch.float32).numpy()
+        logits = (
+            self.model(forward_batch(inp, index_tensors(inp, input_ids)), self.kv).to(torch.float32).numpy()
+        )
         t1 = time.perf_counter()
         self.metrics.add("forward_s", t1 - t0)
         self.tracer.span("compute", f"forward {inp.iteration}", t0, t1)

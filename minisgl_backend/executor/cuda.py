@@ -23,7 +23,7 @@ the previous iteration's sampling before it stages its input ids. Prompt-only ba
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -39,8 +39,16 @@ from minisgl_backend.model.llama import CausalLM
 
 
 class CUDAExecutor(DualWorkerExecutor):
-    def __init__(self, device: torch.device, tracker: InflightTracker, copied: InflightTracker,
-                 metrics: Metrics, tracer: Tracer, *, debug_delay_ms: float = 0.0) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        tracker: InflightTracker,
+        copied: InflightTracker,
+        metrics: Metrics,
+        tracer: Tracer,
+        *,
+        debug_delay_ms: float = 0.0,
+    ) -> None:
         """`copied` is a tracker of its own: the copy stream's host callback reports there that an
         iteration's logits reached the host. It holds at most `tracker.max_inflight` iterations."""
         self.device = device
@@ -50,7 +58,9 @@ class CUDAExecutor(DualWorkerExecutor):
         # Slots are held from launch to completion and at most max_inflight iterations are in flight,
         # so this many slots never make the compute worker wait in steady state.
         self._ring = StagingRing(tracker.max_inflight, pin=True)
-        self._pending: dict[int, tuple[IterationInputs, torch.Tensor, torch.cuda.Event, torch.cuda.Event]] = {}
+        self._pending: dict[
+            int, tuple[IterationInputs, torch.Tensor, torch.cuda.Event, torch.cuda.Event]
+        ] = {}
         self._stopping = False
         self._clock: tuple[torch.cuda.Event, float] | None = None
         super().__init__(tracker, metrics, tracer, debug_delay_ms=debug_delay_ms)

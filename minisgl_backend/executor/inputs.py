@@ -71,8 +71,17 @@ def build_inputs(batch: Batch, block_size: int) -> IterationInputs:
 
     def add_sample(token_index: int, row) -> None:
         req = row.req
-        samples.append(SampleSpec(len(logits_index), id(req), req.row, row.start + row.length,
-                                  len(req.prompt_ids), req.params, req.seed))
+        samples.append(
+            SampleSpec(
+                len(logits_index),
+                id(req),
+                req.row,
+                row.start + row.length,
+                len(req.prompt_ids),
+                req.params,
+                req.seed,
+            )
+        )
         logits_index.append(token_index)
 
     ctx = [row.start + 1 for row in batch.decode]
@@ -101,8 +110,11 @@ def build_inputs(batch: Batch, block_size: int) -> IterationInputs:
         prefill.append(PrefillRow(base, n, end, torch.tensor(req.block_table[: -(-end // bs)])))
         for p in range(s, end):
             if req.needs_prompt_logprob(p + 1):
-                scores.append(ScoreSpec(len(logits_index), id(req), p + 1, req.prompt_ids[p + 1],
-                                        req.params.prompt_logprobs))
+                scores.append(
+                    ScoreSpec(
+                        len(logits_index), id(req), p + 1, req.prompt_ids[p + 1], req.params.prompt_logprobs
+                    )
+                )
                 logits_index.append(base + p - s)
         if row.samples:
             add_sample(base + n - 1, row)

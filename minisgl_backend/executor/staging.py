@@ -12,7 +12,7 @@ D2H) that every copy of the slot is done and after it sampled out of the logits 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -37,7 +37,9 @@ class StagingSlot:
             buf = self._bufs[(name, dtype)] = torch.empty(size, dtype=dtype, pin_memory=self._pin)
         return buf[:numel]
 
-    def upload(self, tensors: Sequence[torch.Tensor | None], device: torch.device) -> list[torch.Tensor | None]:
+    def upload(
+        self, tensors: Sequence[torch.Tensor | None], device: torch.device
+    ) -> list[torch.Tensor | None]:
         """Pack host tensors into this slot's pinned buffers (one per dtype) and copy each buffer to
         `device` with one non-blocking copy on the current stream; returns device views in input order.
         Few large copies instead of many tiny ones: each copy costs ~10 µs of launch (S10)."""

@@ -37,7 +37,8 @@ class TokenTable:
         if late.any():
             i = int(np.argmax(late))
             raise InvariantError(
-                f"S6 violated: row {r[i]} position {p[i]} read before its token was written (ready={self.ready[r[i]]})"
+                f"S6 violated: row {r[i]} position {p[i]} read before its token was written "
+                f"(ready={self.ready[r[i]]})"
             )
         return torch.from_numpy(self.ids[r, p])
 

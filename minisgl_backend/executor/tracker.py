@@ -66,7 +66,9 @@ class PyInflightTracker:
     def complete(self, iteration_id: int) -> None:
         with self._cond:
             if self._inflight <= 0:  # more completions than begins: a caller bug, never a negative count
-                raise RuntimeError(f"InflightTracker.complete({int(iteration_id)}): no iteration is in flight")
+                raise RuntimeError(
+                    f"InflightTracker.complete({int(iteration_id)}): no iteration is in flight"
+                )
             self._inflight -= 1
             self._done.append(int(iteration_id))
             self._cond.notify_all()
@@ -76,7 +78,9 @@ class PyInflightTracker:
             raise ValueError("timeout_s must be a number")
         with self._cond:
             if timeout_s > 0:
-                self._cond.wait_for(lambda: bool(self._done) or self._woken, min(timeout_s, threading.TIMEOUT_MAX))
+                self._cond.wait_for(
+                    lambda: bool(self._done) or self._woken, min(timeout_s, threading.TIMEOUT_MAX)
+                )
             self._woken = False
             out, self._done = self._done, []
         return out

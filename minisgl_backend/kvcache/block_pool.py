@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 from minisgl_backend.kvcache.reclaim import FencedReclaim
 

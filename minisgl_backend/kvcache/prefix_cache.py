@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 from minisgl_backend.kvcache.block_pool import BlockPool
 
@@ -25,7 +25,7 @@ def prefix_hashes(tokens: Sequence[int], block_size: int, num_blocks: int) -> li
     with block i (cheap to compare, unlike the prefix itself)."""
     h, out = 0, []
     for i in range(num_blocks):
-        h = hash((h, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        h = hash((h, tuple(tokens[i * block_size : (i + 1) * block_size])))
         out.append(h)
     return out
 
@@ -33,7 +33,7 @@ def prefix_hashes(tokens: Sequence[int], block_size: int, num_blocks: int) -> li
 class _Node:
     __slots__ = ("key", "block", "parent", "children", "last_used")
 
-    def __init__(self, key: tuple[int, ...], block: int, parent: "_Node | None") -> None:
+    def __init__(self, key: tuple[int, ...], block: int, parent: _Node | None) -> None:
         self.key = key
         self.block = block
         self.parent = parent
@@ -53,7 +53,7 @@ class PrefixCache:
     def _keys(self, tokens: Sequence[int], num_blocks: int):
         bs = self.block_size
         for i in range(num_blocks):
-            yield tuple(tokens[i * bs:(i + 1) * bs])
+            yield tuple(tokens[i * bs : (i + 1) * bs])
 
     def match(self, tokens: Sequence[int], max_blocks: int) -> list[int]:
         """Blocks holding the longest cached prefix of `tokens`, at most `max_blocks` of them.

@@ -9,7 +9,8 @@ order). "Better waste one iteration of memory than let reclamation cross a sync 
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Generic, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 

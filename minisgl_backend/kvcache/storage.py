@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -37,4 +39,6 @@ class KVCache:
         """K/V of whole blocks: block_tables [..., nb] -> [..., nb * block_size, kv_heads, head_dim]."""
         flat = block_tables.reshape(-1)
         shape = (*block_tables.shape[:-1], -1, *self.k[layer].shape[-2:])
-        return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
+        return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(
+            shape
+        )

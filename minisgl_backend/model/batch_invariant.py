@@ -72,10 +72,10 @@ class TiledLinear(nn.Linear):
         out, i = [], 0
         for t in self.tiles:
             while m - i >= t and t != ROW_TILE:
-                out.append(F.linear(x[i:i + t], self.weight, self.bias))
+                out.append(F.linear(x[i : i + t], self.weight, self.bias))
                 i += t
         while i < m:
-            part = x[i:i + ROW_TILE]
+            part = x[i : i + ROW_TILE]
             n = part.shape[0]
             if n < ROW_TILE:
                 part = torch.cat([part, part.new_zeros(ROW_TILE - n, *part.shape[1:])])
@@ -101,15 +101,16 @@ def tiles_for(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...
         agree = True
         for at in (0, t // 3, t - ROW_TILE):  # aligned, misaligned and last: kernel tails differ
             x = rand(t)
-            x[at:at + ROW_TILE] = probe
-            agree = agree and torch.equal(F.linear(x, weight, bias)[at:at + ROW_TILE], ref)
+            x[at : at + ROW_TILE] = probe
+            agree = agree and torch.equal(F.linear(x, weight, bias)[at : at + ROW_TILE], ref)
         if agree:
             ok.append(t)
     return tuple(sorted(ok, reverse=True))
 
 
-def context(kv: KVCache, layer: int, block_tables: torch.Tensor, length: int,
-            scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
+def context(
+    kv: KVCache, layer: int, block_tables: torch.Tensor, length: int, scratch: Scratch
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K/V of `length` keys per sequence through block_tables [B, nb], as [B, kvh, W, d] with
     W = `length` rounded up to whole splits. Keys past a sequence's own length are masked by
     position in `attend`; they hold whatever finite values their block (or block 0, which pads
@@ -132,8 +133,15 @@ def context(kv: KVCache, layer: int, block_tables: torch.Tensor, length: int,
     return out[0], out[1]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-           window: int | None = None, cap: float | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    cap: float | None = None,
+) -> torch.Tensor:
     """Causal attention with bits that depend only on each query's own context.
 
     q [B, M, h, d]; k, v [B, kvh, W, d] from `context` (key j is absolute position j; keys past a
@@ -174,7 +182,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     # split is one fixed-shape product and one fixed-length sum.
     probs = probs.view(bsz, kvh, r, splits, KV_SPLIT).transpose(2, 3).contiguous()
     den_parts = probs.sum(-1)  # [B, kvh, splits, R]
-    num_parts = torch.matmul(probs.to(v.dtype), v.view(bsz, kvh, splits, KV_SPLIT, d)).float()  # [B,kvh,splits,R,d]
+    num_parts = torch.matmul(
+        probs.to(v.dtype), v.view(bsz, kvh, splits, KV_SPLIT, d)
+    ).float()  # [B,kvh,splits,R,d]
     num, den = num_parts[:, :, 0], den_parts[:, :, 0]
     for s in range(1, splits):  # sequential combine in key order: padding splits add exact zeros
         num = num + num_parts[:, :, s]
@@ -192,8 +202,15 @@ class BatchInvariantForward:
         # Rotary (so the same variant) as the default path.
         self.tables = [rotary(positions, torch.float32) for rotary in model.model.rotary]
 
-    def _attention(self, attn: Attention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   batch: ForwardBatch, kv: KVCache, scratch: Scratch) -> torch.Tensor:
+    def _attention(
+        self,
+        attn: Attention,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        kv: KVCache,
+        scratch: Scratch,
+    ) -> torch.Tensor:
         n = batch.input_ids.shape[0]
         q, k, v = attn.qkv(x, rope, n)
         kv.write(attn.layer_id, batch.slot_mapping, k, v)
@@ -214,7 +231,9 @@ class BatchInvariantForward:
     def forward(self, model: CausalLM, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Same contract as CausalLM.forward: logits [len(batch.logits_index), vocab], model dtype."""
         x = model.embed(batch.input_ids)
-        ropes = [(cos[batch.positions].to(x.dtype), sin[batch.positions].to(x.dtype)) for cos, sin in self.tables]
+        ropes = [
+            (cos[batch.positions].to(x.dtype), sin[batch.positions].to(x.dtype)) for cos, sin in self.tables
+        ]
         scratch: Scratch = {}
 
         def attend_layer(attn: Attention, h: torch.Tensor) -> torch.Tensor:

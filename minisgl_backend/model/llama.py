@@ -11,7 +11,8 @@ qkv bias, attention scale and logit soft-capping, and the Gemma block (`ModelSpe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,8 +68,9 @@ class ForwardBatch(NamedTuple):
     logits_index: torch.Tensor  # [M] token rows whose next-token logits are wanted
 
 
-def decode_window(batch: ForwardBatch, window: int | None, block_size: int
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def decode_window(
+    batch: ForwardBatch, window: int | None, block_size: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(block tables, mask) the decode rows attend through. In a sliding-window layer only the
     blocks that hold a row's last `window` keys are gathered, and the mask keeps keys at positions
     p - window < j <= p (p: the row's position); otherwise batch.decode_block_tables / decode_mask."""
@@ -135,11 +137,13 @@ class ModelSpec(NamedTuple):
         return 1 if self.local_rope is not None and self.sliding_layers and self.sliding_layers[layer] else 0
 
     @classmethod
-    def from_hf_config(cls, cfg) -> "ModelSpec":
+    def from_hf_config(cls, cfg) -> ModelSpec:
         model_type = getattr(cfg, "model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"unsupported model_type {model_type!r} in config.json "
-                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ConfigError(
+                f"unsupported model_type {model_type!r} in config.json "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         gemma = model_type in ("gemma2", "gemma3_text")
         if getattr(cfg, "use_bidirectional_attention", False):
@@ -148,8 +152,9 @@ class ModelSpec(NamedTuple):
         layer_types = tuple(getattr(cfg, "layer_types", None) or ())
         unknown = set(layer_types) - {"full_attention", "sliding_attention"}
         if unknown:
-            raise ValueError(f"unsupported layer_types {sorted(unknown)} "
-                             "(supported: full_attention, sliding_attention)")
+            raise ValueError(
+                f"unsupported layer_types {sorted(unknown)} (supported: full_attention, sliding_attention)"
+            )
         sliding = tuple(t == "sliding_attention" for t in layer_types)
         if sliding and not any(sliding):
             window = None
@@ -194,9 +199,13 @@ def _rope_specs(cfg, head_dim: int) -> tuple[RopeSpec, RopeSpec | None]:
 
     def spec(p: dict) -> RopeSpec:
         p = {"rope_theta": getattr(cfg, "rope_theta", None) or 10000.0, **p}
-        return RopeSpec.from_hf(p, head_dim, cfg.max_position_embeddings,
-                                getattr(cfg, "original_max_position_embeddings", None),
-                                getattr(cfg, "partial_rotary_factor", None) or 1.0)
+        return RopeSpec.from_hf(
+            p,
+            head_dim,
+            cfg.max_position_embeddings,
+            getattr(cfg, "original_max_position_embeddings", None),
+            getattr(cfg, "partial_rotary_factor", None) or 1.0,
+        )
 
     if isinstance(params.get("full_attention"), dict):
         local = params.get("sliding_attention")
@@ -234,8 +243,14 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float, cap: float | None) -> torch.Tensor:
+def eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    cap: float | None,
+) -> torch.Tensor:
     """SDPA with soft-capped scores (which SDPA cannot do), as transformers' eager attention:
     q [1, h, L, d], k/v [1, kvh, S, d], mask [L, S] bool or None (causal)."""
     group = q.shape[1] // k.shape[1]
@@ -266,8 +281,9 @@ class Attention(nn.Module):
             self.k_norm = _norm(spec, self.d)
         self.qk_norm = spec.qk_norm
 
-    def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], n: int
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projections of the first n rows of x (the rest is row padding), normed and rotated."""
         q = self.q_proj(x)[:n].view(n, self.h, self.d)
         k = self.k_proj(x)[:n].view(n, self.kvh, self.d)
@@ -277,9 +293,15 @@ class Attention(nn.Module):
         cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, kv: KVCache,
-                masks: list[torch.Tensor | None],
-                decode: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        kv: KVCache,
+        masks: list[torch.Tensor | None],
+        decode: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
         """masks: chunk_mask(row, self.window) per prefill row; decode: decode_window(batch,
         self.window, block_size) (None: the batch's decode block tables and mask)."""
         n = x.shape[0]
@@ -301,15 +323,17 @@ class Attention(nn.Module):
                 kr, vr = kr[: row.ctx_len], vr[: row.ctx_len]
             kr, vr = kr.transpose(0, 1)[None], vr.transpose(0, 1)[None]
             if self.softcap is None:
-                o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, is_causal=mask is None,
-                                                   scale=self.sdpa_scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    qr, kr, vr, attn_mask=mask, is_causal=mask is None, scale=self.sdpa_scale, enable_gqa=True
+                )
             else:
                 o = eager_attention(qr, kr, vr, mask, self.scale, self.softcap)
             out[s:e] = o[0].transpose(0, 1)
         return self.o_proj(out.reshape(n, self.h * self.d))
 
-    def _decode_attention(self, q: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, kv: KVCache
-                          ) -> torch.Tensor:
+    def _decode_attention(
+        self, q: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, kv: KVCache
+    ) -> torch.Tensor:
         """All decode rows at once: each row's context gathered through its block table, padded, masked.
 
         Plain batched matmuls grouped by KV head: for one query token per row this is several times
@@ -318,7 +342,9 @@ class Attention(nn.Module):
         bsz, group = q.shape[0], self.h // self.kvh
         kc, vc = kv.gather(self.layer_id, tables)  # [B, L, kvh, d]
         qg = q.view(bsz, self.kvh, group, self.d)
-        scores = softcap(torch.matmul(qg, kc.permute(0, 2, 3, 1)) * self.scale, self.softcap)  # [B, kvh, group, L]
+        scores = softcap(
+            torch.matmul(qg, kc.permute(0, 2, 3, 1)) * self.scale, self.softcap
+        )  # [B, kvh, group, L]
         scores = scores.float().masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         return torch.matmul(probs, vc.transpose(1, 2)).view(bsz, self.h, self.d)
@@ -383,7 +409,7 @@ class CausalLM(nn.Module):
         self.model = Decoder(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         # Set by model.batch_invariant.enable(): the deterministic forward pass (None = default path).
-        self.batch_invariant: "BatchInvariantForward | None" = None
+        self.batch_invariant: BatchInvariantForward | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -411,7 +437,10 @@ class CausalLM(nn.Module):
         # Masks are built once per window size and shared by every layer with that window.
         masks = {}
         for w in {layer.self_attn.window for layer in m.layers}:
-            masks[w] = ([chunk_mask(row, w) for row in batch.prefill_rows], decode_window(batch, w, kv.block_size))
+            masks[w] = (
+                [chunk_mask(row, w) for row in batch.prefill_rows],
+                decode_window(batch, w, kv.block_size),
+            )
 
         def attend(attn: Attention, h: torch.Tensor) -> torch.Tensor:
             return attn(h, ropes[attn.rope_index], batch, kv, *masks[attn.window])
@@ -433,4 +462,6 @@ class CausalLM(nn.Module):
         missing, unexpected = self.load_state_dict(state, strict=False)
         missing = [k for k in missing if not (self.spec.tie_word_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
-            raise ValueError(f"checkpoint does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+            raise ValueError(
+                f"checkpoint does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}"
+            )

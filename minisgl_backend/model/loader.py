@@ -62,8 +62,10 @@ def _convert_gguf(gguf: Path) -> Path:
     except (ImportError, MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - truncated / corrupt / unsupported GGUF
-        raise ModelLoadError(f"cannot load GGUF file {gguf}: {type(e).__name__}: {e} "
-                             "(is the file complete and a supported architecture?)") from e
+        raise ModelLoadError(
+            f"cannot load GGUF file {gguf}: {type(e).__name__}: {e} "
+            "(is the file complete and a supported architecture?)"
+        ) from e
     # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -109,8 +111,9 @@ def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         except (MemoryError, KeyboardInterrupt):
             raise
         except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
-            raise ModelLoadError(f"cannot read weights file {f}: {type(e).__name__}: {e} "
-                                 "(corrupt or truncated safetensors?)") from e
+            raise ModelLoadError(
+                f"cannot read weights file {f}: {type(e).__name__}: {e} (corrupt or truncated safetensors?)"
+            ) from e
     return state
 
 
@@ -130,8 +133,16 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
         spec = ModelSpec.from_hf_config(hf_config)
     except MiniSGLError:
         raise
-    except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:  # bad JSON, unknown model_type, ...
-        raise ConfigError(f"{model_dir / 'config.json'} is not a usable model config: {type(e).__name__}: {e}") from e
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        OSError,
+    ) as e:  # bad JSON, unknown model_type, ...
+        raise ConfigError(
+            f"{model_dir / 'config.json'} is not a usable model config: {type(e).__name__}: {e}"
+        ) from e
     with torch.device("meta"):
         model = CausalLM(spec)
     model = model.to_empty(device=device)
@@ -149,7 +160,9 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
     except (ImportError, MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - missing or corrupt tokenizer files
-        raise ModelLoadError(f"cannot load the tokenizer files in {model_dir}: {type(e).__name__}: {e}") from e
+        raise ModelLoadError(
+            f"cannot load the tokenizer files in {model_dir}: {type(e).__name__}: {e}"
+        ) from e
     return LoadedModel(model, tokenizer, model_dir, _eos_ids(model_dir, hf_config, tokenizer))
 
 

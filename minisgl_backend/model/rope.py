@@ -22,8 +22,14 @@ import torch
 from torch import nn
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
-_REQUIRED = {"default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": (),
-             "longrope": ("short_factor", "long_factor"), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+_REQUIRED = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": (),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
 
 
 class RopeSpec(NamedTuple):
@@ -48,9 +54,14 @@ class RopeSpec(NamedTuple):
     long_factor: tuple[float, ...] | None = None  # longrope
 
     @classmethod
-    def from_hf(cls, params: dict, head_dim: int, max_position_embeddings: int,
-                original_max_position_embeddings: int | None = None,
-                partial_rotary_factor: float = 1.0) -> "RopeSpec":
+    def from_hf(
+        cls,
+        params: dict,
+        head_dim: int,
+        max_position_embeddings: int,
+        original_max_position_embeddings: int | None = None,
+        partial_rotary_factor: float = 1.0,
+    ) -> RopeSpec:
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
@@ -65,14 +76,25 @@ class RopeSpec(NamedTuple):
             raise ValueError(f"rope_type {rope_type!r} needs {', '.join(missing)} in rope_parameters")
         for k in ("short_factor", "long_factor") if rope_type == "longrope" else ():
             if len(get(k)) != dim // 2:
-                raise ValueError(f"longrope {k} has {len(get(k))} entries, expected rotary dim / 2 = {dim // 2}")
+                raise ValueError(
+                    f"longrope {k} has {len(get(k))} entries, expected rotary dim / 2 = {dim // 2}"
+                )
         return cls(
-            head_dim=head_dim, theta=float(get("rope_theta", 10000.0)), rope_type=rope_type,
-            rotary_dim=None if dim == head_dim else dim, factor=get("factor"),
-            max_position_embeddings=max_position_embeddings, original_max_position_embeddings=orig,
-            low_freq_factor=get("low_freq_factor"), high_freq_factor=get("high_freq_factor"),
-            attention_factor=get("attention_factor"), beta_fast=get("beta_fast"), beta_slow=get("beta_slow"),
-            mscale=get("mscale"), mscale_all_dim=get("mscale_all_dim"), truncate=get("truncate", True),
+            head_dim=head_dim,
+            theta=float(get("rope_theta", 10000.0)),
+            rope_type=rope_type,
+            rotary_dim=None if dim == head_dim else dim,
+            factor=get("factor"),
+            max_position_embeddings=max_position_embeddings,
+            original_max_position_embeddings=orig,
+            low_freq_factor=get("low_freq_factor"),
+            high_freq_factor=get("high_freq_factor"),
+            attention_factor=get("attention_factor"),
+            beta_fast=get("beta_fast"),
+            beta_slow=get("beta_slow"),
+            mscale=get("mscale"),
+            mscale_all_dim=get("mscale_all_dim"),
+            truncate=get("truncate", True),
             short_factor=tuple(get("short_factor")) if get("short_factor") else None,
             long_factor=tuple(get("long_factor")) if get("long_factor") else None,
         )
@@ -194,7 +216,9 @@ class Rotary(nn.Module):
         if spec.rope_type == "dynamic":
             mpe = spec.max_position_embeddings
             seq_len = torch.clamp(positions + 1, min=mpe).float()
-            base = spec.theta * ((spec.factor * seq_len / mpe) - (spec.factor - 1)) ** (spec.dim / (spec.dim - 2))
+            base = spec.theta * ((spec.factor * seq_len / mpe) - (spec.factor - 1)) ** (
+                spec.dim / (spec.dim - 2)
+            )
             exps = _exponents(spec.dim).to(positions.device)
             return 1.0 / (base[:, None] ** exps[None, :])
         return self.inv_freq[None, :].expand(n, -1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class IncrementalDetokenizer:
@@ -26,7 +26,8 @@ class IncrementalDetokenizer:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def append(self, ids: Sequence[int]) -> bool:
-        """Account for new tokens at the end of `ids` (all output ids). True if a stop string ended the text."""
+        """Account for new tokens at the end of `ids` (all output ids).
+        True if a stop string ended the text."""
         before = self._decode(ids[self._prefix : self._read])
         after = self._decode(ids[self._prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):

@@ -12,7 +12,8 @@ and releases the GIL inside its loops.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,8 +34,10 @@ def _mix64(h: np.ndarray) -> np.ndarray:
 def hash_uniform(seeds: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
     """Uniform (0, 1) float64 noise per (seeds[r], positions[r], token_ids[r, c]); a pure function."""
     with np.errstate(over="ignore"):
-        row = _mix64(_mix64(seeds.astype(np.uint64) ^ np.uint64(0x9E3779B97F4A7C15))
-                     + positions.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03))
+        row = _mix64(
+            _mix64(seeds.astype(np.uint64) ^ np.uint64(0x9E3779B97F4A7C15))
+            + positions.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03)
+        )
         h = _mix64(row[:, None] ^ (token_ids.astype(np.uint64) * np.uint64(0xA24BAED4963EE407)))
     return ((h >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
 
@@ -53,21 +56,28 @@ def _name(fn: object) -> str:
 def _processed_row(fn: object, row: object, vocab: int) -> np.ndarray:
     """A processor's returned row as float32 numpy, or RequestFailedError saying what is wrong."""
     if not isinstance(row, torch.Tensor):
-        raise RequestFailedError(f"logits processor {_name(fn)} returned {type(row).__name__}, "
-                                 f"expected a float torch.Tensor of shape [{vocab}]")
+        raise RequestFailedError(
+            f"logits processor {_name(fn)} returned {type(row).__name__}, "
+            f"expected a float torch.Tensor of shape [{vocab}]"
+        )
     if tuple(row.shape) != (vocab,):
-        raise RequestFailedError(f"logits processor {_name(fn)} returned a tensor of shape "
-                                 f"{list(row.shape)}, expected [{vocab}]")
+        raise RequestFailedError(
+            f"logits processor {_name(fn)} returned a tensor of shape {list(row.shape)}, expected [{vocab}]"
+        )
     if row.dtype not in (torch.float16, torch.float32, torch.float64):
-        raise RequestFailedError(f"logits processor {_name(fn)} returned dtype {row.dtype}, "
-                                 "expected float16, float32 or float64")
+        raise RequestFailedError(
+            f"logits processor {_name(fn)} returned dtype {row.dtype}, expected float16, float32 or float64"
+        )
     out = row.detach().cpu().numpy().astype(np.float32, copy=False)
     if np.isnan(out).any() or np.isposinf(out).any():
-        raise RequestFailedError(f"logits processor {_name(fn)} returned NaN or +inf logits "
-                                 "(mask tokens with -inf, keep the others finite)")
+        raise RequestFailedError(
+            f"logits processor {_name(fn)} returned NaN or +inf logits "
+            "(mask tokens with -inf, keep the others finite)"
+        )
     if np.isneginf(out).all():
-        raise RequestFailedError(f"logits processor {_name(fn)} masked every token (all -inf): "
-                                 "nothing left to draw")
+        raise RequestFailedError(
+            f"logits processor {_name(fn)} masked every token (all -inf): nothing left to draw"
+        )
     return out
 
 
@@ -79,7 +89,9 @@ def _failure(what: str, e: BaseException) -> RequestFailedError:
     return err
 
 
-def apply_processors(logits: np.ndarray, rows: Sequence[SampleRow]) -> tuple[np.ndarray, dict[int, Exception]]:
+def apply_processors(
+    logits: np.ndarray, rows: Sequence[SampleRow]
+) -> tuple[np.ndarray, dict[int, Exception]]:
     """Run each row's logits processors (on torch views of the rows, per the public contract).
     A failing row — the processor raised anything (BaseException included: it is user code on an
     engine thread) or returned an unusable row — is reported by index as a RequestFailedError
@@ -102,8 +114,9 @@ def apply_processors(logits: np.ndarray, rows: Sequence[SampleRow]) -> tuple[np.
     return logits, errors
 
 
-def sample(logits: np.ndarray, rows: Sequence[SampleRow],
-           errors: dict[int, Exception] | None = None) -> list[int]:
+def sample(
+    logits: np.ndarray, rows: Sequence[SampleRow], errors: dict[int, Exception] | None = None
+) -> list[int]:
     """Draw one token per row from float32 logits [R, V] (already processed). A row whose draw
     fails (e.g. no candidate token) gets its argmax as a placeholder and an entry in `errors`
     (raised instead when `errors` is None)."""
@@ -137,7 +150,8 @@ def _draw(logits: np.ndarray, row: SampleRow) -> int:
     if ids.size == 0 or not np.isfinite(vals).any():
         raise RequestFailedError(
             f"no token to draw at position {row.position}: the filters (temperature={p.temperature}, "
-            f"top_k={p.top_k}, top_p={p.top_p}, min_p={p.min_p}) left no candidate with a finite logit")
+            f"top_k={p.top_k}, top_p={p.top_p}, min_p={p.min_p}) left no candidate with a finite logit"
+        )
     u = hash_uniform(np.array([row.seed]), np.array([row.position]), ids[None, :])[0]
     return int(ids[np.argmax(vals - np.log(-np.log(u)))])
 

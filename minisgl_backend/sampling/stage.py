@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import numpy as np
 
@@ -24,8 +25,14 @@ def _group(items: Iterable[T], key: Callable[[T], int]) -> dict[int, list[T]]:
     return groups
 
 
-def _scored(items: list[T], key: Callable[[T], int], score: Callable[[list[T], int], list[TokenLogprob]],
-            req_key: Callable[[T], int], errors: dict[int, Exception], what: str) -> list[tuple[T, TokenLogprob]]:
+def _scored(
+    items: list[T],
+    key: Callable[[T], int],
+    score: Callable[[list[T], int], list[TokenLogprob]],
+    req_key: Callable[[T], int],
+    errors: dict[int, Exception],
+    what: str,
+) -> list[tuple[T, TokenLogprob]]:
     """Score `items` grouped by their number of alternatives; a group that fails is retried row by
     row so that only the failing requests get an entry in `errors`."""
     out: list[tuple[T, TokenLogprob]] = []
@@ -59,8 +66,12 @@ def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable
     specs = inp.samples
     if specs:
         rows = [
-            SampleRow(s.params, s.seed, s.position,
-                      table.history(s.token_row, s.prompt_len, s.position) if s.params.logits_processors else ())
+            SampleRow(
+                s.params,
+                s.seed,
+                s.position,
+                table.history(s.token_row, s.prompt_len, s.position) if s.params.logits_processors else (),
+            )
             for s in specs
         ]
         processed, failed = apply_processors(logits[[s.logits_row for s in specs]], rows)
@@ -70,13 +81,27 @@ def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable
         for s, tok in zip(specs, tokens):
             if s.req_key not in errors:
                 sampled[s.req_key] = tok
-        want = [(s, tok) for s, tok in zip(specs, tokens) if s.params.logprobs is not None and s.req_key not in errors]
-        scored = _scored(want, lambda w: w[0].params.logprobs,
-                         lambda g, k: token_logprobs(logits[[s.logits_row for s, _ in g]], [t for _, t in g], k),
-                         lambda w: w[0].req_key, errors, "logprobs")
+        want = [
+            (s, tok)
+            for s, tok in zip(specs, tokens)
+            if s.params.logprobs is not None and s.req_key not in errors
+        ]
+        scored = _scored(
+            want,
+            lambda w: w[0].params.logprobs,
+            lambda g, k: token_logprobs(logits[[s.logits_row for s, _ in g]], [t for _, t in g], k),
+            lambda w: w[0].req_key,
+            errors,
+            "logprobs",
+        )
         logprobs.update((s.req_key, lp) for (s, _), lp in scored)
-    scores = _scored(list(inp.scores), lambda s: s.num_top,
-                     lambda g, k: token_logprobs(logits[[s.logits_row for s in g]], [s.token_id for s in g], k),
-                     lambda s: s.req_key, errors, "prompt logprobs")
+    scores = _scored(
+        list(inp.scores),
+        lambda s: s.num_top,
+        lambda g, k: token_logprobs(logits[[s.logits_row for s in g]], [s.token_id for s in g], k),
+        lambda s: s.req_key,
+        errors,
+        "prompt logprobs",
+    )
     prompt = [(s.req_key, s.prompt_index, lp) for s, lp in scores if s.req_key not in errors]
     return StepOutput(sampled, logprobs, prompt, errors)

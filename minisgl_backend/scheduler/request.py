@@ -6,13 +6,20 @@ import enum
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Iterator
 
 from minisgl_backend.errors import ReentrantCallError
 from minisgl_backend.kvcache.prefix_cache import prefix_hashes
 from minisgl_backend.sampling.detokenizer import IncrementalDetokenizer
-from minisgl_backend.types import FinishReason, RequestOutput, RequestTimings, SamplingParams, StreamDelta, TokenLogprob
+from minisgl_backend.types import (
+    FinishReason,
+    RequestOutput,
+    RequestTimings,
+    SamplingParams,
+    StreamDelta,
+    TokenLogprob,
+)
 
 
 class RequestStatus(enum.Enum):
@@ -40,7 +47,8 @@ class RequestHandle:
             raise ReentrantCallError(
                 f"RequestHandle.{what} for {self.request_id!r} was called from the engine's own thread "
                 f"{current.name!r} (e.g. inside a logits processor or a result callback): the request "
-                "cannot finish while that thread waits for it, a deadlock. Call it from another thread.")
+                "cannot finish while that thread waits for it, a deadlock. Call it from another thread."
+            )
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Block until the request finishes; raises TimeoutError, EngineDeadError if the engine died,
@@ -149,7 +157,9 @@ class Request:
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of the prompt's full blocks: entry i names the prefix ending with block i."""
         if self._block_hashes is None:
-            self._block_hashes = prefix_hashes(self.prompt_ids, block_size, len(self.prompt_ids) // block_size)
+            self._block_hashes = prefix_hashes(
+                self.prompt_ids, block_size, len(self.prompt_ids) // block_size
+            )
         return self._block_hashes
 
     def cacheable_blocks(self, block_size: int) -> int:
@@ -184,7 +194,9 @@ class Request:
 
     def delta(self, new_ids: list[int]) -> StreamDelta:
         finished = self.finish_reason is not None
-        return StreamDelta(self.request_id, new_ids, self.detok.take_delta(finished), finished, self.finish_reason)
+        return StreamDelta(
+            self.request_id, new_ids, self.detok.take_delta(finished), finished, self.finish_reason
+        )
 
     def output(self) -> RequestOutput:
         assert self.finish_reason is not None
@@ -195,8 +207,9 @@ class Request:
             text=self.detok.text,
             finish_reason=self.finish_reason,
             seed=self.seed,
-            timings=RequestTimings(self.arrival, self.first_token_time, time.perf_counter(),
-                                   self.scheduled_time),
+            timings=RequestTimings(
+                self.arrival, self.first_token_time, time.perf_counter(), self.scheduled_time
+            ),
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             num_preemptions=self.num_preemptions,

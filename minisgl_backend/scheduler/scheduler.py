@@ -77,8 +77,9 @@ def _blocks_for(tokens: int, block_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, rows: RowPool, max_model_len: int,
-                 metrics=None) -> None:
+    def __init__(
+        self, config: EngineConfig, pool: BlockPool, rows: RowPool, max_model_len: int, metrics=None
+    ) -> None:
         self.cfg = config
         self.pool = pool
         self.rows = rows
@@ -219,7 +220,10 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is req:
                     break
-            if req.status == RequestStatus.RUNNING and len(req.block_table) * self.cfg.block_size >= req.planned_len:
+            if (
+                req.status == RequestStatus.RUNNING
+                and len(req.block_table) * self.cfg.block_size >= req.planned_len
+            ):
                 rows.append(ScheduledRow(req, req.num_computed, 1, True, req.epoch))
         return rows
 
@@ -231,8 +235,11 @@ class Scheduler:
         reserved = sum(_blocks_for(r.planned_len, bs) - len(r.block_table) for r in partial)
         # The watermark: room for the next decode step of every running decode. Without it a
         # preempted request is re-admitted with the blocks its preemptor waits for (a livelock).
-        watermark = sum(max(0, _blocks_for(r.planned_len + 1, bs) - len(r.block_table))
-                        for r in self.running if r.is_decode and self._wants_decode(r))
+        watermark = sum(
+            max(0, _blocks_for(r.planned_len + 1, bs) - len(r.block_table))
+            for r in self.running
+            if r.is_decode and self._wants_decode(r)
+        )
         for req in partial + list(self.waiting):
             if budget <= 0:
                 break
@@ -267,7 +274,9 @@ class Scheduler:
             if not self._grow(req, req.num_computed + n):
                 break
             reserved -= _blocks_for(req.num_computed + n, bs) - _blocks_for(req.num_computed, bs)
-            rows.append(ScheduledRow(req, req.num_computed, n, req.num_computed + n == req.planned_len, req.epoch))
+            rows.append(
+                ScheduledRow(req, req.num_computed, n, req.num_computed + n == req.planned_len, req.epoch)
+            )
             budget -= n
         return rows
 
@@ -301,7 +310,7 @@ class Scheduler:
             self.metrics.add("prefix_hits")
             self.metrics.add("prefix_hit_tokens", len(hit) * bs)
         if self.cache is not None:
-            for h in req.block_hashes(bs)[len(hit):req.cacheable_blocks(bs)]:
+            for h in req.block_hashes(bs)[len(hit) : req.cacheable_blocks(bs)]:
                 if self._claims.setdefault(h, req) is req:
                     req.claims.append(h)
 
@@ -353,7 +362,7 @@ class Scheduler:
     def cache_holders(self) -> dict[int, int]:
         """Block -> references held by the prefix cache and queued insertions (for invariant checks)."""
         held: dict[int, int] = {}
-        for b in (self.cache.blocks() if self.cache is not None else []):
+        for b in self.cache.blocks() if self.cache is not None else []:
             held[b] = held.get(b, 0) + 1
         for _, blocks in self._deferred_inserts:
             for b in blocks:

@@ -30,9 +30,13 @@ class ProgressWatchdog:
             self._progress, self._since, self._idle_iterations = progress, now, 0
             return
         self._idle_iterations += completed_iterations
-        if (self.timeout_s and now - self._since >= self.timeout_s
-                and self._idle_iterations >= self.min_iterations):
+        if (
+            self.timeout_s
+            and now - self._since >= self.timeout_s
+            and self._idle_iterations >= self.min_iterations
+        ):
             raise EngineStalledError(
                 f"no progress for {now - self._since:.1f}s over {self._idle_iterations} iterations "
                 "(iterations run but no token is committed and no request finishes: a scheduling "
-                "livelock; stall_timeout_s sets the limit)")
+                "livelock; stall_timeout_s sets the limit)"
+            )

@@ -17,8 +17,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,7 +27,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl_backend.aio import call_soon, result_future
-from minisgl_backend.chat import ChatTemplateError, GrammarError, ToolCallStreamSplitter, parse_tool_calls, render_chat
+from minisgl_backend.chat import (
+    ChatTemplateError,
+    GrammarError,
+    ToolCallStreamSplitter,
+    parse_tool_calls,
+    render_chat,
+)
 from minisgl_backend.engine import Engine
 from minisgl_backend.errors import (
     EmptyPromptError,
@@ -56,15 +63,25 @@ RETRY_AFTER_S = 1
 class APIError(Exception):
     """An error answered with OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
-                            headers=self.headers)
+        return JSONResponse(
+            error_body(self.message, self.type, self.param, self.code),
+            status_code=self.status,
+            headers=self.headers,
+        )
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -93,7 +110,9 @@ def api_error(exc: BaseException) -> APIError:
             headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
             return APIError(status, str(exc), type_, None, code, headers)
     log.exception("internal error", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, "internal_error")
+    return APIError(
+        500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, "internal_error"
+    )
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -102,8 +121,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "invalid request")
     first = errs[0]
     if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
-                        code="invalid_json")
+        return APIError(
+            400,
+            f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
+            code="invalid_json",
+        )
     locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errs]
     common: list[str] = []
     for parts in zip(*locs):
@@ -171,8 +193,11 @@ class ServerState:
                 out = handle.result(0)
             except BaseException:  # noqa: BLE001 - failed requests carry no output to count
                 continue
-            self.finished.append(FinishedRecord(out.request_id, user, out.finish_reason, len(out.prompt_token_ids),
-                                                len(out.token_ids)))
+            self.finished.append(
+                FinishedRecord(
+                    out.request_id, user, out.finish_reason, len(out.prompt_token_ids), len(out.token_ids)
+                )
+            )
             if self.metrics is not None:
                 self.metrics.observe(out)
 
@@ -201,7 +226,9 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _results_or_disconnect(state: ServerState, request: Request, handles: list[RequestHandle]) -> list[RequestOutput]:
+async def _results_or_disconnect(
+    state: ServerState, request: Request, handles: list[RequestHandle]
+) -> list[RequestOutput]:
     """Every handle's result, unless the client goes away first: then the requests are aborted."""
     futs = [result_future(h) for h in handles]
     gone = asyncio.ensure_future(_wait_disconnect(request))
@@ -234,8 +261,13 @@ def _abort(state: ServerState, handles: Sequence[RequestHandle]) -> None:
                 pass
 
 
-def _submit_all(state: ServerState, prompts: Sequence[Any], params: Sequence[SamplingParams], prefix: str,
-                user: str | None) -> list[RequestHandle]:
+def _submit_all(
+    state: ServerState,
+    prompts: Sequence[Any],
+    params: Sequence[SamplingParams],
+    prefix: str,
+    user: str | None,
+) -> list[RequestHandle]:
     """Submit every prompt, or none: a failure aborts the ones already queued."""
     if state.shutting_down:
         raise APIError(503, "the server is shutting down", "service_unavailable", code="shutting_down")
@@ -261,12 +293,21 @@ def _submit_all(state: ServerState, prompts: Sequence[Any], params: Sequence[Sam
 # ---------------------------------------------------------------------------------------------- helpers
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model != state.model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
-def _sampling(req: Any, max_tokens: int, logprobs: int | None, processors: Sequence[Callable] = (),
-              prompt_logprobs: int | None = None) -> SamplingParams:
+def _sampling(
+    req: Any,
+    max_tokens: int,
+    logprobs: int | None,
+    processors: Sequence[Callable] = (),
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     return SamplingParams(
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p),
@@ -324,8 +365,9 @@ def _top_dict(text: _TokenText, lp: TokenLogprob) -> dict[str, float]:
     return d
 
 
-def _completion_logprobs(text: _TokenText, out: RequestOutput, echo: bool, drop_generated: bool,
-                         offset0: int) -> dict[str, Any]:
+def _completion_logprobs(
+    text: _TokenText, out: RequestOutput, echo: bool, drop_generated: bool, offset0: int
+) -> dict[str, Any]:
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
@@ -352,23 +394,43 @@ def _chat_logprobs(text: _TokenText, lps: Sequence[TokenLogprob]) -> dict[str, A
         s = text(tid)
         return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
 
-    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                        for lp in lps], "refusal": None}
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
+        ],
+        "refusal": None,
+    }
 
 
 def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"id": c["id"], "type": "function",
-             "function": {"name": c["name"], "arguments": json.dumps(c["args"], ensure_ascii=False)}} for c in calls]
+    return [
+        {
+            "id": c["id"],
+            "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["args"], ensure_ascii=False)},
+        }
+        for c in calls
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- app
-def create_app(engine: Engine, model_name: str | None = None, api_key: str | None = None,
-               owns_engine: bool = False, enable_metrics: bool = True) -> FastAPI:
+def create_app(
+    engine: Engine,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    owns_engine: bool = False,
+    enable_metrics: bool = True,
+) -> FastAPI:
     """The API over `engine`. `owns_engine`: close it when the app shuts down (the CLI's case)."""
     from contextlib import asynccontextmanager
 
-    state = ServerState(engine=engine, model_name=model_name or str(engine.config.model), api_key=api_key,
-                        owns_engine=owns_engine, tokenizer=copy.deepcopy(engine.tokenizer))
+    state = ServerState(
+        engine=engine,
+        model_name=model_name or str(engine.config.model),
+        api_key=api_key,
+        owns_engine=owns_engine,
+        tokenizer=copy.deepcopy(engine.tokenizer),
+    )
     if enable_metrics:
         from minisgl_backend.serve.metrics import ServeMetrics
 
@@ -395,8 +457,11 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), type_, None, None), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(str(exc.detail), type_, None, None),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _internal(_req: Request, exc: Exception) -> JSONResponse:
@@ -408,8 +473,12 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or token.strip() != state.api_key:
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     guarded = [Depends(auth)]
 
@@ -417,15 +486,27 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
     @app.get("/health")
     async def health() -> Any:
         if not engine.is_alive:
-            return JSONResponse(error_body("the engine is not running", "service_unavailable", None, "engine_dead"),
-                                status_code=503)
+            return JSONResponse(
+                error_body("the engine is not running", "service_unavailable", None, "engine_dead"),
+                status_code=503,
+            )
         return {"status": "ok"}
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> Any:
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "minisgl",
-            "root": str(engine.model_dir), "max_model_len": engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "minisgl",
+                    "root": str(engine.model_dir),
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/v1/models/{model_id:path}", dependencies=guarded)
     async def model_info(model_id: str) -> Any:
@@ -437,10 +518,15 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         tok = state.tokenizer
         return {
             "tokenizer_class": type(tok).__name__,
-            "eos_token": tok.eos_token, "bos_token": tok.bos_token, "pad_token": tok.pad_token,
-            "unk_token": tok.unk_token, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "eos_token_id": tok.eos_token_id,
+            "bos_token_id": tok.bos_token_id,
             "chat_template": getattr(tok, "chat_template", None),
-            "model_max_length": engine.max_model_len, "vocab_size": engine.vocab_size,
+            "model_max_length": engine.max_model_len,
+            "vocab_size": engine.vocab_size,
             "add_bos_token": getattr(tok, "add_bos_token", None),
         }
 
@@ -449,13 +535,20 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         _check_model(state, body.model)
         tok = state.tokenizer
         if body.messages is not None:
-            prompt = render_chat(tok, [_message_dict(m) for m in body.messages],
-                                 add_generation_prompt=body.add_generation_prompt)
+            prompt = render_chat(
+                tok,
+                [_message_dict(m) for m in body.messages],
+                add_generation_prompt=body.add_generation_prompt,
+            )
             ids = prompt.token_ids
         else:
             ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+        return {
+            "count": len(ids),
+            "max_model_len": engine.max_model_len,
+            "tokens": ids,
+            "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+        }
 
     @app.post("/detokenize", dependencies=guarded)
     async def detokenize(body: DetokenizeRequest) -> Any:
@@ -466,6 +559,7 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     if state.metrics is not None:
+
         @app.get("/metrics", dependencies=guarded)
         async def metrics() -> Any:
             state.collect()
@@ -480,18 +574,29 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         prompts: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         drop = body.max_tokens == 0  # echo-only scoring: the engine draws one token, which is dropped
         k = body.logprobs
-        params = _sampling(body, max(1, body.max_tokens or 0), k,
-                           prompt_logprobs=k if (body.echo and k is not None) else None)
+        params = _sampling(
+            body,
+            max(1, body.max_tokens or 0),
+            k,
+            prompt_logprobs=k if (body.echo and k is not None) else None,
+        )
         rid = f"cmpl-{uuid.uuid4().hex}"
         try:
             handles = _submit_all(state, prompts, [params] * len(prompts), rid, body.user)
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             raise api_error(e) from e
-        echo_text = [pr if isinstance(pr, str) else state.tokenizer.decode(pr) for pr in prompts] if body.echo else None
+        echo_text = (
+            [pr if isinstance(pr, str) else state.tokenizer.decode(pr) for pr in prompts]
+            if body.echo
+            else None
+        )
         model = state.model_name
         if body.stream:
-            return StreamingResponse(_stream_completion(state, handles, body, rid, echo_text, drop, token_text),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                _stream_completion(state, handles, body, rid, echo_text, drop, token_text),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         try:
             outs = await _results_or_disconnect(state, request, handles)
         except ClientGone:
@@ -502,24 +607,48 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         for i, out in enumerate(outs):
             text = "" if drop else out.text
             prefix = echo_text[i] if echo_text else ""
-            choices.append({
-                "index": i, "text": prefix + text, "finish_reason": "length" if drop else out.finish_reason,
-                "logprobs": _completion_logprobs(token_text, out, body.echo, drop, 0) if k is not None else None,
-            })
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": _usage(outs, drop), "system_fingerprint": None}
+            choices.append(
+                {
+                    "index": i,
+                    "text": prefix + text,
+                    "finish_reason": "length" if drop else out.finish_reason,
+                    "logprobs": _completion_logprobs(token_text, out, body.echo, drop, 0)
+                    if k is not None
+                    else None,
+                }
+            )
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": _usage(outs, drop),
+            "system_fingerprint": None,
+        }
 
     # ------------------------------------------------------------------ chat completions
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(state, body.model)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
+        choice = (
+            body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
+        )
         fmt = body.response_format.as_dict() if body.response_format is not None else None
         try:
-            prompt = render_chat(state.tokenizer, [_message_dict(m) for m in body.messages], tools=tools,
-                                 tool_choice=choice, response_format=fmt)
-            max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.max_model_len - len(prompt.token_ids))
+            prompt = render_chat(
+                state.tokenizer,
+                [_message_dict(m) for m in body.messages],
+                tools=tools,
+                tool_choice=choice,
+                response_format=fmt,
+            )
+            max_tokens = (
+                body.max_completion_tokens
+                or body.max_tokens
+                or max(1, engine.max_model_len - len(prompt.token_ids))
+            )
             k = (body.top_logprobs or 0) if body.logprobs else None
             params = _sampling(body, max_tokens, k, prompt.logits_processors)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -529,24 +658,44 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             raise api_error(e) from e
         if body.stream:
-            return StreamingResponse(_stream_chat(state, handles[0], body, rid, prompt.tool_names, token_text),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                _stream_chat(state, handles[0], body, rid, prompt.tool_names, token_text),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         try:
             (out,) = await _results_or_disconnect(state, request, handles)
         except ClientGone:
             return PlainTextResponse("", status_code=499)
         except Exception as e:  # noqa: BLE001
             raise api_error(e) from e
-        content, calls, _invalid = parse_tool_calls(out.text, prompt.tool_names) if prompt.tool_names else (out.text, [], [])
-        message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+        content, calls, _invalid = (
+            parse_tool_calls(out.text, prompt.tool_names) if prompt.tool_names else (out.text, [], [])
+        )
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content if (content or not calls) else None,
+        }
         finish = out.finish_reason
         if calls:
             message["tool_calls"] = _openai_calls(calls)
             finish = "tool_calls"
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                             "logprobs": _chat_logprobs(token_text, out.logprobs or []) if body.logprobs else None}],
-                "usage": _usage([out]), "system_fingerprint": None}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": finish,
+                    "logprobs": _chat_logprobs(token_text, out.logprobs or []) if body.logprobs else None,
+                }
+            ],
+            "usage": _usage([out]),
+            "system_fingerprint": None,
+        }
 
     return app
 
@@ -554,23 +703,43 @@ def create_app(engine: Engine, model_name: str | None = None, api_key: str | Non
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
     d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
     if m.tool_calls:
-        d["tool_calls"] = [{"id": c.id, "type": "function",
-                            "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in m.tool_calls]
+        d["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in m.tool_calls
+        ]
     if m.role == "tool":
         d["tool_call_id"] = m.tool_call_id
     return d
 
 
 # ---------------------------------------------------------------------------------------------- streams
-async def _stream_completion(state: ServerState, handles: list[RequestHandle], body: CompletionRequest, rid: str,
-                             echo_text: list[str] | None, drop: bool, token_text: _TokenText) -> AsyncIterator[str]:
+async def _stream_completion(
+    state: ServerState,
+    handles: list[RequestHandle],
+    body: CompletionRequest,
+    rid: str,
+    echo_text: list[str] | None,
+    drop: bool,
+    token_text: _TokenText,
+) -> AsyncIterator[str]:
     queue: asyncio.Queue = asyncio.Queue()
     created, model = int(time.time()), state.model_name
     outs: dict[int, RequestOutput] = {}
 
     def chunk(i: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
-        return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+        return _sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            }
+        )
 
     try:
         for i, h in enumerate(handles):
@@ -585,30 +754,54 @@ async def _stream_completion(state: ServerState, handles: list[RequestHandle], b
                 return
             if isinstance(item, RequestOutput):
                 outs[i] = item
-                lps = (_completion_logprobs(token_text, item, body.echo, drop, 0)
-                       if body.logprobs is not None else None)
+                lps = (
+                    _completion_logprobs(token_text, item, body.echo, drop, 0)
+                    if body.logprobs is not None
+                    else None
+                )
                 yield chunk(i, "", "length" if drop else item.finish_reason, lps)
             elif item.text and not drop:
                 yield chunk(i, item.text)
         if body.include_usage:
-            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                        "choices": [], "usage": _usage([outs[i] for i in sorted(outs)], drop)})
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": _usage([outs[i] for i in sorted(outs)], drop),
+                }
+            )
         yield "data: [DONE]\n\n"
     finally:  # the client went away (the response task was cancelled) or the stream ended
         _abort(state, handles)
         state.collect()
 
 
-async def _stream_chat(state: ServerState, handle: RequestHandle, body: ChatCompletionRequest, rid: str,
-                       tool_names: set[str], token_text: _TokenText) -> AsyncIterator[str]:
+async def _stream_chat(
+    state: ServerState,
+    handle: RequestHandle,
+    body: ChatCompletionRequest,
+    rid: str,
+    tool_names: set[str],
+    token_text: _TokenText,
+) -> AsyncIterator[str]:
     queue: asyncio.Queue = asyncio.Queue()
     created, model = int(time.time()), state.model_name
     splitter = ToolCallStreamSplitter() if tool_names else None
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
-        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "system_fingerprint": None,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+        return _sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "system_fingerprint": None,
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            }
+        )
 
     try:
         _pump(handle, 0, queue)
@@ -631,12 +824,22 @@ async def _stream_chat(state: ServerState, handle: RequestHandle, body: ChatComp
                     yield chunk({"content": tail})
                 if calls:
                     finish = "tool_calls"
-                    yield chunk({"tool_calls": [{**c, "index": j} for j, c in enumerate(_openai_calls(calls))]})
+                    yield chunk(
+                        {"tool_calls": [{**c, "index": j} for j, c in enumerate(_openai_calls(calls))]}
+                    )
             yield chunk({}, finish, _chat_logprobs(token_text, out.logprobs or []) if body.logprobs else None)
             break
         if body.include_usage:
-            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [], "usage": _usage([out])})
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": _usage([out]),
+                }
+            )
         yield "data: [DONE]\n\n"
     finally:
         _abort(state, [handle])

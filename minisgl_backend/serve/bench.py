@@ -52,8 +52,11 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _stats(name: str, xs: list[float]) -> dict[str, float]:
     ms = [1000 * x for x in xs]
-    return {f"{name}_mean_ms": statistics.fmean(ms) if ms else float("nan"),
-            f"{name}_median_ms": _pct(ms, 50), f"{name}_p99_ms": _pct(ms, 99)}
+    return {
+        f"{name}_mean_ms": statistics.fmean(ms) if ms else float("nan"),
+        f"{name}_median_ms": _pct(ms, 50),
+        f"{name}_p99_ms": _pct(ms, 99),
+    }
 
 
 async def _one(client: Any, res: Result, body: dict[str, Any], hang_up: bool) -> None:
@@ -95,19 +98,36 @@ async def _one(client: Any, res: Result, body: dict[str, Any], hang_up: bool) ->
         res.error = f"{type(e).__name__}: {e}"
 
 
-async def _run(url: str, api_key: str | None, model: str | None, prompts: list[list[int]], plan: list[tuple[int, bool]],
-               output_len: int, concurrency: int, request_rate: float, seed: int) -> tuple[list[Result], float]:
+async def _run(
+    url: str,
+    api_key: str | None,
+    model: str | None,
+    prompts: list[list[int]],
+    plan: list[tuple[int, bool]],
+    output_len: int,
+    concurrency: int,
+    request_rate: float,
+    seed: int,
+) -> tuple[list[Result], float]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results = [Result(i, p) for i, (p, _) in enumerate(plan)]
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+
         def body(i: int) -> dict[str, Any]:
             p = plan[i][0]
-            return {"model": model, "prompt": prompts[p], "max_tokens": output_len, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                    "user": f"bench-{i}"}
+            return {
+                "model": model,
+                "prompt": prompts[p],
+                "max_tokens": output_len,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "user": f"bench-{i}",
+            }
 
         t0 = time.perf_counter()
         if request_rate == float("inf"):  # closed loop
@@ -135,15 +155,25 @@ async def _run(url: str, api_key: str | None, model: str | None, prompts: list[l
     return results, wall
 
 
-async def _solo(url: str, api_key: str | None, model: str | None, prompts: list[list[int]], output_len: int) -> list[str]:
+async def _solo(
+    url: str, api_key: str | None, model: str | None, prompts: list[list[int]], output_len: int
+) -> list[str]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     refs = []
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
         for p in prompts:  # one at a time: each runs alone
-            r = await client.post("/v1/completions", json={"model": model, "prompt": p, "max_tokens": output_len,
-                                                           "temperature": 0, "ignore_eos": True})
+            r = await client.post(
+                "/v1/completions",
+                json={
+                    "model": model,
+                    "prompt": p,
+                    "max_tokens": output_len,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             r.raise_for_status()
             refs.append(r.json()["choices"][0]["text"])
     return refs
@@ -168,10 +198,23 @@ def _scrape(url: str, api_key: str | None) -> str:
     return r.text if r.status_code == 200 else ""
 
 
-def bench_serve(url: str, *, api_key: str | None = None, model: str | None = None, num_requests: int = 200,
-                num_prompts: int = 64, input_len: int = 64, output_len: int = 32, concurrency: int = 32,
-                request_rate: float = float("inf"), disconnect_prob: float = 0.0, check: bool = False, seed: int = 0,
-                vocab: int = 49152, random_lengths: bool = True) -> dict[str, Any]:
+def bench_serve(
+    url: str,
+    *,
+    api_key: str | None = None,
+    model: str | None = None,
+    num_requests: int = 200,
+    num_prompts: int = 64,
+    input_len: int = 64,
+    output_len: int = 32,
+    concurrency: int = 32,
+    request_rate: float = float("inf"),
+    disconnect_prob: float = 0.0,
+    check: bool = False,
+    seed: int = 0,
+    vocab: int = 49152,
+    random_lengths: bool = True,
+) -> dict[str, Any]:
     """Run the benchmark against `url` (the server's root, e.g. http://127.0.0.1:8000)."""
     rng = random.Random(seed)
     prompts = []
@@ -180,29 +223,47 @@ def bench_serve(url: str, *, api_key: str | None = None, model: str | None = Non
         prompts.append([rng.randrange(3, vocab) for _ in range(n)])
     plan = [(rng.randrange(num_prompts), rng.random() < disconnect_prob) for _ in range(num_requests)]
     before = _scrape(url, api_key)
-    results, wall = asyncio.run(_run(url, api_key, model, prompts, plan, output_len, concurrency, request_rate, seed))
+    results, wall = asyncio.run(
+        _run(url, api_key, model, prompts, plan, output_len, concurrency, request_rate, seed)
+    )
     after = _scrape(url, api_key)
     done = [r for r in results if not r.disconnected and r.error is None]
     row: dict[str, Any] = {
-        "requests": num_requests, "completed": len(done), "disconnected": sum(r.disconnected for r in results),
-        "errors": sum(r.error is not None for r in results), "wall_s": wall,
-        "req_per_s": len(done) / wall, "output_tok_per_s": sum(r.output_tokens for r in done) / wall,
-        "concurrency": concurrency, "request_rate": request_rate,
+        "requests": num_requests,
+        "completed": len(done),
+        "disconnected": sum(r.disconnected for r in results),
+        "errors": sum(r.error is not None for r in results),
+        "wall_s": wall,
+        "req_per_s": len(done) / wall,
+        "output_tok_per_s": sum(r.output_tokens for r in done) / wall,
+        "concurrency": concurrency,
+        "request_rate": request_rate,
     }
     row.update(_stats("ttft", [r.ttft for r in done if r.ttft is not None]))
-    row.update(_stats("tpot", [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done
-                               if r.latency is not None and r.ttft is not None and r.output_tokens > 1]))
+    row.update(
+        _stats(
+            "tpot",
+            [
+                (r.latency - r.ttft) / (r.output_tokens - 1)
+                for r in done
+                if r.latency is not None and r.ttft is not None and r.output_tokens > 1
+            ],
+        )
+    )
     row.update(_stats("itl", [g for r in done for g in r.gaps]))
     row["disconnected_ids"] = [r.index for r in results if r.disconnected]
     if before and after:  # may miss aborts the server had not folded into /metrics yet
-        row["server_aborted"] = (_metric(after, "minisgl:request_success_total", finished_reason="abort")
-                                 - _metric(before, "minisgl:request_success_total", finished_reason="abort"))
+        row["server_aborted"] = _metric(
+            after, "minisgl:request_success_total", finished_reason="abort"
+        ) - _metric(before, "minisgl:request_success_total", finished_reason="abort")
     if check:
         refs = asyncio.run(_solo(url, api_key, model, prompts, output_len))
         bad = [r for r in done if r.text != refs[r.prompt]]
         row["mismatches"] = len(bad)
-        row["mismatch_examples"] = [{"request": r.index, "prompt": r.prompt, "got": r.text[:80],
-                                     "solo": refs[r.prompt][:80]} for r in bad[:3]]
+        row["mismatch_examples"] = [
+            {"request": r.index, "prompt": r.prompt, "got": r.text[:80], "solo": refs[r.prompt][:80]}
+            for r in bad[:3]
+        ]
     row["error_examples"] = [r.error for r in results if r.error][:3]
     return row
 
@@ -214,18 +275,27 @@ def format_row(row: dict[str, Any]) -> str:
         f"throughput: {row['req_per_s']:.2f} req/s, {row['output_tok_per_s']:.1f} output tok/s",
     ]
     for name in ("ttft", "tpot", "itl"):
-        lines.append(f"{name.upper():5s} mean {row[f'{name}_mean_ms']:.1f} ms, median {row[f'{name}_median_ms']:.1f} ms, "
-                     f"p99 {row[f'{name}_p99_ms']:.1f} ms")
+        lines.append(
+            f"{name.upper():5s} mean {row[f'{name}_mean_ms']:.1f} ms, "
+            f"median {row[f'{name}_median_ms']:.1f} ms, "
+            f"p99 {row[f'{name}_p99_ms']:.1f} ms"
+        )
     if "disconnects_aborted" in row:
-        lines.append(f"disconnected: {row['disconnected']}, aborted on the server {row['disconnects_aborted']}, "
-                     f"finished before the hang-up was seen {row['disconnects_finished']}, "
-                     f"unaccounted {row['disconnects_unaccounted']}")
+        lines.append(
+            f"disconnected: {row['disconnected']}, aborted on the server {row['disconnects_aborted']}, "
+            f"finished before the hang-up was seen {row['disconnects_finished']}, "
+            f"unaccounted {row['disconnects_unaccounted']}"
+        )
     elif "server_aborted" in row:
-        lines.append(f"server aborted {row['server_aborted']:.0f} requests per /metrics "
-                     f"(disconnected clients: {row['disconnected']})")
+        lines.append(
+            f"server aborted {row['server_aborted']:.0f} requests per /metrics "
+            f"(disconnected clients: {row['disconnected']})"
+        )
     if "mismatches" in row:
-        lines.append(f"check: {row['mismatches']} of {row['completed']} completed responses differ from their solo "
-                     "reference")
+        lines.append(
+            f"check: {row['mismatches']} of {row['completed']} completed responses differ from their solo "
+            "reference"
+        )
         lines += [f"  mismatch: {ex}" for ex in row["mismatch_examples"]]
     if "kv_after_drain" in row:
         lines.append(f"KV after drain: {row['kv_after_drain']} (all FREE: {row['kv_all_free']})")

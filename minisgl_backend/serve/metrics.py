@@ -9,7 +9,8 @@ queue that the event loop and the scrape fold (`ServerState.collect`).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,10 +25,48 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from minisgl_backend.types import RequestOutput
 
 # Latency buckets (seconds), vLLM-like ranges.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0)
+E2E_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    60.0,
+    120.0,
+)
 
 
 class _EngineCollector:
@@ -50,22 +89,45 @@ class _EngineCollector:
     def collect(self) -> Iterator[Any]:
         m = self._engine.metrics()
         blocks = max(1, self._engine.num_blocks)
-        yield self._gauge("minisgl:num_requests_running", "Requests holding KV (prefilling or decoding).",
-                          m.get("running", 0.0))
-        yield self._gauge("minisgl:num_requests_waiting", "Requests waiting for admission.", m.get("waiting", 0.0))
-        yield self._gauge("minisgl:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
-                          m.get("kv_used_blocks", 0.0) / blocks)
-        yield self._gauge("minisgl:prefix_cache_blocks", "KV blocks held by the prefix cache.",
-                          m.get("prefix_cache_blocks", 0.0))
-        yield self._counter("minisgl:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                            m.get("prefix_query_tokens", 0.0))
-        yield self._counter("minisgl:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                            m.get("prefix_hit_tokens", 0.0))
-        yield self._counter("minisgl:iterations", "Engine iterations (batches) run.", m.get("iterations", 0.0))
-        yield self._counter("minisgl:prefill_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
-                            m.get("prefill_tokens", 0.0))
-        yield self._counter("minisgl:engine_stalls", "Times the progress watchdog failed the engine.",
-                            m.get("stalls", 0.0))
+        yield self._gauge(
+            "minisgl:num_requests_running",
+            "Requests holding KV (prefilling or decoding).",
+            m.get("running", 0.0),
+        )
+        yield self._gauge(
+            "minisgl:num_requests_waiting", "Requests waiting for admission.", m.get("waiting", 0.0)
+        )
+        yield self._gauge(
+            "minisgl:kv_cache_usage_perc",
+            "Fraction of KV blocks in use (1 = full).",
+            m.get("kv_used_blocks", 0.0) / blocks,
+        )
+        yield self._gauge(
+            "minisgl:prefix_cache_blocks",
+            "KV blocks held by the prefix cache.",
+            m.get("prefix_cache_blocks", 0.0),
+        )
+        yield self._counter(
+            "minisgl:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            m.get("prefix_query_tokens", 0.0),
+        )
+        yield self._counter(
+            "minisgl:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            m.get("prefix_hit_tokens", 0.0),
+        )
+        yield self._counter(
+            "minisgl:iterations", "Engine iterations (batches) run.", m.get("iterations", 0.0)
+        )
+        yield self._counter(
+            "minisgl:prefill_tokens",
+            "Prompt tokens computed (prefix-cache hits excluded).",
+            m.get("prefill_tokens", 0.0),
+        )
+        yield self._counter(
+            "minisgl:engine_stalls", "Times the progress watchdog failed the engine.", m.get("stalls", 0.0)
+        )
 
 
 class ServeMetrics:
@@ -75,21 +137,46 @@ class ServeMetrics:
         self.model_name = model_name
         labels = ["model_name"]
         reg = self.registry
-        self.prompt_tokens = Counter("minisgl:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=reg)
-        self.generation_tokens = Counter("minisgl:generation_tokens", "Generated tokens of finished requests.",
-                                         labels, registry=reg)
-        self.request_success = Counter("minisgl:request_success", "Finished requests by finish reason.",
-                                       labels + ["finished_reason"], registry=reg)
-        self.ttft = Histogram("minisgl:time_to_first_token_seconds", "Time from arrival to the first token.",
-                              labels, buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram("minisgl:inter_token_latency_seconds",
-                             "Gaps between consecutive tokens of a request (its mean gap, once per gap).",
-                             labels, buckets=ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram("minisgl:e2e_request_latency_seconds", "Time from arrival to finish.",
-                             labels, buckets=E2E_BUCKETS, registry=reg)
-        self.queue_time = Histogram("minisgl:request_queue_time_seconds",
-                                    "Time from arrival to admission (first scheduled), when the engine reports it.",
-                                    labels, buckets=TTFT_BUCKETS, registry=reg)
+        self.prompt_tokens = Counter(
+            "minisgl:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=reg
+        )
+        self.generation_tokens = Counter(
+            "minisgl:generation_tokens", "Generated tokens of finished requests.", labels, registry=reg
+        )
+        self.request_success = Counter(
+            "minisgl:request_success",
+            "Finished requests by finish reason.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "minisgl:time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "minisgl:inter_token_latency_seconds",
+            "Gaps between consecutive tokens of a request (its mean gap, once per gap).",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "minisgl:e2e_request_latency_seconds",
+            "Time from arrival to finish.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            "minisgl:request_queue_time_seconds",
+            "Time from arrival to admission (first scheduled), when the engine reports it.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
         reg.register(_EngineCollector(engine, model_name))
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)  # present (at 0) before the first request

@@ -8,7 +8,7 @@ silently different answer. vLLM's extensions `top_k`, `min_p`, `ignore_eos`, `st
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -32,27 +32,27 @@ class _SamplingFields(BaseModel):
 
     model_config = _STRICT
 
-    model: Optional[str] = None
-    temperature: Optional[float] = _finite(None, ge=0.0)
-    top_p: Optional[float] = _finite(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=-1)
-    min_p: Optional[float] = _finite(None, ge=0.0, le=1.0)
-    seed: Optional[int] = Field(None, ge=0, lt=2**63)
-    stop: Optional[Union[str, list[str]]] = None
+    model: str | None = None
+    temperature: float | None = _finite(None, ge=0.0)
+    top_p: float | None = _finite(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = _finite(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     presence_penalty: float = _finite(0.0, ge=0.0, le=0.0, description="only 0 is supported")
     frequency_penalty: float = _finite(0.0, ge=0.0, le=0.0, description="only 0 is supported")
-    logit_bias: Optional[dict[str, float]] = Field(None, max_length=0, description="not supported")
-    user: Optional[str] = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported")
+    user: str | None = None
     # vLLM extensions
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
 
     @model_validator(mode="after")
-    def _check_stop(self) -> "_SamplingFields":
+    def _check_stop(self) -> _SamplingFields:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
@@ -69,22 +69,26 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: Optional[int] = Field(16, ge=0)
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: Optional[int] = Field(None, ge=1, le=1, description="only 1 is supported")
-    suffix: Optional[str] = Field(None, max_length=0, description="not supported")
+    best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+    suffix: str | None = Field(None, max_length=0, description="not supported")
 
     @model_validator(mode="after")
-    def _check_prompt(self) -> "CompletionRequest":
+    def _check_prompt(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], list) and any(not p for p in self.prompt):
+        if (
+            isinstance(self.prompt, list)
+            and isinstance(self.prompt[0], list)
+            and any(not p for p in self.prompt)
+        ):
             raise ValueError("prompt token lists must not be empty")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 is only meaningful with echo (scoring the prompt)")
@@ -105,7 +109,7 @@ class FunctionCall(BaseModel):
 
 class ToolCall(BaseModel):
     model_config = _STRICT
-    id: Optional[str] = None
+    id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -113,14 +117,14 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
-    tool_call_id: Optional[str] = None
-    refusal: Optional[str] = None
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "ChatMessage":
+    def _check(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if self.content is None and not self.tool_calls:
@@ -128,7 +132,9 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             for i, part in enumerate(self.content):
                 if part.get("type") != "text":
-                    raise ValueError(f"content part {i} has type {part.get('type')!r}; only 'text' parts are supported")
+                    raise ValueError(
+                        f"content part {i} has type {part.get('type')!r}; only 'text' parts are supported"
+                    )
                 TextPart.model_validate(part)
         return self
 
@@ -141,9 +147,9 @@ class ChatMessage(BaseModel):
 class FunctionDef(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class Tool(BaseModel):
@@ -165,46 +171,49 @@ class NamedToolChoice(BaseModel):
 
 class JsonSchemaSpec(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
-    name: Optional[str] = None
-    description: Optional[str] = None
-    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
-    strict: Optional[bool] = None
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(BaseModel):
     model_config = _STRICT
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaSpec] = None
+    json_schema: JsonSchemaSpec | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "ResponseFormat":
+    def _check(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format json_schema needs a json_schema object")
         return self
 
     def as_dict(self) -> dict[str, Any]:
         if self.type == "json_schema":
-            return {"type": "json_schema", "json_schema": {"schema": (self.json_schema.schema_ if self.json_schema else None) or {}}}
+            return {
+                "type": "json_schema",
+                "json_schema": {"schema": (self.json_schema.schema_ if self.json_schema else None) or {}},
+            }
         return {"type": self.type}
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Optional[list[Tool]] = None
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
-    parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[ResponseFormat] = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     # accepted and ignored: they do not change what the engine computes
-    metadata: Optional[dict[str, str]] = None
-    store: Optional[bool] = None
-    service_tier: Optional[str] = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "ChatCompletionRequest":
+    def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
@@ -215,15 +224,15 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TokenizeRequest(BaseModel):
     model_config = _STRICT
-    model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     @model_validator(mode="after")
-    def _check(self) -> "TokenizeRequest":
+    def _check(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         return self
@@ -231,5 +240,5 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model_config = _STRICT
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]

@@ -20,11 +20,18 @@ def _require_extra() -> None:
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise MissingExtraError(f"`minisgl serve` needs the serve extra: pip install 'minisgl[serve]' ({e})") from e
+        raise MissingExtraError(
+            f"`minisgl serve` needs the serve extra: pip install 'minisgl[serve]' ({e})"
+        ) from e
 
 
-def create_app(engine: Any, model_name: str | None = None, api_key: str | None = None, owns_engine: bool = False,
-               enable_metrics: bool = True) -> Any:
+def create_app(
+    engine: Any,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    owns_engine: bool = False,
+    enable_metrics: bool = True,
+) -> Any:
     _require_extra()
     from minisgl_backend.serve.app import create_app as _create
 
@@ -63,19 +70,36 @@ def _uvicorn_config(app: Any, **kw: Any) -> Any:
     import uvicorn
 
     # Streams still open at shutdown are cancelled after this long (their requests are aborted).
-    return uvicorn.Config(app, log_level=kw.pop("log_level", "warning"), timeout_graceful_shutdown=5,
-                          access_log=False, lifespan="on", **kw)
+    return uvicorn.Config(
+        app,
+        log_level=kw.pop("log_level", "warning"),
+        timeout_graceful_shutdown=5,
+        access_log=False,
+        lifespan="on",
+        **kw,
+    )
 
 
-def run_server(engine: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               model_name: str | None = None, log_level: str = "info") -> None:
+def run_server(
+    engine: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    log_level: str = "info",
+) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn's handlers: stop accepting, finish or cancel in-flight
     requests, then the lifespan closes the engine). Blocks."""
     app = create_app(engine, model_name, api_key, owns_engine=True)
     sock = _bind(host, port)
     bound = sock.getsockname()
-    log.warning("minisgl serve: %s on http://%s:%d/v1 (model %r)", engine.config.model, host, bound[1],
-                app.state.minisgl.model_name)
+    log.warning(
+        "minisgl serve: %s on http://%s:%d/v1 (model %r)",
+        engine.config.model,
+        host,
+        bound[1],
+        app.state.minisgl.model_name,
+    )
     server = _server(app, _uvicorn_config(app, log_level=log_level))
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown), then restores the previous handlers and
     # re-raises the signal; these make that re-raise a no-op, so a requested stop exits 0 quietly.
@@ -112,8 +136,14 @@ class BackgroundServer:
         self.thread.join(timeout)
 
 
-def start_in_thread(engine: Any, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                    model_name: str | None = None, owns_engine: bool = False) -> BackgroundServer:
+def start_in_thread(
+    engine: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    owns_engine: bool = False,
+) -> BackgroundServer:
     """Start serving `engine` on a background thread; returns once the server accepts connections.
     port 0 picks a free port (bound here, so there is no race for it)."""
     app = create_app(engine, model_name, api_key, owns_engine=owns_engine)

@@ -9,7 +9,8 @@ the repository's pytest settings stay untouched for every other test file.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Generator
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
-from typing import Literal
-
-from pydantic import BaseModel
-
 from langchain_minisgl import ChatMiniSGL
 from langchain_minisgl._tools import ToolCallStreamSplitter, parse_tool_calls
+from pydantic import BaseModel
 
 
 @tool
@@ -30,7 +29,9 @@ class Reading(BaseModel):
 @pytest.fixture(scope="module")
 def chat(tiny_model_dir, close_drained):
     """Seeded sampling (temperature 1) on the tiny random model: the worst case for well-formed output."""
-    model = ChatMiniSGL(model=str(tiny_model_dir), temperature=1.0, seed=0, max_tokens=160, engine_config={"num_blocks": 512})
+    model = ChatMiniSGL(
+        model=str(tiny_model_dir), temperature=1.0, seed=0, max_tokens=160, engine_config={"num_blocks": 512}
+    )
     yield model
     close_drained(model)
 
@@ -125,7 +126,9 @@ def test_failing_request_surfaces_as_an_exception(chat, monkeypatch):
 
 
 def test_parse_tool_calls_handles_tags_bare_json_and_garbage():
-    content, calls, invalid = parse_tool_calls('Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', {"add"})
+    content, calls, invalid = parse_tool_calls(
+        'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', {"add"}
+    )
     assert content == "Sure.\n" and calls[0]["args"] == {"a": 1, "b": 2} and not invalid
     content, calls, _ = parse_tool_calls('{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}', {"add"})
     assert content == "" and calls[0]["args"] == {"a": 1, "b": 2}

@@ -5,10 +5,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import langchain_minisgl
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-
-import langchain_minisgl
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -6,11 +6,11 @@ import asyncio
 import threading
 import time
 
+import langchain_minisgl
 import pytest
 from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
-
-import langchain_minisgl
 from langchain_minisgl import MiniSGL
+
 from minisgl_backend import EngineDeadError
 
 REAL = {"model": "smollm2-135m-instruct", "engine_config": {"dtype": "bfloat16"}}
@@ -140,7 +140,12 @@ def test_unknown_call_option_is_rejected(tiny):
 
 
 def test_dead_engine_raises_in_the_caller_and_retries_on_a_fresh_one(tiny_model_dir):
-    cfg = {"model": str(tiny_model_dir), "temperature": 0, "max_tokens": 4, "engine_config": {"num_blocks": 64}}
+    cfg = {
+        "model": str(tiny_model_dir),
+        "temperature": 0,
+        "max_tokens": 4,
+        "engine_config": {"num_blocks": 64},
+    }
     llm = MiniSGL(**cfg)
     dead = llm.engine
     dead.close()  # the engine stops under the model's feet
@@ -154,7 +159,9 @@ def test_dead_engine_raises_in_the_caller_and_retries_on_a_fresh_one(tiny_model_
 
 
 def test_engine_closing_mid_request_fails_the_waiting_caller(tiny_model_dir):
-    llm = MiniSGL(model=str(tiny_model_dir), temperature=0, max_tokens=2000, engine_config={"num_blocks": 200})
+    llm = MiniSGL(
+        model=str(tiny_model_dir), temperature=0, max_tokens=2000, engine_config={"num_blocks": 200}
+    )
     errors: list[BaseException] = []
 
     def call() -> None:
@@ -222,7 +229,9 @@ def test_breaking_out_of_a_sync_stream_aborts_the_request(tiny, monkeypatch):
 
 
 def test_timeout_aborts_the_request(tiny, tiny_model_dir, monkeypatch):
-    impatient = MiniSGL(model=str(tiny_model_dir), max_tokens=900, timeout=0.05, engine_config={"num_blocks": 256})
+    impatient = MiniSGL(
+        model=str(tiny_model_dir), max_tokens=900, timeout=0.05, engine_config={"num_blocks": 256}
+    )
     assert impatient.engine is tiny.engine
     aborted = _spy_aborts(tiny.engine, monkeypatch)
     with pytest.raises(TimeoutError):

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 import threading
 
-import pytest
-
 import langchain_minisgl
+import pytest
 from langchain_minisgl import ChatMiniSGL, MiniSGL
+
 from minisgl_backend import ConfigError, InvalidSamplingParamsError
 
 ENGINE = {"num_blocks": 64, "block_size": 4, "num_threads": 1, "stats_interval_s": 0}
@@ -95,8 +95,12 @@ def test_engine_config_errors_are_config_errors():
 
 
 def test_a_dead_registered_engine_is_replaced_not_reused(tiny_model_dir):
-    cfg = {"model": str(tiny_model_dir), "temperature": 0, "max_tokens": 4,
-           "engine_config": {**ENGINE, "num_blocks": 48}}
+    cfg = {
+        "model": str(tiny_model_dir),
+        "temperature": 0,
+        "max_tokens": 4,
+        "engine_config": {**ENGINE, "num_blocks": 48},
+    }
     llm = MiniSGL(**cfg)
     first = llm.engine
     assert isinstance(llm.invoke("Hello"), str)

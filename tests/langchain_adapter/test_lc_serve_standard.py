@@ -24,8 +24,9 @@ _SERVER: dict[str, Any] = {}
 
 @pytest.fixture(scope="module", autouse=True)
 def _server():
-    engine = Engine(EngineConfig(model="smollm2-135m-instruct", dtype="bfloat16", stats_interval_s=0,
-                                 num_threads=1))
+    engine = Engine(
+        EngineConfig(model="smollm2-135m-instruct", dtype="bfloat16", stats_interval_s=0, num_threads=1)
+    )
     srv = start_in_thread(engine, api_key=KEY, model_name=MODEL)
     _SERVER["url"] = srv.url
     yield
@@ -35,8 +36,10 @@ def _server():
     engine.close()
 
 
-_WRONG_ARG = ("SmolLM2-135M fills magic_function's argument with a wrong value; the forced call itself is "
-              "valid (grammar-constrained) - the same xfail as the in-process suite")
+_WRONG_ARG = (
+    "SmolLM2-135M fills magic_function's argument with a wrong value; the forced call itself is "
+    "valid (grammar-constrained) - the same xfail as the in-process suite"
+)
 
 
 class TestChatOpenAIOverMiniSGL(ChatModelIntegrationTests):
@@ -51,8 +54,15 @@ class TestChatOpenAIOverMiniSGL(ChatModelIntegrationTests):
         # pytest-asyncio gives every test its own event loop ("Event loop is closed").
         import httpx
 
-        return {"base_url": f"{_SERVER['url']}/v1", "api_key": KEY, "model": MODEL, "temperature": 0,
-                "max_tokens": 64, "stream_usage": True, "http_async_client": httpx.AsyncClient(timeout=300)}
+        return {
+            "base_url": f"{_SERVER['url']}/v1",
+            "api_key": KEY,
+            "model": MODEL,
+            "temperature": 0,
+            "max_tokens": 64,
+            "stream_usage": True,
+            "http_async_client": httpx.AsyncClient(timeout=300),
+        }
 
     @property
     def has_tool_choice(self) -> bool:
@@ -70,8 +80,11 @@ class TestChatOpenAIOverMiniSGL(ChatModelIntegrationTests):
     async def test_tool_calling_async(self, model: BaseChatModel) -> None:
         await super().test_tool_calling_async(model)
 
-    @pytest.mark.xfail(reason="with tool_choice='auto' SmolLM2-135M answers in prose instead of calling "
-                       "get_weather (the same xfail as the in-process suite)", strict=False)
+    @pytest.mark.xfail(
+        reason="with tool_choice='auto' SmolLM2-135M answers in prose instead of calling "
+        "get_weather (the same xfail as the in-process suite)",
+        strict=False,
+    )
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
 
@@ -81,8 +94,10 @@ class TestChatOpenAIOverMiniSGL(ChatModelIntegrationTests):
     # --- JSON as far as it goes, but greedy SmolLM2-135M repeats itself inside the first string
     # --- ('{"setup":"I'm a cat, I'm a cat, ...') until max_tokens=64 cuts it (measured; the same
     # --- schema as a forced tool call gives a complete joke).
-    _LOOPS = ("greedy SmolLM2-135M loops inside a JSON string under response_format (ChatOpenAI's default "
-              "structured-output method) until max_tokens=64; model quality, not protocol: see the comment")
+    _LOOPS = (
+        "greedy SmolLM2-135M loops inside a JSON string under response_format (ChatOpenAI's default "
+        "structured-output method) until max_tokens=64; model quality, not protocol: see the comment"
+    )
 
     @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
     @pytest.mark.xfail(reason=_LOOPS, strict=False)
@@ -102,8 +117,10 @@ class TestChatOpenAIOverMiniSGL(ChatModelIntegrationTests):
     def test_json_mode(self, model: BaseChatModel) -> None:
         super().test_json_mode(model)
 
-    @pytest.mark.xfail(reason="SmolLM2-135M keeps writing inside the optional 'punchline' string until "
-                       "max_tokens=64 cuts the (grammar-valid) call (the same xfail as the in-process suite)",
-                       strict=False)
+    @pytest.mark.xfail(
+        reason="SmolLM2-135M keeps writing inside the optional 'punchline' string until "
+        "max_tokens=64 cuts the (grammar-valid) call (the same xfail as the in-process suite)",
+        strict=False,
+    )
     def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
         super().test_structured_output_optional_param(model)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import langchain_minisgl
 import pytest
 from langchain_core.language_models import BaseChatModel
+from langchain_minisgl import ChatMiniSGL
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
-
-import langchain_minisgl
-from langchain_minisgl import ChatMiniSGL
 
 ENGINE = {"model": "smollm2-135m-instruct", "engine_config": {"dtype": "bfloat16"}}
 # Greedy, and room for a whole forced tool call: one cut by max_tokens cannot parse, constrained or not.
@@ -22,7 +21,9 @@ def _engines():
     yield
     for cfg in langchain_minisgl.running_configs():
         eng = langchain_minisgl._engines.get_engine(cfg)
-        counts = eng.drain(timeout=60, flush_cache=True)  # every request of the suite finished or aborted, blocks reclaimed
+        counts = eng.drain(
+            timeout=60, flush_cache=True
+        )  # every request of the suite finished or aborted, blocks reclaimed
         assert counts["running"] == counts["waiting"] == 0 and counts["FREE"] == eng.num_blocks
     langchain_minisgl.close_all()
 
@@ -64,7 +65,8 @@ class TestChatMiniSGLIntegration(ChatModelIntegrationTests):
     # --- model-quality limits of a 135M model, not adapter defects: the calls are well-formed (the
     # --- grammar guarantees it) but the values or the decision to call are the model's.
     _WRONG_ARG = (
-        "SmolLM2-135M fills magic_function's argument with a wrong value (greedy: input=100 for the asked 3); "
+        "SmolLM2-135M fills magic_function's argument with a wrong value "
+        "(greedy: input=100 for the asked 3); "
         "the forced call itself is valid (grammar-constrained) - see test_lc_chat.py for that guarantee"
     )
 
