@@ -34,7 +34,7 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	# (import-linter contracts: added with the restructure)
+	$(BIN)/lint-imports
 
 bench: setup
 	$(BIN)/minisgl bench --dtype bfloat16 --num-requests 32 --input-len 100 --output-len 64

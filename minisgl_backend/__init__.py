@@ -10,6 +10,7 @@ from minisgl_backend.errors import (
     EngineStalledError,
     InvalidRequestError,
     InvalidSamplingParamsError,
+    InvariantError,
     MiniSGLError,
     ModelLoadError,
     ModelNotFoundError,
@@ -18,8 +19,8 @@ from minisgl_backend.errors import (
     ReentrantCallError,
     RequestFailedError,
 )
-from minisgl_backend.kvcache.block_pool import BlockState, InvariantError
-from minisgl_backend.scheduler.request import RequestHandle
+from minisgl_backend.handle import RequestHandle
+from minisgl_backend.kvcache.block_pool import BlockState
 from minisgl_backend.types import RequestOutput, RequestTimings, SamplingParams, StreamDelta, TokenLogprob
 
 __all__ = [

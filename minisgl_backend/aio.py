@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from minisgl_backend.scheduler.request import RequestHandle
+from minisgl_backend.handle import RequestHandle
 from minisgl_backend.types import RequestOutput
 
 

@@ -64,3 +64,9 @@ class ReentrantCallError(MiniSGLError, RuntimeError):
 class ModelLoadError(ModelNotFoundError):
     """The model reference resolves to files that cannot be loaded (corrupt or truncated safetensors
     or GGUF, weights that do not match config.json). A ModelNotFoundError, so one except catches both."""
+
+
+class InvariantError(AssertionError):
+    """The engine's accounting (KV blocks, token-table rows, token writes) is inconsistent: an
+    engine bug, never a user error. Raised by the checks of the block pool, the token table and
+    `Scheduler.check_invariants`."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.engine import Engine
-from minisgl_backend.scheduler.request import RequestHandle
+from minisgl_backend.handle import RequestHandle
 from minisgl_backend.types import SamplingParams
 
 

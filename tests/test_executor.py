@@ -11,11 +11,10 @@ from minisgl_backend.errors import ConfigError, DeviceUnavailableError
 from minisgl_backend.executor import check_device, make_executor
 from minisgl_backend.executor.base import forward_batch, index_tensors
 from minisgl_backend.executor.cpu import CPUExecutor
-from minisgl_backend.executor.inputs import IterationInputs
 from minisgl_backend.executor.staging import StagingRing, StagingSlot
 from minisgl_backend.executor.tracker import PyInflightTracker
+from minisgl_backend.iteration import IterationInputs, PrefillChunk
 from minisgl_backend.metrics import Metrics, Tracer
-from minisgl_backend.model.llama import PrefillRow
 
 
 def test_factory_picks_the_cpu_back_end() -> None:
@@ -71,14 +70,14 @@ def _inputs() -> tuple[IterationInputs, torch.Tensor]:
     inp = IterationInputs(
         iteration=7,
         depends_on=6,
-        token_rows=torch.tensor([0, 1, 2, 2, 2]),
+        table_rows=torch.tensor([0, 1, 2, 2, 2]),
         positions=torch.tensor([2, 3, 0, 1, 2]),
         slot_mapping=torch.tensor([2, 7, 8, 9, 10]),
         prompt_writes=(),
         num_decode=2,
         decode_block_tables=torch.tensor([[0], [1]]),
         decode_mask=mask,
-        prefill_rows=(PrefillRow(2, 3, 3, torch.tensor([2])),),
+        prefill_chunks=(PrefillChunk(2, 3, 3, torch.tensor([2])),),
         logits_index=torch.tensor([0, 1, 4]),
         samples=(),
         scores=(),
@@ -101,8 +100,8 @@ def test_upload_round_trips_every_index_tensor() -> None:
     ):
         want, got = getattr(direct, name), getattr(staged, name)
         assert got.dtype == want.dtype and torch.equal(got, want), name
-    assert staged.prefill_rows[0][:3] == direct.prefill_rows[0][:3]
-    assert torch.equal(staged.prefill_rows[0].block_table, direct.prefill_rows[0].block_table)
+    assert staged.prefill_chunks[0][:3] == direct.prefill_chunks[0][:3]
+    assert torch.equal(staged.prefill_chunks[0].block_table, direct.prefill_chunks[0].block_table)
     # A prompt-only iteration has no decode tensors: None passes through in place.
     prompt_only = inp._replace(num_decode=0, decode_block_tables=None, decode_mask=None)
     out = slot.upload(index_tensors(prompt_only, ids), torch.device("cpu"))

@@ -92,8 +92,9 @@ def test_greedy_generations_equal_hf_generate(hf_model, engine):
 def test_paged_attention_with_scattered_blocks_equals_contiguous():
     """Chunked prefill and decode read K/V through a shuffled block table; the outputs equal one
     contiguous causal pass over the whole sequence (which touches no cache)."""
+    from minisgl_backend.iteration import PrefillChunk
     from minisgl_backend.kvcache.storage import KVCache
-    from minisgl_backend.model.llama import Attention, ForwardBatch, ModelSpec, PrefillRow, chunk_mask
+    from minisgl_backend.model.llama import Attention, ForwardBatch, ModelSpec, chunk_mask
 
     torch.manual_seed(0)
     spec = ModelSpec(
@@ -137,12 +138,17 @@ def test_paged_attention_with_scattered_blocks_equals_contiguous():
 
     contiguous = torch.arange(5)
     ref = run(
-        KVCache(1, 5, bs, 2, 8, torch.float32, "cpu"), (PrefillRow(0, n, n, contiguous),), 0, 0, n, contiguous
+        KVCache(1, 5, bs, 2, 8, torch.float32, "cpu"),
+        (PrefillChunk(0, n, n, contiguous),),
+        0,
+        0,
+        n,
+        contiguous,
     )
     kv = KVCache(1, 16, bs, 2, 8, torch.float32, "cpu")
     table = torch.randperm(16)[:5]
-    first = run(kv, (PrefillRow(0, 10, 10, table[:3]),), 0, 0, 10, table)
-    second = run(kv, (PrefillRow(0, 8, 18, table),), 0, 10, 18, table)
+    first = run(kv, (PrefillChunk(0, 10, 10, table[:3]),), 0, 0, 10, table)
+    second = run(kv, (PrefillChunk(0, 8, 18, table),), 0, 10, 18, table)
     dec_mask = (torch.arange(5 * bs) < n)[None, None, None, :]
     last = run(kv, (), 1, 18, 19, table, dec_mask)
     paged = torch.cat([first, second, last])

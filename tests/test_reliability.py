@@ -31,8 +31,8 @@ from minisgl_backend import (
     RequestFailedError,
     SamplingParams,
 )
+from minisgl_backend.executor import sample_stage as stage
 from minisgl_backend.executor.tracker import PyInflightTracker, make_tracker, native_available
-from minisgl_backend.sampling import stage
 from minisgl_backend.sampling.sampler import SampleRow, sample
 
 INNOCENT = [100 + (j * 37) % 3000 for j in range(23)]  # 23 tokens: several chunks and blocks

@@ -27,14 +27,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl_backend.executor.inputs import IterationInputs
+from minisgl_backend.executor.sample_stage import sample_iteration
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.executor.tracker import InflightTracker
+from minisgl_backend.iteration import IterationInputs, IterationOutput, PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.metrics import Metrics, Tracer
-from minisgl_backend.model.llama import CausalLM, ForwardBatch, PrefillRow
-from minisgl_backend.sampling.stage import sample_iteration
-from minisgl_backend.scheduler.scheduler import StepOutput
+from minisgl_backend.model.llama import CausalLM, ForwardBatch
 
 STOP = None
 
@@ -48,14 +47,16 @@ def index_tensors(inp: IterationInputs, input_ids: torch.Tensor) -> list[torch.T
         inp.decode_block_tables,
         inp.decode_mask,
         inp.logits_index,
-        *(row.block_table for row in inp.prefill_rows),
+        *(chunk.block_table for chunk in inp.prefill_chunks),
     ]
 
 
 def forward_batch(inp: IterationInputs, tensors: Sequence[torch.Tensor | None]) -> ForwardBatch:
     """The ForwardBatch of `inp` over `tensors` laid out as by index_tensors (on any device)."""
-    ids, positions, slots, tables, mask, logits_index, *row_tables = tensors
-    rows = tuple(PrefillRow(r.start, r.length, r.ctx_len, t) for r, t in zip(inp.prefill_rows, row_tables))
+    ids, positions, slots, tables, mask, logits_index, *chunk_tables = tensors
+    chunks = tuple(
+        PrefillChunk(c.start, c.length, c.ctx_len, t) for c, t in zip(inp.prefill_chunks, chunk_tables)
+    )
     return ForwardBatch(
         input_ids=ids,
         positions=positions,
@@ -63,7 +64,7 @@ def forward_batch(inp: IterationInputs, tensors: Sequence[torch.Tensor | None]) 
         num_decode=inp.num_decode,
         decode_block_tables=tables,
         decode_mask=mask,
-        prefill_rows=rows,
+        prefill_chunks=chunks,
         logits_index=logits_index,
     )
 
@@ -78,7 +79,7 @@ class DualWorkerExecutor:
         self.model: CausalLM | None = None
         self.kv: KVCache | None = None
         self.table: TokenTable | None = None
-        self.results: dict[int, StepOutput] = {}
+        self.results: dict[int, IterationOutput] = {}
         self.error: BaseException | None = None
         self._delay_s = debug_delay_ms / 1000.0
         self._compute_q: queue.SimpleQueue[IterationInputs | tuple | None] = queue.SimpleQueue()
@@ -124,7 +125,7 @@ class DualWorkerExecutor:
         """The worker threads (the engine refuses blocking calls made from them)."""
         return tuple(self._threads)
 
-    def take_result(self, iteration: int) -> StepOutput:
+    def take_result(self, iteration: int) -> IterationOutput:
         return self.results.pop(iteration)
 
     def close(self) -> None:
@@ -156,7 +157,7 @@ class DualWorkerExecutor:
                     return
                 for row, tokens in inp.prompt_writes:
                     self.table.write_prompt(row, tokens)
-                self._launch(inp, self.table.gather(inp.token_rows, inp.positions))
+                self._launch(inp, self.table.gather(inp.table_rows, inp.positions))
         except BaseException as e:  # noqa: BLE001 - reported to the scheduler thread
             self._fail(e)
         finally:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from minisgl_backend.executor.base import STOP, DualWorkerExecutor, forward_batch, index_tensors
-from minisgl_backend.executor.inputs import IterationInputs
+from minisgl_backend.iteration import IterationInputs
 
 
 class CPUExecutor(DualWorkerExecutor):

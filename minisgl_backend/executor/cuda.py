@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from minisgl_backend.executor.base import DualWorkerExecutor, forward_batch, index_tensors
-from minisgl_backend.executor.inputs import IterationInputs
 from minisgl_backend.executor.staging import StagingRing, StagingSlot
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.executor.tracker import InflightTracker
+from minisgl_backend.iteration import IterationInputs
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.metrics import Metrics, Tracer
 from minisgl_backend.model.llama import CausalLM

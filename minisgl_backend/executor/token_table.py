@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minisgl_backend.kvcache.block_pool import InvariantError
+from minisgl_backend.errors import InvariantError
 
 
 class TokenTable:

@@ -148,7 +148,7 @@ def _native() -> Any:
     global _native_module, _native_checked
     if not _native_checked:
         try:
-            from minisgl_backend import _native as mod  # type: ignore[attr-defined]
+            import minisgl_backend._native as mod  # type: ignore[import-not-found]
         except ImportError:
             mod = None
         _native_module, _native_checked = mod, True

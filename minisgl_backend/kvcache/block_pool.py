@@ -20,11 +20,8 @@ import enum
 from collections import deque
 from collections.abc import Iterable
 
+from minisgl_backend.errors import InvariantError
 from minisgl_backend.kvcache.reclaim import FencedReclaim
-
-
-class InvariantError(AssertionError):
-    """The block accounting is inconsistent (an engine bug, never a user error)."""
 
 
 class BlockState(enum.IntEnum):

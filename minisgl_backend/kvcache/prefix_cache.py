@@ -48,7 +48,6 @@ class PrefixCache:
         self._root = _Node((), -1, None)
         self._clock = itertools.count(1)  # LRU order: a logical clock, cheaper and steadier than time
         self.num_blocks = 0  # blocks the tree holds a reference on
-        self.evictions = 0
 
     def _keys(self, tokens: Sequence[int], num_blocks: int):
         bs = self.block_size
@@ -110,7 +109,6 @@ class PrefixCache:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         self.pool.release(freed, fence)
         self.num_blocks -= len(freed)
-        self.evictions += len(freed)
         return len(freed)
 
     def blocks(self) -> list[int]:

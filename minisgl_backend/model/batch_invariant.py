@@ -221,10 +221,10 @@ class BatchInvariantForward:
             pos = batch.positions[:b]
             kc, vc = context(kv, attn.layer_id, batch.decode_block_tables, int(pos.max()) + 1, scratch)
             out[:b] = attend(q[:b, None], kc, vc, pos[:, None], scale, window, cap)[:, 0]
-        for row in batch.prefill_rows:  # every chunk reads its whole context back from the cache
-            kr, vr = context(kv, attn.layer_id, row.block_table[None], row.ctx_len, scratch)
-            for s in range(row.start, row.start + row.length, QUERY_TILE):
-                e = min(s + QUERY_TILE, row.start + row.length)
+        for chunk in batch.prefill_chunks:  # every chunk reads its whole context back from the cache
+            kr, vr = context(kv, attn.layer_id, chunk.block_table[None], chunk.ctx_len, scratch)
+            for s in range(chunk.start, chunk.start + chunk.length, QUERY_TILE):
+                e = min(s + QUERY_TILE, chunk.start + chunk.length)
                 out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale, window, cap)[0]
         return attn.o_proj(out.view(x.shape[0], attn.h * attn.d))
 

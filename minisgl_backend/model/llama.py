@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl_backend.errors import ConfigError
+from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model.rope import RopeSpec, Rotary, apply_rotary
 
@@ -29,26 +30,16 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2",
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-class PrefillRow(NamedTuple):
-    """One prompt chunk: tokens [start, start+length) of the batch, ending at context length ctx_len
-    (a later chunk, ctx_len > length, also attends to the cached prefix)."""
-
-    start: int
-    length: int
-    ctx_len: int
-    block_table: torch.Tensor  # [ceil(ctx_len / block_size)] block ids
-
-
-def chunk_mask(row: PrefillRow, window: int | None = None) -> torch.Tensor | None:
+def chunk_mask(chunk: PrefillChunk, window: int | None = None) -> torch.Tensor | None:
     """[length, ctx_len] mask of one prompt chunk: query at position q sees key j iff j <= q (and,
     in a sliding-window layer, j > q - window). None when plain causal attention over the chunk's
     own keys is exact (a first chunk no longer than the window)."""
-    prefix = row.ctx_len - row.length
-    if prefix == 0 and (window is None or row.length <= window):
+    prefix = chunk.ctx_len - chunk.length
+    if prefix == 0 and (window is None or chunk.length <= window):
         return None
-    dev = row.block_table.device  # built where attention runs: the block table is already there
-    q = torch.arange(prefix, row.ctx_len, device=dev)[:, None]
-    k = torch.arange(row.ctx_len, device=dev)[None, :]
+    dev = chunk.block_table.device  # built where attention runs: the block table is already there
+    q = torch.arange(prefix, chunk.ctx_len, device=dev)[:, None]
+    k = torch.arange(chunk.ctx_len, device=dev)[None, :]
     mask = k <= q
     if window is not None:
         mask &= k > q - window
@@ -64,7 +55,7 @@ class ForwardBatch(NamedTuple):
     num_decode: int
     decode_block_tables: torch.Tensor | None  # [B, nb] (padded with block 0)
     decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] bool: key j < context length
-    prefill_rows: tuple[PrefillRow, ...]
+    prefill_chunks: tuple[PrefillChunk, ...]
     logits_index: torch.Tensor  # [M] token rows whose next-token logits are wanted
 
 
@@ -302,7 +293,7 @@ class Attention(nn.Module):
         masks: list[torch.Tensor | None],
         decode: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
-        """masks: chunk_mask(row, self.window) per prefill row; decode: decode_window(batch,
+        """masks: chunk_mask(chunk, self.window) per prefill chunk; decode: decode_window(batch,
         self.window, block_size) (None: the batch's decode block tables and mask)."""
         n = x.shape[0]
         q, k, v = self.qkv(x, rope, n)
@@ -313,14 +304,14 @@ class Attention(nn.Module):
         if b:
             tables, mask = (batch.decode_block_tables, batch.decode_mask) if decode is None else decode
             out[:b] = self._decode_attention(q[:b], tables, mask, kv)
-        for row, mask in zip(batch.prefill_rows, masks):
-            s, e = row.start, row.start + row.length
+        for chunk, mask in zip(batch.prefill_chunks, masks):
+            s, e = chunk.start, chunk.start + chunk.length
             qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
-            if row.ctx_len == row.length:  # first chunk: its own K/V are the whole context
+            if chunk.ctx_len == chunk.length:  # first chunk: its own K/V are the whole context
                 kr, vr = k[s:e], v[s:e]
             else:
-                kr, vr = kv.gather(self.layer_id, row.block_table)
-                kr, vr = kr[: row.ctx_len], vr[: row.ctx_len]
+                kr, vr = kv.gather(self.layer_id, chunk.block_table)
+                kr, vr = kr[: chunk.ctx_len], vr[: chunk.ctx_len]
             kr, vr = kr.transpose(0, 1)[None], vr.transpose(0, 1)[None]
             if self.softcap is None:
                 o = F.scaled_dot_product_attention(
@@ -438,7 +429,7 @@ class CausalLM(nn.Module):
         masks = {}
         for w in {layer.self_attn.window for layer in m.layers}:
             masks[w] = (
-                [chunk_mask(row, w) for row in batch.prefill_rows],
+                [chunk_mask(chunk, w) for chunk in batch.prefill_chunks],
                 decode_window(batch, w, kv.block_size),
             )
 

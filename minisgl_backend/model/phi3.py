@@ -5,9 +5,12 @@ rows in transformers' order: q, k, v and gate, up."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from minisgl_backend.model.llama import ModelSpec
+if TYPE_CHECKING:  # llama.py imports this module when it loads a Phi-3 checkpoint
+    from minisgl_backend.model.llama import ModelSpec
 
 
 def split_fused_projections(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:

@@ -1,17 +1,21 @@
-"""Scheduler-side state of one request (a batch "slot", S7): owned by the scheduler thread only."""
+"""Scheduler-side state of one request: owned by the scheduler thread only (S7).
+
+Its fields, by concern: identity and parameters (fixed at submit); the committed sequence and its
+text (`output_ids`, `detok`, logprobs); KV ownership (`table_row`, `block_table`); planning state,
+which runs ahead of results under overlap (`num_computed`, `pending_samples`,
+`last_sample_iteration`, `epoch`); prefix-cache bookkeeping (`num_readonly_blocks`,
+`num_offered_blocks`, `claims`); and the outcome (`finish_reason`, `error`), which only
+`Scheduler.finish` sets.
+"""
 
 from __future__ import annotations
 
 import enum
-import queue
-import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future
 
-from minisgl_backend.errors import ReentrantCallError
+from minisgl_backend.handle import RequestHandle
 from minisgl_backend.kvcache.prefix_cache import prefix_hashes
-from minisgl_backend.sampling.detokenizer import IncrementalDetokenizer
+from minisgl_backend.scheduler.detokenizer import IncrementalDetokenizer
 from minisgl_backend.types import (
     FinishReason,
     RequestOutput,
@@ -26,74 +30,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # no KV yet (new, or preempted for recompute)
     RUNNING = "running"  # holds KV blocks: prefilling chunks or decoding
     FINISHED = "finished"
-
-
-class RequestHandle:
-    """The caller's side of a request: `result()` and iteration over StreamDelta.
-
-    The scheduler thread only posts into it (a queue put and a Future result); it never reads it.
-    """
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._future: Future[RequestOutput] = Future()
-        self._deltas: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
-        self._engine_threads: frozenset[threading.Thread] = frozenset()  # set by the engine
-        self._consumed = False  # the final delta (or the error) was taken by an iterator
-
-    def _not_reentrant(self, what: str) -> None:
-        current = threading.current_thread()
-        if current in self._engine_threads and not self._future.done():
-            raise ReentrantCallError(
-                f"RequestHandle.{what} for {self.request_id!r} was called from the engine's own thread "
-                f"{current.name!r} (e.g. inside a logits processor or a result callback): the request "
-                "cannot finish while that thread waits for it, a deadlock. Call it from another thread."
-            )
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        """Block until the request finishes; raises TimeoutError, EngineDeadError if the engine died,
-        RequestFailedError if sampling it failed (InvalidRequestError for a duplicate request_id),
-        ReentrantCallError when called unfinished from one of the engine's own threads."""
-        self._not_reentrant("result()")
-        return self._future.result(timeout)
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def add_done_callback(self, fn) -> None:
-        self._future.add_done_callback(lambda _f: fn(self))
-
-    def __iter__(self) -> Iterator[StreamDelta]:
-        """The deltas, once: iterating again after the final delta (or the error) has been taken
-        returns at once (re-raising that error) instead of blocking forever."""
-        while True:
-            if self._consumed:
-                if self._future.done() and self._future.exception() is not None:
-                    raise self._future.exception()  # type: ignore[misc]
-                return
-            if self._deltas.empty():
-                self._not_reentrant("__iter__()")
-            item = self._deltas.get()
-            if isinstance(item, BaseException):
-                self._consumed = True
-                raise item
-            if item.finished:
-                self._consumed = True
-            yield item
-            if item.finished:
-                return
-
-    # --- posted by the scheduler thread ---
-    def _post_delta(self, delta: StreamDelta) -> None:
-        self._deltas.put(delta)
-
-    def _post_result(self, out: RequestOutput) -> None:
-        self._future.set_result(out)
-
-    def _post_error(self, err: Exception) -> None:
-        if not self._future.done():
-            self._deltas.put(err)
-            self._future.set_exception(err)
 
 
 class Request:
@@ -118,20 +54,20 @@ class Request:
         self.status = RequestStatus.WAITING
         self.output_ids: list[int] = []  # committed: results the scheduler has processed
         self.block_table: list[int] = []
-        self.row: int | None = None  # token-table row, held from admission to finish
+        self.table_row: int | None = None  # token-table row, held from admission to finish
         # Planning runs ahead of results (overlap): these count work submitted but maybe not done.
         self.num_computed = 0  # positions whose K/V computation has been submitted
         self.pending_samples = 0  # submitted iterations that will draw a token for this request
         self.last_sample_iteration = 0  # the newest of them: later reads of this row wait for it (S6)
         self.epoch = 0  # bumped on preemption: results planned in an older epoch are discarded
         self.num_readonly_blocks = 0  # leading blocks whose writes completed (READ_ONLY)
-        self.num_cached_blocks = 0  # leading blocks already offered to the prefix cache
+        self.num_offered_blocks = 0  # leading blocks already offered to the prefix cache
         self.claims: list[int] = []  # prefix-block hashes this request computes for the cache
         self._block_hashes: list[int] | None = None
         self.num_preemptions = 0
         self.high_water = 0  # furthest position whose K/V ever completed (survives preemption)
-        self.finish_reason: FinishReason | None = None
-        self.error: Exception | None = None  # set when the request failed on its own (logits processor)
+        self.finish_reason: FinishReason | None = None  # set by Scheduler.finish only
+        self.error: Exception | None = None  # why it failed on its own (e.g. its logits processor)
         self.stop_ids = (frozenset() if params.ignore_eos else eos_ids) | frozenset(params.stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, params.stop, params.skip_special_tokens)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -178,19 +114,17 @@ class Request:
             and self.prompt_logprobs[target] is None
         )
 
-    def append_token(self, token: int, max_model_len: int) -> None:
-        """Record one sampled token and decide whether the request is finished."""
-        now = time.perf_counter()
+    def append_token(self, token: int, max_model_len: int) -> FinishReason | None:
+        """Commit one sampled token; returns why the request is finished by it, or None."""
         if self.first_token_time is None:
-            self.first_token_time = now
+            self.first_token_time = time.perf_counter()
         self.output_ids.append(token)
         stopped_by_text = self.detok.append(self.output_ids)
-        if token in self.stop_ids:
-            self.finish_reason = "stop"
-        elif stopped_by_text:
-            self.finish_reason = "stop"
-        elif len(self.output_ids) >= self.params.max_tokens or self.seq_len > max_model_len:
-            self.finish_reason = "length"
+        if token in self.stop_ids or stopped_by_text:
+            return "stop"
+        if len(self.output_ids) >= self.params.max_tokens or self.seq_len > max_model_len:
+            return "length"
+        return None
 
     def delta(self, new_ids: list[int]) -> StreamDelta:
         finished = self.finish_reason is not None

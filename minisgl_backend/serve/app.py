@@ -44,7 +44,7 @@ from minisgl_backend.errors import (
     PromptTooLongError,
     QueueFullError,
 )
-from minisgl_backend.scheduler.request import RequestHandle
+from minisgl_backend.handle import RequestHandle
 from minisgl_backend.serve.protocol import (
     ChatCompletionRequest,
     ChatMessage,

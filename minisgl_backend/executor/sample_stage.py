@@ -1,4 +1,7 @@
-"""The sampling stage of one iteration (runs on the copy stream's worker, on the CPU: S16)."""
+"""The sampling stage of one iteration: runs on the executor's copy worker, on the CPU (S16).
+
+It belongs to the executor (it reads the executor's token table and answers the executor's
+iteration); the sampling math it calls lives in `sampling/`, which knows nothing of iterations."""
 
 from __future__ import annotations
 
@@ -9,10 +12,9 @@ from typing import TypeVar
 import numpy as np
 
 from minisgl_backend.errors import RequestFailedError
-from minisgl_backend.executor.inputs import IterationInputs
 from minisgl_backend.executor.token_table import TokenTable
+from minisgl_backend.iteration import IterationInputs, IterationOutput
 from minisgl_backend.sampling.sampler import SampleRow, apply_processors, sample, token_logprobs
-from minisgl_backend.scheduler.scheduler import StepOutput
 from minisgl_backend.types import TokenLogprob
 
 T = TypeVar("T")
@@ -52,7 +54,7 @@ def _scored(
     return out
 
 
-def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable) -> StepOutput:
+def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable) -> IterationOutput:
     """Draw the tokens of one iteration from float32 logits [rows, vocab], write them into the token
     table (where the next iteration reads them) and score prompt logprobs.
 
@@ -70,14 +72,14 @@ def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable
                 s.params,
                 s.seed,
                 s.position,
-                table.history(s.token_row, s.prompt_len, s.position) if s.params.logits_processors else (),
+                table.history(s.table_row, s.prompt_len, s.position) if s.params.logits_processors else (),
             )
             for s in specs
         ]
         processed, failed = apply_processors(logits[[s.logits_row for s in specs]], rows)
         tokens = sample(processed, rows, failed)
         errors = {specs[i].req_key: e for i, e in failed.items()}
-        table.write_drawn([s.token_row for s in specs], [s.position for s in specs], tokens)
+        table.write_drawn([s.table_row for s in specs], [s.position for s in specs], tokens)
         for s, tok in zip(specs, tokens):
             if s.req_key not in errors:
                 sampled[s.req_key] = tok
@@ -104,4 +106,4 @@ def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable
         "prompt logprobs",
     )
     prompt = [(s.req_key, s.prompt_index, lp) for s, lp in scores if s.req_key not in errors]
-    return StepOutput(sampled, logprobs, prompt, errors)
+    return IterationOutput(sampled, logprobs, prompt, errors)

@@ -1,0 +1,82 @@
+"""The caller's side of one request: `result()`, iteration over StreamDelta, done-callbacks.
+
+Callers read it from any thread; the scheduler thread only posts into it (a queue put and a Future
+result) and never reads it back, so a handle needs no lock of its own."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+from minisgl_backend.errors import ReentrantCallError
+from minisgl_backend.types import RequestOutput, StreamDelta
+
+
+class RequestHandle:
+    """The caller's side of a request: `result()` and iteration over StreamDelta.
+
+    The scheduler thread only posts into it (a queue put and a Future result); it never reads it.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._future: Future[RequestOutput] = Future()
+        self._deltas: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
+        self._engine_threads: frozenset[threading.Thread] = frozenset()  # set by the engine
+        self._consumed = False  # the final delta (or the error) was taken by an iterator
+
+    def _not_reentrant(self, what: str) -> None:
+        current = threading.current_thread()
+        if current in self._engine_threads and not self._future.done():
+            raise ReentrantCallError(
+                f"RequestHandle.{what} for {self.request_id!r} was called from the engine's own thread "
+                f"{current.name!r} (e.g. inside a logits processor or a result callback): the request "
+                "cannot finish while that thread waits for it, a deadlock. Call it from another thread."
+            )
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Block until the request finishes; raises TimeoutError, EngineDeadError if the engine died,
+        RequestFailedError if sampling it failed (InvalidRequestError for a duplicate request_id),
+        ReentrantCallError when called unfinished from one of the engine's own threads."""
+        self._not_reentrant("result()")
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        """The deltas, once: iterating again after the final delta (or the error) has been taken
+        returns at once (re-raising that error) instead of blocking forever."""
+        while True:
+            if self._consumed:
+                if self._future.done() and self._future.exception() is not None:
+                    raise self._future.exception()  # type: ignore[misc]
+                return
+            if self._deltas.empty():
+                self._not_reentrant("__iter__()")
+            item = self._deltas.get()
+            if isinstance(item, BaseException):
+                self._consumed = True
+                raise item
+            if item.finished:
+                self._consumed = True
+            yield item
+            if item.finished:
+                return
+
+    # --- posted by the scheduler thread ---
+    def _post_delta(self, delta: StreamDelta) -> None:
+        self._deltas.put(delta)
+
+    def _post_result(self, out: RequestOutput) -> None:
+        self._future.set_result(out)
+
+    def _post_error(self, err: Exception) -> None:
+        if not self._future.done():
+            self._deltas.put(err)
+            self._future.set_exception(err)
