@@ -32,8 +32,9 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + extra
 
 
-# The native completion-callback core (csrc/, BRIEF S13/S14). Optional: without it the executor uses the
-# pure-Python tracker (minisgl_backend/executor/tracker.py), so a machine without a compiler still installs.
+# The native completion-callback core (csrc/, S13/S14 in docs/requirements.md). Optional: without it the
+# executor uses the pure-Python tracker (minisgl_backend/executor/tracker.py), so a machine without a
+# compiler still installs.
 # optional=True also makes an editable install skip copying a .so that was never built.
 NATIVE = Extension("minisgl_backend._native", ["csrc/inflight_tracker.cpp"], language="c++", optional=True)
 SKIP_NATIVE_ENV = "MINISGL_SKIP_NATIVE"  # =1: do not even try (also how the fallback is tested)

@@ -1,4 +1,5 @@
-// minisgl_backend._native: the completion-callback core of the executor (BRIEF S13, S14, S19).
+// minisgl_backend._native: the completion-callback core of the executor (S13, S14, S19; see
+// docs/requirements.md).
 //
 // S13: at most `max_inflight` submitted-but-unfinished iterations; the completion callback only
 //      decrements a counter and pushes an id. S14: that callback lives in native code, so a CUDA host

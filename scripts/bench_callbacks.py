@@ -1,4 +1,4 @@
-"""Microbenchmark of the completion path (BRIEF S13/S14/S19): Python tracker vs the native extension.
+"""Microbenchmark of the completion path (S13/S14/S19): Python tracker vs the native extension.
 
   .venv/bin/python scripts/bench_callbacks.py [--completions 100000] [--work-items 3000] [--matrix 96]
 

@@ -1,4 +1,4 @@
-"""In-flight iteration tracker: backpressure counter + completion queue (BRIEF S13, S14, S19).
+"""In-flight iteration tracker: backpressure counter + completion queue (S13, S14, S19).
 
 The executor calls ``begin()`` before submitting an iteration (at most ``max_inflight`` may be
 submitted-but-unfinished, S13); the completion side calls ``complete(id)`` — from a CUDA host function,

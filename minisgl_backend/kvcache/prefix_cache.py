@@ -1,4 +1,4 @@
-"""Prefix cache: a radix tree over token ids at block granularity (seed S1, S9).
+"""Prefix cache: a radix tree over token ids at block granularity (S1, S9).
 
 Each node below the root is one full KV block, keyed by the `block_size` token ids it holds; the
 path from the root spells the token prefix whose K/V the blocks contain. The tree owns one
