@@ -77,7 +77,7 @@ def json_grammar(schema: dict[str, Any] | None) -> str:
 class GrammarProcessor:
     """Per-request logits processor: masks every token the grammar forbids (EOS once complete).
 
-    The engine calls it on the executor's copy worker (the sampling stage, `sampling/stage.py`, run
+    The engine calls it on the executor's copy worker (the sampling stage, `executor/sample_stage.py`, run
     from `executor/base.py`), before the draw, with all output ids so far; it feeds the matcher the
     ids it has not seen, then masks. One instance serves one request only (it holds parser state).
     """
