@@ -8,7 +8,7 @@ block preempts the running request that arrived last (blocks released, requeued 
 
 Progress under any pool that holds one request: the victim of a preemption is always the running
 request that arrived last, so the oldest one is never preempted while another runs; and admission
-leaves a watermark of free blocks for every running decode's next step, so a preempted request is
+leaves a watermark of free blocks for every running decode's next iteration, so a preempted request is
 not re-admitted with the very blocks the decode that preempted it is waiting for (prefill-first
 planning used to do exactly that, forever). `progress` counts what moves a request forward
 (committed tokens, finished requests, prompt positions computed for the first time): the loop's
@@ -224,7 +224,7 @@ class Scheduler:
         partial = [r for r in self.running if not r.is_decode]  # admitted, prompt not fully planned
         # Blocks that admitted prompts will still claim: new admissions must leave them free.
         reserved = sum(_blocks_for(r.planned_len, bs) - len(r.block_table) for r in partial)
-        # The watermark: room for the next decode step of every running decode. Without it a
+        # The watermark: room for the next decode iteration of every running decode. Without it a
         # preempted request is re-admitted with the blocks its preemptor waits for (a livelock).
         watermark = sum(
             max(0, _blocks_for(r.planned_len + 1, bs) - len(r.block_table))
