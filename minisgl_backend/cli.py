@@ -108,7 +108,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from minisgl_backend.bench import (
+    from minisgl_backend.tools.bench import (
         PREFIX_TABLE,
         SEED_TABLE,
         bench,
@@ -137,7 +137,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         prefix = args.scenario == "prefix"
         workload = shared_prefix_prompts if prefix else mixed_prompts
         if args.plot:
-            from minisgl_backend.plot import require_matplotlib
+            from minisgl_backend.tools.plot import require_matplotlib
 
             require_matplotlib()  # before minutes of benchmarking, not after
         events: list[dict] | None = [] if args.trace or args.plot else None
@@ -155,7 +155,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 json.dump({"traceEvents": events}, f)
             print(f"wrote {args.trace} (open in chrome://tracing or ui.perfetto.dev)")
         if args.plot:
-            from minisgl_backend.plot import plot_utilisation
+            from minisgl_backend.tools.plot import plot_utilisation
 
             plot_utilisation(events, args.plot)
             print(f"wrote {args.plot} (compute / scheduler busy over time, one row per config)")
@@ -205,8 +205,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_stress(args: argparse.Namespace) -> int:
-    from minisgl_backend.stress import run_stress
-    from minisgl_backend.tiny import make_tiny_llama
+    from minisgl_backend.tools.stress import run_stress
+    from minisgl_backend.tools.tiny import make_tiny_llama
 
     # A pool small enough that blocks and rows are reused constantly (S18), and prompt-only batches
     # (mixed_batches off) that do not wait for the copy stage: the widest race window. Overridable.
@@ -243,7 +243,7 @@ def _cmd_stress(args: argparse.Namespace) -> int:
 
 
 def _cmd_determinism(args: argparse.Namespace) -> int:
-    from minisgl_backend.determinism import Grid, Workload, print_progress, run_check
+    from minisgl_backend.tools.determinism import Grid, Workload, print_progress, run_check
 
     grid = Grid.from_yaml(args.grid)
     workload = Workload.from_yaml(args.prompts)
@@ -308,7 +308,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
         base = {"stats_interval_s": 0}
         if args.tiny:
-            from minisgl_backend.tiny import make_tiny_llama
+            from minisgl_backend.tools.tiny import make_tiny_llama
 
             base["model"] = str(make_tiny_llama())
         engine = Engine(_engine_config(args, base))
@@ -480,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(bs)
     bs.set_defaults(fn=_cmd_bench_serve)
 
-    from minisgl_backend.determinism import DEFAULT_GRID, DEFAULT_PROMPTS
+    from minisgl_backend.tools.determinism import DEFAULT_GRID, DEFAULT_PROMPTS
 
     det = sub.add_parser(
         "determinism",
