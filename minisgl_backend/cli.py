@@ -11,13 +11,15 @@ from typing import Any
 
 import yaml
 
-from minisgl_backend.config import EngineConfig
+from minisgl_backend.config import EngineConfig, load_preset
 from minisgl_backend.errors import MiniSGLError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--config", help="YAML engine preset (e.g. configs/engine/default.yaml)")
+    g.add_argument(
+        "--config", help="engine preset: a YAML path or a name under configs/engine/ (e.g. serial)"
+    )
     g.add_argument("--model", help="alias, Hugging Face directory or .gguf path")
     g.add_argument("--dtype", choices=["float32", "bfloat16"])
     g.add_argument(
@@ -37,10 +39,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_config(args: argparse.Namespace, base: dict[str, Any] | None = None) -> EngineConfig:
     """EngineConfig from --config, then `base` (a command's own defaults), then flags and --set."""
-    overrides = {**(base or {}), **_flag_overrides(args)}
-    if args.config:
-        return EngineConfig.from_yaml(args.config, **overrides)
-    return EngineConfig.from_dict(overrides)
+    return EngineConfig.resolve(args.config or None, _flag_overrides(args), defaults=base)
 
 
 def _flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -109,7 +108,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from minisgl_backend.bench import (
+    from minisgl_backend.tools.bench import (
         PREFIX_TABLE,
         SEED_TABLE,
         bench,
@@ -138,7 +137,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         prefix = args.scenario == "prefix"
         workload = shared_prefix_prompts if prefix else mixed_prompts
         if args.plot:
-            from minisgl_backend.plot import require_matplotlib
+            from minisgl_backend.tools.plot import require_matplotlib
 
             require_matplotlib()  # before minutes of benchmarking, not after
         events: list[dict] | None = [] if args.trace or args.plot else None
@@ -156,7 +155,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 json.dump({"traceEvents": events}, f)
             print(f"wrote {args.trace} (open in chrome://tracing or ui.perfetto.dev)")
         if args.plot:
-            from minisgl_backend.plot import plot_utilisation
+            from minisgl_backend.tools.plot import plot_utilisation
 
             plot_utilisation(events, args.plot)
             print(f"wrote {args.plot} (compute / scheduler busy over time, one row per config)")
@@ -206,8 +205,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_stress(args: argparse.Namespace) -> int:
-    from minisgl_backend.stress import run_stress
-    from minisgl_backend.tiny import make_tiny_llama
+    from minisgl_backend.tools.stress import run_stress
+    from minisgl_backend.tools.tiny import make_tiny_llama
 
     # A pool small enough that blocks and rows are reused constantly (S18), and prompt-only batches
     # (mixed_batches off) that do not wait for the copy stage: the widest race window. Overridable.
@@ -244,7 +243,7 @@ def _cmd_stress(args: argparse.Namespace) -> int:
 
 
 def _cmd_determinism(args: argparse.Namespace) -> int:
-    from minisgl_backend.determinism import Grid, Workload, print_progress, run_check
+    from minisgl_backend.tools.determinism import Grid, Workload, print_progress, run_check
 
     grid = Grid.from_yaml(args.grid)
     workload = Workload.from_yaml(args.prompts)
@@ -252,9 +251,8 @@ def _cmd_determinism(args: argparse.Namespace) -> int:
     # compare_within and axes values still win at each point.
     overrides = _flag_overrides(args)
     if args.config:
-        EngineConfig.from_yaml(args.config, **overrides)  # validates the preset and the flags together
-        with open(args.config) as f:
-            overrides = {**(yaml.safe_load(f) or {}), **overrides}
+        EngineConfig.resolve(args.config, overrides)  # validates the preset and the flags together
+        overrides = {**load_preset(args.config), **overrides}
     report = run_check(grid, workload, overrides, progress=print_progress)
     print(report.format_table())
     if args.json:
@@ -310,7 +308,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
         base = {"stats_interval_s": 0}
         if args.tiny:
-            from minisgl_backend.tiny import make_tiny_llama
+            from minisgl_backend.tools.tiny import make_tiny_llama
 
             base["model"] = str(make_tiny_llama())
         engine = Engine(_engine_config(args, base))
@@ -482,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(bs)
     bs.set_defaults(fn=_cmd_bench_serve)
 
-    from minisgl_backend.determinism import DEFAULT_GRID, DEFAULT_PROMPTS
+    from minisgl_backend.tools.determinism import DEFAULT_GRID, DEFAULT_PROMPTS
 
     det = sub.add_parser(
         "determinism",

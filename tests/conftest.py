@@ -23,7 +23,7 @@ def tiny_model_dir(tmp_path_factory):
     """A 2-layer random-weight Llama with SmolLM2's tokenizer: fast, exercises every engine path.
     MINISGL_TOKENIZER=DIR takes the tokenizer files from DIR instead of the embedded model (the GPU
     machine cannot carry the model: scripts/gpu_check.sh)."""
-    from minisgl_backend.tiny import make_tiny_llama
+    from minisgl_backend.tools.tiny import make_tiny_llama
 
     return make_tiny_llama(
         tmp_path_factory.mktemp("tiny-llama"), tokenizer=os.environ.get("MINISGL_TOKENIZER")

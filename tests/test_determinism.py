@@ -17,7 +17,8 @@ import sys
 import pytest
 
 from minisgl_backend import Engine, EngineConfig, SamplingParams
-from minisgl_backend.determinism import (
+from minisgl_backend.errors import ConfigError
+from minisgl_backend.tools.determinism import (
     DEFAULT_GRID,
     DEFAULT_PROMPTS,
     Fingerprint,
@@ -27,7 +28,6 @@ from minisgl_backend.determinism import (
     run_check,
     run_point,
 )
-from minisgl_backend.errors import ConfigError
 
 # Small pools (start-up allocates the KV cache) and one intra-op thread: these grids start many
 # engines, and on a shared 2-core machine a 2-thread OpenMP team stalls whenever another process

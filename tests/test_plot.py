@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from minisgl_backend.errors import MissingExtraError
-from minisgl_backend.plot import busy_fraction, lanes_by_config, require_matplotlib
+from minisgl_backend.tools.plot import busy_fraction, lanes_by_config, require_matplotlib
 
 
 def test_busy_fraction_is_the_covered_share_of_each_bin() -> None:
@@ -73,7 +73,7 @@ def test_bench_plot_writes_a_png_of_every_config(tiny_model_dir, tmp_path) -> No
     # The same PNG can be drawn later from the saved trace.
     again = tmp_path / "again.png"
     r = subprocess.run(
-        [sys.executable, "-m", "minisgl_backend.plot", str(trace), str(again)],
+        [sys.executable, "-m", "minisgl_backend.tools.plot", str(trace), str(again)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -6,7 +6,7 @@ import pytest
 from minisgl_backend import Engine, EngineConfig, SamplingParams
 from minisgl_backend.kvcache.block_pool import BlockPool, BlockState
 from minisgl_backend.kvcache.prefix_cache import PrefixCache
-from minisgl_backend.stress import run_stress
+from minisgl_backend.tools.stress import run_stress
 
 BS = 4
 

@@ -5,7 +5,7 @@ debug switch must produce mismatches, proving the harness can see the bug."""
 import pytest
 
 from minisgl_backend import EngineConfig
-from minisgl_backend.stress import run_stress
+from minisgl_backend.tools.stress import run_stress
 
 
 def _config(tiny_model_dir, **kw) -> EngineConfig:

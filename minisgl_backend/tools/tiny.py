@@ -2,7 +2,7 @@
 runs, and models of realistic shape for speed measurements (speed does not depend on weight values).
 
 Outputs are meaningless text, but every engine path (chunking, preemption, reclaim) runs exactly as
-on a real model. `python -m minisgl_backend.tiny --shape 1b OUT` writes a ~1.2B-parameter Llama for
+on a real model. `python -m minisgl_backend.tools.tiny --shape 1b OUT` writes a ~1.2B-parameter Llama for
 scripts/gpu_check.sh.
 """
 
@@ -75,7 +75,7 @@ def make_tiny_llama(out: Path | None = None, seed: int = 0, tokenizer: str | Pat
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m minisgl_backend.tiny", description="write a random-weight Llama"
+        prog="python -m minisgl_backend.tools.tiny", description="write a random-weight Llama"
     )
     p.add_argument("out", type=Path)
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")

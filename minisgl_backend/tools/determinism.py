@@ -36,7 +36,7 @@ from minisgl_backend.engine import Engine
 from minisgl_backend.errors import ConfigError, InvalidSamplingParamsError
 from minisgl_backend.types import RequestOutput, SamplingParams, TokenLogprob
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "determinism"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "determinism"
 DEFAULT_GRID = CONFIG_DIR / "default.yaml"
 DEFAULT_PROMPTS = CONFIG_DIR / "prompts.yaml"
 

@@ -17,10 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl_backend.config import EngineConfig
-from minisgl_backend.engine import Engine
-from minisgl_backend.handle import RequestHandle
-from minisgl_backend.types import SamplingParams
+from minisgl_backend import Engine, EngineConfig, RequestHandle, SamplingParams
 
 
 @dataclass

@@ -3,7 +3,7 @@ assume it). For each config of a `bench --scenario/--sweep --trace` run, the sha
 bin during which the compute lane was busy, with the scheduler lane drawn over it; configs stacked.
 
 Reads the Chrome-trace events the bench writes (Tracer.chrome_events), so a saved trace can also be
-drawn later, on another machine: `python -m minisgl_backend.plot trace.json out.png`. matplotlib is
+drawn later, on another machine: `python -m minisgl_backend.tools.plot trace.json out.png`. matplotlib is
 an optional extra (`pip install 'minisgl[plot]'`), imported only when a plot is drawn.
 """
 
@@ -107,7 +107,9 @@ def plot_utilisation(events: list[dict], out: str, bins: int = 300) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minisgl_backend.plot", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m minisgl_backend.tools.plot", description=__doc__.split("\n")[0]
+    )
     p.add_argument("trace", help="trace JSON written by `minisgl bench ... --trace`")
     p.add_argument("out", help="PNG to write")
     p.add_argument("--bins", type=int, default=300)
