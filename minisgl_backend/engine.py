@@ -34,7 +34,7 @@ from minisgl_backend.errors import (
 from minisgl_backend.executor import make_executor
 from minisgl_backend.executor.base import DualWorkerExecutor
 from minisgl_backend.executor.token_table import TokenTable
-from minisgl_backend.executor.tracker import InflightTracker, make_tracker
+from minisgl_backend.executor.tracker import make_tracker
 from minisgl_backend.handle import RequestHandle
 from minisgl_backend.kvcache.block_pool import BlockPool
 from minisgl_backend.kvcache.reclaim import RowPool
@@ -42,7 +42,7 @@ from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
 from minisgl_backend.metrics import Metrics, Tracer, install_logging
 from minisgl_backend.model import batch_invariant
 from minisgl_backend.model.loader import DTYPES, LoadedModel, load_model
-from minisgl_backend.scheduler.loop import Abort, Add, Drain, SchedulerLoop, StatsLine, Stop
+from minisgl_backend.scheduler.loop import Abort, Add, Drain, SchedulerLoop, StatsLine
 from minisgl_backend.scheduler.request import Request
 from minisgl_backend.scheduler.scheduler import Scheduler
 from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
@@ -62,29 +62,6 @@ def _close_live_engines() -> None:
     # destructor -> std::terminate ("terminate called without an active exception"). Stop them first.
     for engine in list(_LIVE_ENGINES):
         engine.close()
-
-
-def _shutdown(
-    loop: SchedulerLoop, tracker: InflightTracker, executor: DualWorkerExecutor, metrics: Metrics
-) -> None:
-    """Stop an engine's threads (Engine.close, or the finaliser of an Engine dropped without it).
-    Holds no reference to the Engine itself."""
-    loop.inbox.put(Stop())
-    tracker.wake()
-    current = threading.current_thread()
-    if loop.thread is not current and loop.thread.is_alive():
-        loop.thread.join()
-    if current in executor.threads:  # collected on a worker thread: it cannot join itself
-        threading.Thread(
-            target=_close_workers, args=(executor, metrics), name="minisgl-closer", daemon=True
-        ).start()
-    else:
-        _close_workers(executor, metrics)
-
-
-def _close_workers(executor: DualWorkerExecutor, metrics: Metrics) -> None:
-    executor.close()
-    metrics.close()
 
 
 def _as_params(params: ParamsLike) -> SamplingParams:
@@ -169,7 +146,7 @@ class Engine:
         self._own_threads = frozenset([self._loop.thread, *executor.threads])
         # The loop holds the Engine only while work is pending (SchedulerLoop._keepalive), so an
         # Engine dropped without close() is collected once idle, and this stops its threads.
-        self._finalizer = weakref.finalize(self, _shutdown, self._loop, tracker, executor, metrics)
+        self._finalizer = weakref.finalize(self, self._loop.shutdown)
         self._loop.thread.start()
         _LIVE_ENGINES.add(self)
 

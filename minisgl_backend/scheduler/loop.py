@@ -145,6 +145,23 @@ class SchedulerLoop:
         self.send(Call(fn, fut), keepalive)
         return fut.result()
 
+    def shutdown(self) -> None:
+        """Stop the scheduler thread, then the executor's workers and the metrics thread (from
+        Engine.close, or the finaliser of an Engine dropped without it: it holds no Engine)."""
+        self.inbox.put(Stop())
+        self.tracker.wake()
+        current = threading.current_thread()
+        if self.thread is not current and self.thread.is_alive():
+            self.thread.join()
+        if current in self.executor.threads:  # collected on a worker thread: it cannot join itself
+            threading.Thread(target=self._close_workers, name="minisgl-closer", daemon=True).start()
+        else:
+            self._close_workers()
+
+    def _close_workers(self) -> None:
+        self.executor.close()
+        self.metrics.close()
+
     def num_waiting(self) -> int:
         """Requests not admitted yet, plus commands not yet read (an upper bound, lock-free)."""
         return len(self.scheduler.waiting) + self.inbox.qsize()
