@@ -164,3 +164,4 @@ class StreamDelta:
     text: str
     finished: bool
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked

@@ -232,6 +232,13 @@ def test_chat_completion_stream_and_non_stream(server, client):
     assert "".join(d["delta"].get("content") or "" for d in deltas) == choice["message"]["content"]
     assert deltas[-1]["finish_reason"] == choice["finish_reason"]
     assert all(ev["object"] == "chat.completion.chunk" for ev in events[:-2])
+    # Logprobs stream with their tokens, chunk by chunk, and add up to the non-streamed ones (the
+    # values to rounding: the second run reads the prompt from the prefix cache).
+    streamed = [e for d in deltas if d["logprobs"] for e in d["logprobs"]["content"]]
+    whole_lps = choice["logprobs"]["content"]
+    assert [e["token"] for e in streamed] == [e["token"] for e in whole_lps]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in whole_lps], abs=1e-5)
+    assert sum(1 for d in deltas if d["logprobs"]) > 1 and deltas[-1]["logprobs"] is None
 
 
 ADD_TOOL = {

@@ -127,10 +127,12 @@ class Request:
         return None
 
     def delta(self, new_ids: list[int]) -> StreamDelta:
+        """The tokens just committed (the newest `new_ids` of output_ids) and the text they release."""
         finished = self.finish_reason is not None
-        return StreamDelta(
-            self.request_id, new_ids, self.detok.take_delta(finished), finished, self.finish_reason
-        )
+        n = len(self.output_ids)
+        lps = self.logprobs[n - len(new_ids) : n] if self.logprobs is not None else None
+        text = self.detok.take_delta(finished)
+        return StreamDelta(self.request_id, new_ids, text, finished, self.finish_reason, lps)
 
     def output(self) -> RequestOutput:
         assert self.finish_reason is not None

@@ -813,8 +813,11 @@ async def _stream_chat(
                 return
             if isinstance(item, StreamDelta):
                 text = splitter.feed(item.text) if splitter is not None else item.text
-                if text:
-                    yield chunk({"content": text})
+                # Each chunk carries the logprobs of the tokens it came with, as OpenAI streams
+                # them (text held back for a stop string or a tool call still has its logprobs).
+                lps = _chat_logprobs(token_text, item.logprobs) if body.logprobs and item.logprobs else None
+                if text or lps:
+                    yield chunk({"content": text}, logprobs=lps)
                 continue
             out: RequestOutput = item
             finish: str = out.finish_reason
@@ -827,7 +830,7 @@ async def _stream_chat(
                     yield chunk(
                         {"tool_calls": [{**c, "index": j} for j, c in enumerate(_openai_calls(calls))]}
                     )
-            yield chunk({}, finish, _chat_logprobs(token_text, out.logprobs or []) if body.logprobs else None)
+            yield chunk({}, finish)
             break
         if body.include_usage:
             yield _sse(
