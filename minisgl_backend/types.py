@@ -15,6 +15,7 @@ from minisgl_backend.validation import (
     Spec,
     check_callables,
     check_int_sequence,
+    check_logit_bias,
     check_str_sequence,
     validate_fields,
 )
@@ -37,6 +38,13 @@ class SamplingParams:
     `logprobs=k` returns the sampled token's logprob plus the k most likely alternatives;
     `prompt_logprobs=k` does the same for prompt tokens from index `prompt_logprobs_start` on.
     `logprobs` / `prompt_logprobs` are capped by the engine's `max_logprobs` (checked at submit).
+    Penalties (vLLM's semantics, applied to the logits before temperature, top-k/p and min-p, so a
+    greedy request sees them too): `logit_bias` (token id -> bias in [-100, 100], added to the
+    logit), then `repetition_penalty` (> 0, 1 = off) on every token of the prompt or the output so
+    far (a positive logit is divided by it, any other multiplied), then `frequency_penalty` ([-2, 2])
+    times the token's count in the output, then `presence_penalty` ([-2, 2]) once for every token in
+    the output, both subtracted. logit_bias ids must be < the vocabulary size (checked at the first
+    draw: the request fails with InvalidSamplingParamsError). Logprobs stay those of the raw model.
     `logits_processors` run on the engine's copy thread before the draw (e.g. constrained decoding);
     one that raises (anything, SystemExit included) or returns an unusable row (not a float tensor
     of the vocabulary's shape, NaN or +inf, or nothing left to draw) ends only its own request, with
@@ -58,6 +66,11 @@ class SamplingParams:
     prompt_logprobs_start: int = 1
     skip_special_tokens: bool = True
     logits_processors: tuple[LogitsProcessor, ...] = ()
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # token id -> bias; a dict (or (id, bias) pairs) is stored as sorted (id, bias) pairs (hashable)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         err = InvalidSamplingParamsError
@@ -69,6 +82,7 @@ class SamplingParams:
         object.__setattr__(
             self, "logits_processors", check_callables("logits_processors", self.logits_processors, err)
         )
+        object.__setattr__(self, "logit_bias", check_logit_bias("logit_bias", self.logit_bias, err))
         if self.top_k == -1 and not isinstance(self.top_k, bool):
             object.__setattr__(self, "top_k", 0)
         validate_fields(self, _SPECS, err)
@@ -78,6 +92,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits change before the draw (logit_bias or any penalty away from neutral)."""
+        return (
+            bool(self.logit_bias)
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """InvalidSamplingParamsError unless every logit_bias token id is in [0, vocab_size)."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise InvalidSamplingParamsError(
+                f"logit_bias token ids out of range [0, {vocab_size}) (the vocabulary): {bad[:5]}"
+            )
 
     @classmethod
     def check_value(cls, field: str, value: Any, label: str | None = None) -> Any:
@@ -108,6 +140,9 @@ _SPECS: dict[str, Spec] = {
     "prompt_logprobs": Spec("int", lo=0, optional=True, note="capped by the engine's max_logprobs"),
     "prompt_logprobs_start": Spec("int", lo=1, note="token 0 has no context"),
     "skip_special_tokens": Spec("bool"),
+    "repetition_penalty": Spec("float", lo=0, lo_open=True, note="1 = off"),
+    "presence_penalty": Spec("float", lo=-2, hi=2, note="0 = off"),
+    "frequency_penalty": Spec("float", lo=-2, hi=2, note="0 = off"),
 }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +144,38 @@ def check_int_sequence(name: str, value: Any, error: type[Exception]) -> tuple[i
     if bad:
         raise error(f"{name} must be a list of ints, got {_fmt(value)} (not ints: {_fmt(bad[:5])})")
     return tuple(int(t) for t in value)
+
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+
+
+def check_logit_bias(name: str, value: Any, error: type[Exception]) -> tuple[tuple[int, float], ...]:
+    """A dict token id -> bias (or a sequence of (id, bias) pairs), as sorted (id, bias) pairs. Ids are
+    non-negative ints (no bools, no strings: JSON's string keys are converted by the server), each id
+    at most once; biases finite numbers in [-100, 100]. None or empty: no bias."""
+    if not value and isinstance(value, (tuple, list, dict, type(None))):
+        return ()
+    shape = f"{name} must be a dict of token id (int) -> bias, got {_fmt(value)}"
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        pairs = list(value)
+        if any(not isinstance(p, Sequence) or isinstance(p, (str, bytes)) or len(p) != 2 for p in pairs):
+            raise error(shape)
+    else:
+        raise error(shape)
+    bias_spec = Spec("float", lo=-LOGIT_BIAS_LIMIT, hi=LOGIT_BIAS_LIMIT)
+    out: dict[int, float] = {}
+    for tid, bias in pairs:
+        if type(tid) is not int and (isinstance(tid, bool) or not isinstance(tid, numbers.Integral)):
+            raise error(f"{name} keys must be token ids (ints >= 0), got {_fmt(tid)}")
+        tid = int(tid)
+        if tid < 0:
+            raise error(f"{name} keys must be token ids (ints >= 0), got {tid}")
+        if tid in out:
+            raise error(f"{name} names token id {tid} more than once")
+        out[tid] = bias_spec.check(f"{name}[{tid}]", bias, error)
+    return tuple(sorted(out.items()))
 
 
 def check_text(name: str, text: str, error: type[Exception]) -> str:

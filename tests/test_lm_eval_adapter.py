@@ -17,7 +17,7 @@ lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval adapter needs lm-ev
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval_minisgl.model import MiniSGLLM, build_engine_config  # noqa: E402
 
-from minisgl_backend import ConfigError, Engine, EngineConfig  # noqa: E402
+from minisgl_backend import ConfigError, Engine, EngineConfig, InvalidSamplingParamsError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -180,6 +180,33 @@ def test_sampled_generation_is_seeded_per_request(lm):
     assert a[0] == b[0]  # same seed, different batch company: same text
     c = lm.generate_until(_gen(*[(prompt, {**kw, "seed": s}) for s in range(20, 26)]))
     assert len(set(c)) > 1  # sampling really samples
+
+
+def test_penalty_gen_kwargs_reach_the_sampling_params(lm, caplog):
+    """repetition_penalty / presence_penalty / frequency_penalty / logit_bias in a task's gen_kwargs
+    are the engine's (vLLM's names, as lm-eval's vllm backend passes them), greedy included."""
+    eos = lm.tokenizer.decode(lm.eot_token_id, skip_special_tokens=False)
+    kw = {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False}
+    knobs = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": -0.2}
+    with caplog.at_level(logging.WARNING, logger="lm_eval_minisgl"):
+        params, _, _ = lm._sampling_params({**kw, **knobs, "logit_bias": {42: -100}}, eos)
+    assert not [r for r in caplog.records if "not supported" in r.getMessage()]  # nothing dropped
+    assert params.greedy and params.logit_bias == ((42, -100.0),)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.3, 0.5, -0.2)
+    neutral, _, _ = lm._sampling_params({**kw, "repetition_penalty": None}, eos)
+    assert not neutral.penalised
+    with pytest.raises(InvalidSamplingParamsError, match="presence_penalty"):
+        lm._sampling_params({**kw, "presence_penalty": 3.0}, eos)
+    with pytest.raises(InvalidSamplingParamsError, match="logit_bias"):
+        lm._sampling_params({**kw, "logit_bias": {-1: 5}}, eos)
+    # ... and reach the engine: a repetition penalty changes the greedy continuation of a counting
+    # prompt (it repeats ", "), a +100 bias forces its token.
+    prompt = "1, 2, 3, 4,"
+    plain, penalised = lm.generate_until(_gen((prompt, kw), (prompt, {**kw, "repetition_penalty": 2.0})))
+    assert plain.startswith(" 5, 6,") and penalised != plain
+    tid = lm.tok_encode(" banana")[0]
+    (forced,) = lm.generate_until(_gen((prompt, {**kw, "max_gen_toks": 4, "logit_bias": {tid: 100.0}})))
+    assert forced == lm.tokenizer.decode([tid] * 4)
 
 
 def test_overlong_generation_context_is_left_truncated_with_one_warning(engine, caplog):

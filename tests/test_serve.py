@@ -194,6 +194,40 @@ def test_stop_strings_and_seeded_sampling(server, client):
         assert c["finish_reason"] == "stop" and stop not in c["text"] and a.startswith(c["text"])
 
 
+def test_penalties_and_logit_bias_reach_the_engine(server, client):
+    """OpenAI's presence_penalty / frequency_penalty / logit_bias (string keys) and vLLM's
+    repetition_penalty are the engine's SamplingParams fields, on both endpoints and when streamed."""
+    eng = _engine(server)
+    forced = eng.tokenizer.decode([4242] * 5)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0.9, "seed": 3}
+    r = client.post("/v1/completions", json={**body, "logit_bias": {"4242": 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == forced
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
+    r = client.post("/v1/chat/completions", json={**chat, "logit_bias": {"4242": 100}, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == forced
+    # The tiny model's distribution is flat: a bias makes a few tokens likely for the penalties to act on.
+    bias = {13: 8.0, 200: 6.0}
+    knobs = {"presence_penalty": 1.0, "frequency_penalty": 1.5, "repetition_penalty": 1.7}
+    texts = {}
+    for name, extra in (("bias", {}), ("all", knobs)):
+        payload = {**body, "max_tokens": 16, "logit_bias": {str(k): v for k, v in bias.items()}, **extra}
+        r = client.post("/v1/completions", json=payload)
+        assert r.status_code == 200, r.text
+        texts[name] = r.json()["choices"][0]["text"]
+        ref = eng.generate(
+            ["Hello"],
+            SamplingParams(temperature=0.9, seed=3, max_tokens=16, logit_bias=bias, **extra),
+            use_tqdm=False,
+        )[0]
+        assert texts[name] == ref.text, name
+        with client.stream("POST", "/v1/completions", json={**payload, "stream": True}) as resp:
+            events = _sse_events(resp.iter_lines())
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == ref.text
+    assert texts["all"] != texts["bias"]
+
+
 # ------------------------------------------------------------------------------------------------ chat
 def test_chat_completion_stream_and_non_stream(server, client):
     msgs = [
@@ -395,6 +429,53 @@ BAD_REQUESTS = [
     ("max_tokens 0 without echo", ("/v1/completions", {"prompt": "x", "max_tokens": 0}), 400, None),
     ("negative seed", ("/v1/completions", {"prompt": "x", "seed": -1}), 400, "seed"),
     ("logprobs too many", ("/v1/completions", {"prompt": "x", "logprobs": 50}), 400, "logprobs"),
+    (
+        "presence_penalty above 2",
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}),
+        400,
+        "presence_penalty",
+    ),
+    (
+        "frequency_penalty below -2",
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}),
+        400,
+        "frequency_penalty",
+    ),
+    (
+        "repetition_penalty 0",
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}),
+        400,
+        "repetition_penalty",
+    ),
+    (
+        "logit_bias above 100",
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 150}}),
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias bias string",
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": "1"}}),
+        400,
+        "logit_bias",
+    ),
+    ("logit_bias key not an id", ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}), 400, None),
+    ("logit_bias negative id", ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}), 400, None),
+    (
+        "logit_bias id outside the vocabulary",
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"10000000": 1}}),
+        400,
+        "invalid_sampling_params",
+    ),
+    (
+        "chat logit_bias id outside the vocabulary",
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"49152": 1}},
+        ),
+        400,
+        "invalid_sampling_params",
+    ),
     ("n > 1", ("/v1/completions", {"prompt": "x", "n": 2}), 400, "n"),
     ("unknown field", ("/v1/completions", {"prompt": "x", "frobnicate": True}), 400, "frobnicate"),
     ("empty stop string", ("/v1/completions", {"prompt": "x", "stop": [""]}), 400, None),

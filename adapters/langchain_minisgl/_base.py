@@ -23,7 +23,18 @@ from minisgl_backend import (
 from minisgl_backend.aio import call_soon, result_future
 
 # Per-call keyword arguments (invoke(..., max_tokens=5), .bind(temperature=0)) that map to sampling.
-SAMPLING_FIELDS = ("temperature", "max_tokens", "top_p", "top_k", "min_p", "seed")
+SAMPLING_FIELDS = (
+    "temperature",
+    "max_tokens",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+)
 
 
 def reject_unknown_fields(cls: type[BaseModel], values: Any) -> Any:
@@ -55,6 +66,14 @@ class MiniSGLParams(BaseModel):
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    """vLLM's: > 0, 1 = off; over prompt and output tokens (positive logits / it, others * it)."""
+    presence_penalty: float = 0.0
+    """In [-2, 2], subtracted once from every token already in the output."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2], times each token's count in the output, subtracted."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias in [-100, 100], added to the logit (greedy decoding sees it too)."""
     stop: list[str] | None = None
     timeout: float | None = None
     """Seconds to wait for one request; on expiry it is aborted in the engine and TimeoutError raised."""

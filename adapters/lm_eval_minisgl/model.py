@@ -49,7 +49,20 @@ _GEN_KWARGS_CAST = {
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",
 }
-_GEN_KWARGS_USED = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k", "min_p", "seed"}
+# SamplingParams fields passed through as given (vLLM's / OpenAI's names, like lm-eval's vllm backend;
+# HF's repetition_penalty has the same meaning). None = the engine's neutral default.
+_GEN_KWARGS_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
+_GEN_KWARGS_USED = {
+    "until",
+    "max_gen_toks",
+    "do_sample",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    *_GEN_KWARGS_PENALTIES,
+}
 
 
 def _resolve_device(device: str | None) -> str | None:
@@ -323,6 +336,7 @@ class MiniSGLLM(TemplateLM):
             seed=kwargs.get("seed"),
             max_tokens=kwargs["max_gen_toks"],
             stop=tuple(s for s in until if s),
+            **{k: kwargs[k] for k in _GEN_KWARGS_PENALTIES if kwargs.get(k) is not None},
         )
         return params, until, params.max_tokens
 

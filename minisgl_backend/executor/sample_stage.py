@@ -14,6 +14,7 @@ import numpy as np
 from minisgl_backend.errors import RequestFailedError
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.iteration import IterationInputs, IterationOutput
+from minisgl_backend.sampling.penalties import apply_penalties
 from minisgl_backend.sampling.sampler import SampleRow, apply_processors, sample, token_logprobs
 from minisgl_backend.types import TokenLogprob
 
@@ -72,11 +73,16 @@ def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable
                 s.params,
                 s.seed,
                 s.position,
-                table.history(s.table_row, s.prompt_len, s.position) if s.params.logits_processors else (),
+                table.history(s.table_row, s.prompt_len, s.position)
+                if s.params.logits_processors or s.params.penalised
+                else (),
+                # the table is written in stream order: [0, position) is exactly this row's history
+                table.history(s.table_row, 0, s.prompt_len) if s.params.repetition_penalty != 1.0 else (),
             )
             for s in specs
         ]
         processed, failed = apply_processors(logits[[s.logits_row for s in specs]], rows)
+        processed = apply_penalties(processed, rows, failed)
         tokens = sample(processed, rows, failed)
         errors = {specs[i].req_key: e for i, e in failed.items()}
         table.write_drawn([s.table_row for s in specs], [s.position for s in specs], tokens)

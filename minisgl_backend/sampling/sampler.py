@@ -46,7 +46,8 @@ class SampleRow(NamedTuple):
     params: SamplingParams
     seed: int
     position: int  # absolute position of the token being drawn
-    output_ids: Sequence[int]  # what logits processors see
+    output_ids: Sequence[int]  # what logits processors (and the penalties) see
+    prompt_ids: Sequence[int] = ()  # the prompt, read only for a repetition penalty
 
 
 def _name(fn: object) -> str:

@@ -305,10 +305,11 @@ def _sampling(
     req: Any,
     max_tokens: int,
     logprobs: int | None,
+    vocab_size: int,
     processors: Sequence[Callable] = (),
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    return SamplingParams(
+    params = SamplingParams(
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p),
         top_k=0 if req.top_k is None else int(req.top_k),
@@ -322,7 +323,13 @@ def _sampling(
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         logits_processors=tuple(processors),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        presence_penalty=float(req.presence_penalty),
+        frequency_penalty=float(req.frequency_penalty),
+        logit_bias=req.logit_bias_ids,
     )
+    params.check_vocab(vocab_size)  # a 400 now rather than a failed request at its first draw
+    return params
 
 
 def _usage(outs: Sequence[RequestOutput], drop_generated: bool = False) -> dict[str, int]:
@@ -574,14 +581,15 @@ def create_app(
         prompts: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         drop = body.max_tokens == 0  # echo-only scoring: the engine draws one token, which is dropped
         k = body.logprobs
-        params = _sampling(
-            body,
-            max(1, body.max_tokens or 0),
-            k,
-            prompt_logprobs=k if (body.echo and k is not None) else None,
-        )
         rid = f"cmpl-{uuid.uuid4().hex}"
         try:
+            params = _sampling(
+                body,
+                max(1, body.max_tokens or 0),
+                k,
+                state.engine.vocab_size,
+                prompt_logprobs=k if (body.echo and k is not None) else None,
+            )
             handles = _submit_all(state, prompts, [params] * len(prompts), rid, body.user)
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             raise api_error(e) from e
@@ -650,7 +658,7 @@ def create_app(
                 or max(1, engine.max_model_len - len(prompt.token_ids))
             )
             k = (body.top_logprobs or 0) if body.logprobs else None
-            params = _sampling(body, max_tokens, k, prompt.logits_processors)
+            params = _sampling(body, max_tokens, k, engine.vocab_size, prompt.logits_processors)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             handles = _submit_all(state, [prompt.token_ids], [params], rid, body.user)
         except APIError:

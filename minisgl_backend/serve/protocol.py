@@ -1,14 +1,15 @@
 """Request models of the OpenAI-compatible API (pydantic, strict types, unknown fields rejected).
 
 Fields OpenAI defines that the engine cannot honour are accepted only at their neutral value
-(`n: 1`, `presence_penalty: 0`, ...), so a client that relies on them gets a 400 instead of a
-silently different answer. vLLM's extensions `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
-`skip_special_tokens` are accepted too.
+(`n: 1`, `best_of: 1`, ...), so a client that relies on them gets a 400 instead of a silently
+different answer. `presence_penalty`, `frequency_penalty` and `logit_bias` (JSON's string keys are
+token ids) go to the engine, as do vLLM's extensions `repetition_penalty`, `top_k`, `min_p`,
+`ignore_eos`, `stop_token_ids`, `skip_special_tokens`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -19,6 +20,9 @@ _STRICT = ConfigDict(strict=True, extra="forbid")
 
 def _finite(default: float | None, **kw: Any) -> Any:
     return Field(default, allow_inf_nan=False, **kw)
+
+
+Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 
 
 class StreamOptions(BaseModel):
@@ -42,11 +46,12 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
-    presence_penalty: float = _finite(0.0, ge=0.0, le=0.0, description="only 0 is supported")
-    frequency_penalty: float = _finite(0.0, ge=0.0, le=0.0, description="only 0 is supported")
-    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported")
+    presence_penalty: float = _finite(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = _finite(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Bias] | None = Field(None, description="token id (a string) -> bias in [-100, 100]")
     user: str | None = None
     # vLLM extensions
+    repetition_penalty: float | None = _finite(None, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -58,7 +63,14 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop strings must be non-empty")
         if len(stops) > 16:
             raise ValueError("at most 16 stop strings")
+        bad = [k for k in self.logit_bias or {} if not (k.isascii() and k.isdigit())]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {bad[:5]}")
         return self
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def stops(self) -> tuple[str, ...]:

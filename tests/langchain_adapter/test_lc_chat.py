@@ -108,8 +108,8 @@ def _openai(t):
 def test_unknown_field_and_call_option_are_rejected(tiny_model_dir, chat):
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['max_new_tokens'\]"):
         ChatMiniSGL(model=str(tiny_model_dir), max_new_tokens=5)
-    with pytest.raises(TypeError, match="frequency_penalty"):
-        chat.invoke("hi", frequency_penalty=1.0)
+    with pytest.raises(TypeError, match="best_of"):
+        chat.invoke("hi", best_of=2)
 
 
 def test_failing_request_surfaces_as_an_exception(chat, monkeypatch):

@@ -139,6 +139,23 @@ def test_unknown_call_option_is_rejected(tiny):
         tiny.invoke("Hi", max_new_tokens=3)
 
 
+def test_penalties_and_logit_bias_are_fields_and_call_options(tiny, tiny_model_dir):
+    params = tiny.sampling_params(None, {"frequency_penalty": 1.5, "logit_bias": {7: -100}})
+    assert (params.frequency_penalty, params.presence_penalty, params.repetition_penalty) == (1.5, 0.0, 1.0)
+    assert params.logit_bias == ((7, -100.0),) and params.greedy
+    forced = tiny.engine.tokenizer.decode([4242] * 3)
+    assert tiny.invoke("Hi", max_tokens=3, logit_bias={4242: 100}) == forced
+    biased = MiniSGL(
+        model=str(tiny_model_dir), temperature=0, max_tokens=3, logit_bias={4242: 100}, repetition_penalty=1.2
+    )
+    assert biased.sampling_params(None, {}).repetition_penalty == 1.2
+    assert biased.invoke("Hi") == forced
+    with pytest.raises(ValueError, match="presence_penalty"):
+        MiniSGL(model=str(tiny_model_dir), presence_penalty=3)
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids"):
+        MiniSGL(model=str(tiny_model_dir), logit_bias={"5": 1.0})
+
+
 def test_dead_engine_raises_in_the_caller_and_retries_on_a_fresh_one(tiny_model_dir):
     cfg = {
         "model": str(tiny_model_dir),
