@@ -312,6 +312,7 @@ class Engine:
             raise InvalidSamplingParamsError(
                 f"stop_token_ids out of range [0, {self.vocab_size}): {bad_stop}"
             )
+        params.check_vocab(self.vocab_size)
         cap = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
