@@ -167,6 +167,12 @@ class RequestTimings:
     first_token: float | None
     finish: float | None
     scheduled: float | None = None  # first admission (it got KV blocks): scheduled - arrival is queue time
+    token_times: tuple[float, ...] = ()  # when each output token was committed (first = first_token)
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """The gaps between consecutive output tokens (ITL), one per token after the first."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
     @property
     def ttft(self) -> float | None:

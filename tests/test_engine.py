@@ -160,6 +160,12 @@ def test_stop_token_ids_and_max_tokens_one(engine):
     one = engine.generate(["stop ids"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
     assert one.token_ids == free.token_ids[:1] and one.finish_reason == "length"
     assert one.timings.first_token is not None and one.timings.finish >= one.timings.first_token
+    # Every token's commit time, in order: the first is first_token, the gaps are the ITLs.
+    t = free.timings
+    assert len(t.token_times) == len(free.token_ids) and t.token_times[0] == t.first_token
+    assert list(t.token_times) == sorted(t.token_times) and t.token_times[-1] <= t.finish
+    assert len(t.inter_token_latencies) == len(free.token_ids) - 1
+    assert sum(t.inter_token_latencies) == pytest.approx(t.token_times[-1] - t.first_token)
 
 
 def test_prompt_exactly_at_context_limit(engine):

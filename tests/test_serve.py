@@ -860,6 +860,8 @@ def test_metrics_scrape_matches_a_known_workload(server, client):
     assert delta("minisgl:time_to_first_token_seconds_count") == len(lens)
     assert delta("minisgl:e2e_request_latency_seconds_count") == len(lens)
     assert delta("minisgl:inter_token_latency_seconds_count") == sum(n - 1 for _, n in lens)
+    itl_sum = delta("minisgl:inter_token_latency_seconds_sum")
+    assert 0 < itl_sum < delta("minisgl:e2e_request_latency_seconds_sum")
     assert delta("minisgl:e2e_request_latency_seconds_sum") > 0
     assert delta("minisgl:request_queue_time_seconds_count") == len(lens)
     assert (

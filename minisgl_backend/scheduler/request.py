@@ -49,7 +49,7 @@ class Request:
         self.seed = seed
         self.handle = handle
         self.arrival = time.perf_counter()
-        self.first_token_time: float | None = None
+        self.token_times: list[float] = []  # commit time of each output token
         self.scheduled_time: float | None = None  # first admission; a re-admission keeps it
         self.status = RequestStatus.WAITING
         self.output_ids: list[int] = []  # committed: results the scheduler has processed
@@ -116,8 +116,7 @@ class Request:
 
     def append_token(self, token: int, max_model_len: int) -> FinishReason | None:
         """Commit one sampled token; returns why the request is finished by it, or None."""
-        if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
+        self.token_times.append(time.perf_counter())
         self.output_ids.append(token)
         stopped_by_text = self.detok.append(self.output_ids)
         if token in self.stop_ids or stopped_by_text:
@@ -144,7 +143,11 @@ class Request:
             finish_reason=self.finish_reason,
             seed=self.seed,
             timings=RequestTimings(
-                self.arrival, self.first_token_time, time.perf_counter(), self.scheduled_time
+                self.arrival,
+                self.token_times[0] if self.token_times else None,
+                time.perf_counter(),
+                self.scheduled_time,
+                tuple(self.token_times),
             ),
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,

@@ -158,7 +158,7 @@ class ServeMetrics:
         )
         self.itl = Histogram(
             "minisgl:inter_token_latency_seconds",
-            "Gaps between consecutive tokens of a request (its mean gap, once per gap).",
+            "Gaps between consecutive output tokens of a request (each gap, as committed by the engine).",
             labels,
             buckets=ITL_BUCKETS,
             registry=reg,
@@ -192,11 +192,9 @@ class ServeMetrics:
             self.ttft.labels(m).observe(t.first_token - t.arrival)
         if t.finish is not None:
             self.e2e.labels(m).observe(t.finish - t.arrival)
-            if t.first_token is not None and n > 1:
-                gap = (t.finish - t.first_token) / (n - 1)
-                h = self.itl.labels(m)
-                for _ in range(n - 1):
-                    h.observe(gap)
+            h = self.itl.labels(m)
+            for gap in t.inter_token_latencies:
+                h.observe(gap)
         if t.scheduled is not None:
             self.queue_time.labels(m).observe(t.scheduled - t.arrival)
 
