@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
@@ -32,7 +33,7 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from langchain_minisgl._base import (
     MiniSGLParams,
@@ -42,10 +43,13 @@ from langchain_minisgl._base import (
     stream_sync,
 )
 from langchain_minisgl._tools import ToolCallStreamSplitter, parse_tool_calls
-from minisgl_backend import Engine, RequestOutput, SamplingParams
+from minisgl_backend import Engine, InvalidRequestError, RequestOutput, SamplingParams
 from minisgl_backend.chat import forced_tools, render_chat
 
-_CALL_OPTIONS = ("tools", "tool_choice", "response_format", "stream")
+_CALL_OPTIONS = ("tools", "tool_choice", "response_format", "stream", "logprobs", "top_logprobs")
+# Content parts the model cannot read: an error names them instead of dropping them silently.
+_MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "video", "file"}
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def _forced_tools(tool_choice: Any, tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -54,7 +58,70 @@ def _forced_tools(tool_choice: Any, tools: list[dict[str, Any]]) -> list[dict[st
 
 
 def _text(message: BaseMessage) -> str:
-    return message.text if isinstance(message.content, list) else str(message.content)
+    if not isinstance(message.content, list):
+        return str(message.content)
+    media = sorted({p.get("type") for p in message.content if isinstance(p, dict)} & _MEDIA_PARTS)
+    if media:
+        raise InvalidRequestError(
+            f"ChatMiniSGL reads text only: a {message.type} message has {media} content part(s); "
+            "send text parts (the model has no image or audio input)"
+        )
+    return message.text
+
+
+def split_reasoning(text: str) -> tuple[str, str | None]:
+    """(answer, reasoning): a reply that opens with <think>...</think> has that part moved out."""
+    stripped = text.lstrip()
+    if not stripped.startswith(THINK_OPEN):
+        return text, None
+    body, sep, answer = stripped[len(THINK_OPEN) :].partition(THINK_CLOSE)
+    if not sep:  # cut before the reasoning ended (max_tokens): all of it is reasoning
+        return "", body.strip()
+    return answer.lstrip(), body.strip()
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `tag` (it may still grow into it)."""
+    return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
+
+
+class ReasoningStreamSplitter:
+    """Streamed text -> (answer delta, reasoning delta), holding back what may still be a tag."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._state = "start"  # start -> (thinking -> answer) | answer
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        self._buf += delta
+        answer = reasoning = ""
+        while self._buf:
+            if self._state == "start":
+                head = self._buf.lstrip()
+                if len(head) < len(THINK_OPEN) and THINK_OPEN.startswith(head):
+                    break  # may still become <think>
+                if head.startswith(THINK_OPEN):
+                    self._buf, self._state = head[len(THINK_OPEN) :], "thinking"
+                else:
+                    self._state = "answer"
+            elif self._state == "thinking":
+                i = self._buf.find(THINK_CLOSE)
+                if i >= 0:
+                    reasoning += self._buf[:i]
+                    self._buf, self._state = self._buf[i + len(THINK_CLOSE) :].lstrip(), "answer"
+                    continue
+                keep = _partial_tag(self._buf, THINK_CLOSE)
+                reasoning += self._buf[: len(self._buf) - keep]
+                self._buf = self._buf[len(self._buf) - keep :]
+                break
+            else:
+                answer, self._buf = answer + self._buf, ""
+        return answer, reasoning
+
+    def finish(self) -> tuple[str, str]:
+        """Whatever is held back: reasoning if the reply is still thinking, else answer text."""
+        rest, self._buf = self._buf, ""
+        return ("", rest) if self._state == "thinking" else (rest, "")
 
 
 def _to_openai(message: BaseMessage) -> dict[str, Any]:
@@ -94,6 +161,29 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
 
     streaming: bool = False
     """Make invoke() stream internally (callbacks see every token)."""
+    logprobs: bool = False
+    """Return each output token's logprob in response_metadata["logprobs"] (OpenAI's shape)."""
+    top_logprobs: int | None = None
+    """With logprobs: how many alternatives per token (at most the engine's max_logprobs)."""
+    reasoning: bool = False
+    """Move a leading <think>...</think> (reasoning models, e.g. Qwen3) out of the content into
+    additional_kwargs["reasoning_content"]."""
+
+    @model_validator(mode="after")
+    def _set_profile(self) -> ChatMiniSGL:
+        # What LangChain reads before using a chat model. The context limit is known without
+        # starting the engine only when configured (max_model_len); otherwise it is the model's.
+        if self.profile is None:
+            self.profile = {
+                "tool_calling": True,
+                "tool_choice": True,
+                "structured_output": True,
+                "image_inputs": False,
+                "audio_inputs": False,
+                "reasoning_output": self.reasoning,
+                **({"max_input_tokens": n} if (n := self._config.max_model_len) else {}),
+            }
+        return self
 
     @property
     def _llm_type(self) -> str:
@@ -185,15 +275,15 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
             tool_choice=kwargs.get("tool_choice"),
             response_format=kwargs.get("response_format"),
         )
-        return (
-            engine,
-            prompt.token_ids,
-            self.sampling_params(stop, kwargs, prompt.logits_processors),
-            prompt.tool_names,
-        )
+        params = self.sampling_params(stop, kwargs, prompt.logits_processors)
+        if kwargs.get("logprobs", self.logprobs):
+            k = kwargs.get("top_logprobs", self.top_logprobs)
+            params = dataclasses.replace(params, logprobs=k or 0)
+        return engine, prompt.token_ids, params, prompt.tool_names
 
     def _message(self, out: RequestOutput, tool_names: set[str], kwargs: dict[str, Any]) -> AIMessage:
-        content, calls, invalid = parse_tool_calls(out.text, tool_names) if tool_names else (out.text, [], [])
+        text, thought = split_reasoning(out.text) if self.reasoning else (out.text, None)
+        content, calls, invalid = parse_tool_calls(text, tool_names) if tool_names else (text, [], [])
         if invalid and out.finish_reason == "length":
             invalid = [
                 {**c, "error": f"{c['error']} (output cut at max_tokens={len(out.token_ids)})"}
@@ -203,9 +293,25 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
             content=content,
             tool_calls=calls,
             invalid_tool_calls=invalid,
+            additional_kwargs={"reasoning_content": thought} if thought is not None else {},
             usage_metadata=self._usage(out),
             response_metadata=self._metadata(out, kwargs),
         )
+
+    def _logprobs(self, out: RequestOutput, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """OpenAI's chat logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+        tok = self.engine_for(kwargs).tokenizer
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = tok.decode([token_id])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {
+            "content": [
+                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in out.logprobs or []
+            ]
+        }
 
     @staticmethod
     def _usage(out: RequestOutput) -> UsageMetadata:
@@ -213,12 +319,15 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         return UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
 
     def _metadata(self, out: RequestOutput, kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {
+        meta = {
             "model_name": kwargs.get("model") or self.model_name,
             "model_provider": "minisgl",
             "finish_reason": out.finish_reason,
             "seed": out.seed,
         }
+        if out.logprobs is not None:
+            meta["logprobs"] = self._logprobs(out, kwargs)
+        return meta
 
     def _submitter(
         self,
@@ -272,10 +381,11 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         engine, ids, params, names = self._prepare(messages, stop, kwargs)
         handle = engine.submit(ids, params)
         splitter = ToolCallStreamSplitter() if names else None
+        thinker = ReasoningStreamSplitter() if self.reasoning else None
         for delta in stream_sync(engine, handle):
             if delta.finished:
-                yield self._last_chunk(delta.text, splitter, names, handle.result(), kwargs)
-            elif chunk := self._text_chunk(delta.text, splitter):
+                yield self._last_chunk(delta.text, splitter, thinker, names, handle.result(), kwargs)
+            elif chunk := self._text_chunk(delta.text, splitter, thinker):
                 yield chunk
 
     async def _astream(
@@ -288,27 +398,42 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         engine, ids, params, names = self._prepare(messages, stop, kwargs)
         handle = engine.submit(ids, params)
         splitter = ToolCallStreamSplitter() if names else None
+        thinker = ReasoningStreamSplitter() if self.reasoning else None
         async for delta in stream_async(engine, handle):
             if delta.finished:
                 out = await await_handle(engine, handle)
-                yield self._last_chunk(delta.text, splitter, names, out, kwargs)
-            elif chunk := self._text_chunk(delta.text, splitter):
+                yield self._last_chunk(delta.text, splitter, thinker, names, out, kwargs)
+            elif chunk := self._text_chunk(delta.text, splitter, thinker):
                 yield chunk
 
     @staticmethod
-    def _text_chunk(text: str, splitter: ToolCallStreamSplitter | None) -> ChatGenerationChunk | None:
+    def _text_chunk(
+        text: str, splitter: ToolCallStreamSplitter | None, thinker: ReasoningStreamSplitter | None
+    ) -> ChatGenerationChunk | None:
+        thought = ""
+        if thinker is not None:
+            text, thought = thinker.feed(text)
         if splitter is not None:
             text = splitter.feed(text)
-        return ChatGenerationChunk(message=AIMessageChunk(content=text)) if text else None
+        if not text and not thought:
+            return None
+        extra = {"reasoning_content": thought} if thought else {}
+        return ChatGenerationChunk(message=AIMessageChunk(content=text, additional_kwargs=extra))
 
     def _last_chunk(
         self,
         text: str,
         splitter: ToolCallStreamSplitter | None,
+        thinker: ReasoningStreamSplitter | None,
         names: set[str],
         out: RequestOutput,
         kwargs: dict[str, Any],
     ) -> ChatGenerationChunk:
+        thought = ""
+        if thinker is not None:
+            answer, thought = thinker.feed(text)
+            rest_answer, rest_thought = thinker.finish()
+            text, thought = answer + rest_answer, thought + rest_thought
         call_chunks = []
         if splitter is not None:
             splitter.feed(text)
@@ -325,6 +450,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         message = AIMessageChunk(
             content=text,
             tool_call_chunks=call_chunks,
+            additional_kwargs={"reasoning_content": thought} if thought else {},
             usage_metadata=self._usage(out),
             response_metadata=self._metadata(out, kwargs),
             chunk_position="last",

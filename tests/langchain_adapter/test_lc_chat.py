@@ -145,3 +145,74 @@ def test_stream_splitter_holds_back_only_what_may_be_a_call():
     assert tail == "" and calls[0]["name"] == "add"
     s = ToolCallStreamSplitter()
     assert s.feed("a < b") == "a < b"
+
+
+# ------------------------------------------------------------------ logprobs, reasoning, profile, media
+def test_per_call_logprobs_land_in_response_metadata(chat):
+    m = chat.invoke("Hi", logprobs=True, top_logprobs=2, max_tokens=6, temperature=0)
+    content = m.response_metadata["logprobs"]["content"]
+    assert len(content) == m.usage_metadata["output_tokens"] == 6
+    assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in content)
+    # The chosen token is among the alternatives whenever its logprob reaches the top-2.
+    assert all(e["logprob"] <= max(t["logprob"] for t in e["top_logprobs"]) for e in content)
+    assert "logprobs" not in chat.invoke("Hi", max_tokens=2).response_metadata
+
+
+def test_image_parts_are_an_error_not_dropped(chat):
+    from minisgl_backend import InvalidRequestError
+
+    msg = HumanMessage(
+        content=[{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    )
+    with pytest.raises(InvalidRequestError, match="image_url"):
+        chat.invoke([msg])
+    assert (
+        chat.invoke([HumanMessage(content=[{"type": "text", "text": "Hi"}])], max_tokens=2).content
+        is not None
+    )
+
+
+@pytest.mark.parametrize(
+    "text, answer, thought",
+    [
+        ("<think>plan it</think>\n\nThe answer.", "The answer.", "plan it"),
+        ("  <think>\nstep 1\n</think>42", "42", "step 1"),
+        ("<think>cut before the end", "", "cut before the end"),
+        ("No thinking here.", "No thinking here.", None),
+        ("An answer with <think> later", "An answer with <think> later", None),
+    ],
+)
+def test_reasoning_is_split_whole_and_streamed(text, answer, thought):
+    from langchain_minisgl.chat_models import ReasoningStreamSplitter, split_reasoning
+
+    assert split_reasoning(text) == (answer, thought)
+    for step in (1, 2, 3, 7):  # any chunking of the stream gives the same split
+        splitter = ReasoningStreamSplitter()
+        got_answer = got_thought = ""
+        for i in range(0, len(text), step):
+            a, t = splitter.feed(text[i : i + step])
+            got_answer, got_thought = got_answer + a, got_thought + t
+        a, t = splitter.finish()
+        got_answer, got_thought = got_answer + a, got_thought + t
+        assert got_thought.strip() == (thought or "") and got_answer.strip() == answer.strip()
+
+
+def test_reasoning_option_leaves_a_plain_reply_alone(tiny_model_dir, chat):
+    thinker = ChatMiniSGL(
+        model=str(tiny_model_dir),
+        temperature=0,
+        max_tokens=12,
+        engine_config={"num_blocks": 512},
+        reasoning=True,
+    )
+    plain = chat.invoke("Hi", temperature=0, max_tokens=12)
+    m = thinker.invoke("Hi")
+    assert m.content == plain.content and "reasoning_content" not in m.additional_kwargs
+    chunks = list(thinker.stream("Hi"))
+    assert "".join(c.content for c in chunks) == plain.content
+
+
+def test_profile_describes_the_model(tiny_model_dir):
+    p = ChatMiniSGL(model=str(tiny_model_dir), engine_config={"max_model_len": 96}).profile
+    assert p["max_input_tokens"] == 96 and p["tool_calling"] and p["structured_output"]
+    assert p["image_inputs"] is False and p["reasoning_output"] is False
