@@ -11,13 +11,15 @@ from typing import Any
 
 import yaml
 
-from minisgl_backend.config import EngineConfig
+from minisgl_backend.config import EngineConfig, load_preset
 from minisgl_backend.errors import MiniSGLError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--config", help="YAML engine preset (e.g. configs/engine/default.yaml)")
+    g.add_argument(
+        "--config", help="engine preset: a YAML path or a name under configs/engine/ (e.g. serial)"
+    )
     g.add_argument("--model", help="alias, Hugging Face directory or .gguf path")
     g.add_argument("--dtype", choices=["float32", "bfloat16"])
     g.add_argument(
@@ -37,10 +39,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_config(args: argparse.Namespace, base: dict[str, Any] | None = None) -> EngineConfig:
     """EngineConfig from --config, then `base` (a command's own defaults), then flags and --set."""
-    overrides = {**(base or {}), **_flag_overrides(args)}
-    if args.config:
-        return EngineConfig.from_yaml(args.config, **overrides)
-    return EngineConfig.from_dict(overrides)
+    return EngineConfig.resolve(args.config or None, _flag_overrides(args), defaults=base)
 
 
 def _flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -252,9 +251,8 @@ def _cmd_determinism(args: argparse.Namespace) -> int:
     # compare_within and axes values still win at each point.
     overrides = _flag_overrides(args)
     if args.config:
-        EngineConfig.from_yaml(args.config, **overrides)  # validates the preset and the flags together
-        with open(args.config) as f:
-            overrides = {**(yaml.safe_load(f) or {}), **overrides}
+        EngineConfig.resolve(args.config, overrides)  # validates the preset and the flags together
+        overrides = {**load_preset(args.config), **overrides}
     report = run_check(grid, workload, overrides, progress=print_progress)
     print(report.format_table())
     if args.json:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from minisgl_backend.errors import ConfigError
 from minisgl_backend.validation import SEED_LIMIT, Spec, machine_memory_gb, validate_fields
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+REPO_ROOT = Path(__file__).resolve().parents[1]  # source / editable checkout: configs/ lives here
+PRESET_DIR = REPO_ROOT / "configs" / "engine"
 
 
 @dataclass(frozen=True)
@@ -98,13 +101,56 @@ class EngineConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"engine config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
-        return cls.from_dict({**data, **overrides})
+        return cls.from_dict({**_read_preset(path), **overrides})
+
+    @classmethod
+    def resolve(
+        cls,
+        preset: str | os.PathLike[str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        *,
+        defaults: Mapping[str, Any] | None = None,
+        model: str | os.PathLike[str] | None = None,
+    ) -> EngineConfig:
+        """The one way the CLI and the adapters build an EngineConfig.
+
+        Precedence, lowest first: the `preset` (a path or a bare name, see `resolve_preset`), then
+        `defaults` (a command's or adapter's own defaults), then `overrides` (what the user gave:
+        flags, --set, model_args, engine_config), then `model` when not None. Unknown keys in any
+        layer raise ConfigError naming the valid keys.
+        """
+        values = load_preset(preset) if preset is not None else {}
+        values.update(defaults or {})
+        values.update(overrides or {})
+        if model is not None:
+            values["model"] = model
+        return cls.from_dict(values)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return self.from_dict({**dataclasses.asdict(self), **changes})
+
+
+def resolve_preset(ref: str | os.PathLike[str]) -> Path:
+    """A preset's file: the path as given (relative to the working directory), else relative to the
+    repository, else a bare name under configs/engine/ (`serial` -> configs/engine/serial.yaml)."""
+    ref = os.fspath(ref)
+    candidates = list(dict.fromkeys([Path(ref), REPO_ROOT / ref, PRESET_DIR / f"{ref}.yaml"]))
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ConfigError(f"engine config {ref!r} not found (looked at: {', '.join(map(str, candidates))})")
+
+
+def load_preset(ref: str | os.PathLike[str]) -> dict[str, Any]:
+    """The key/value mapping of a preset (found by `resolve_preset`), not yet checked against the fields."""
+    return _read_preset(resolve_preset(ref))
+
+
+def _read_preset(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    return data
 
 
 # What every field accepts (minisgl_backend/validation.py): types are exact, ranges named in errors.

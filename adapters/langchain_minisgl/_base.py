@@ -48,7 +48,7 @@ class MiniSGLParams(BaseModel):
     engine_config: dict[str, Any] = Field(default_factory=dict)
     """EngineConfig fields (dtype, chunk_size, num_blocks, ...); passed through to the engine unchanged."""
     engine_preset: str | None = None
-    """Path of an engine YAML preset; engine_config and model override its keys."""
+    """Engine preset: YAML path or name under configs/engine/; engine_config and model override its keys."""
     temperature: float = 0.7
     max_tokens: int = 256
     top_p: float = 1.0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import threading
-from pathlib import Path
 from typing import Any
 
 from minisgl_backend import Engine, EngineConfig
@@ -19,17 +18,13 @@ _lock = threading.Lock()
 
 
 def build_config(model: str | None, engine_config: dict[str, Any], engine_preset: str | None) -> EngineConfig:
-    """EngineConfig from an optional YAML preset, then `engine_config` overrides, then `model`.
+    """EngineConfig from an optional preset (a YAML path or a name under configs/engine/), then
+    `engine_config` overrides, then `model` (EngineConfig.resolve, as for the CLI and lm-eval).
 
     Keys are passed through unchanged, so engine options added later work without an adapter change;
     unknown keys raise minisgl_backend.ConfigError listing the valid ones.
     """
-    overrides = dict(engine_config)
-    if model is not None:
-        overrides["model"] = model
-    if engine_preset is not None:
-        return EngineConfig.from_yaml(Path(engine_preset), **overrides)
-    return EngineConfig.from_dict(overrides)
+    return EngineConfig.resolve(engine_preset, engine_config, model=model)
 
 
 def get_engine(config: EngineConfig) -> Engine:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -31,7 +30,7 @@ log = logging.getLogger("lm_eval_minisgl")
 # model_args the adapter consumes itself; every other key must be an EngineConfig field.
 ADAPTER_ARGS = {
     "pretrained": "model reference: alias, Hugging Face directory or .gguf file (engine `model`)",
-    "config": "engine preset YAML (e.g. configs/engine/<preset>.yaml); other engine keys override it",
+    "config": "engine preset: YAML path or bare name under configs/engine/; other engine keys override it",
     "max_length": "context window used for truncation and rolling windows (default: engine max_model_len)",
     "max_gen_toks": "default generation budget when a task sets none (default 256, like hf)",
     "add_bos_token": "force adding (or not) the tokenizer's BOS token; default: the tokenizer's own setting",
@@ -43,7 +42,6 @@ ADAPTER_ARGS = {
 }
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
 _DEFAULT_SEED = 1234  # lm-eval's own default seed: sampled generations replay run to run
-_REPO_ROOT = Path(__file__).resolve().parents[2]  # editable/source checkout: configs/ lives here
 _GEN_KWARGS_CAST = {
     "temperature": "temperature",
     "max_gen_toks": "max_tokens",
@@ -52,16 +50,6 @@ _GEN_KWARGS_CAST = {
     "max_completion_tokens": "max_tokens",
 }
 _GEN_KWARGS_USED = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k", "min_p", "seed"}
-
-
-def _resolve_preset(ref: str) -> Path:
-    """A preset path as given (relative to the working directory), else relative to the repository,
-    else a bare name under configs/engine/."""
-    candidates = [Path(ref), _REPO_ROOT / ref, _REPO_ROOT / "configs" / "engine" / f"{ref}.yaml"]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise ConfigError(f"engine config {ref!r} not found (looked at: {', '.join(map(str, candidates))})")
 
 
 def _resolve_device(device: str | None) -> str | None:
@@ -78,6 +66,9 @@ def _resolve_device(device: str | None) -> str | None:
 
 def build_engine_config(model_args: dict[str, Any]) -> EngineConfig:
     """Map the engine part of model_args (plus `pretrained`/`config`) to an EngineConfig.
+
+    `config` names the preset (a path, or a bare name under configs/engine/) and the other engine
+    keys override it: EngineConfig.resolve does the layering, as for the CLI and LangChain.
 
     Keys are checked against EngineConfig.field_names() at run time, so engine knobs added later
     (overlap, max_inflight, deterministic, ...) work here without an adapter change.
@@ -104,9 +95,7 @@ def build_engine_config(model_args: dict[str, Any]) -> EngineConfig:
         del args["dtype"]  # the preset's / engine's default
     elif isinstance(args.get("dtype"), str):
         args["dtype"] = _DTYPE_ALIASES.get(args["dtype"], args["dtype"])
-    if preset is not None:
-        return EngineConfig.from_yaml(_resolve_preset(str(preset)), **args)
-    return EngineConfig.from_dict(args)
+    return EngineConfig.resolve(None if preset is None else str(preset), args)
 
 
 class MiniSGLLM(TemplateLM):
