@@ -232,6 +232,13 @@ class ReplicaSet:
         gpus = 1 if config.device.startswith("cuda") else 0
         if gpus:
             config = config.replace(device="cuda")  # Ray gives each actor its own GPU as cuda:0
+        free = ray.available_resources()
+        if free.get("CPU", 0) < n * num_cpus or free.get("GPU", 0) < n * gpus:
+            raise ConfigError(
+                f"data_parallel_size={n} needs {n} x (num_cpus={num_cpus}, num_gpus={gpus}) free in the "
+                f"Ray cluster, which has {free.get('CPU', 0):g} CPUs and {free.get('GPU', 0):g} GPUs "
+                "free: lower data_parallel_size or num_threads, or close the other replicas"
+            )
         self.config = config
         self.n = n
         actor_cls = ray.remote(EngineReplica)
