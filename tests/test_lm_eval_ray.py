@@ -7,6 +7,7 @@ not start. The test that the adapter shuts down its own cluster runs in a fresh 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -175,7 +176,7 @@ def test_a_second_set_that_does_not_fit_the_cluster_fails_at_once(tiny_model_dir
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match="needs 2 x .num_cpus=1"):  # lm2 holds both CPUs
         MiniSGLLM(pretrained=str(tiny_model_dir), data_parallel_size=2, **ENGINE)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 15  # 5 s grace for resources being released, then the error
 
 
 def test_a_killed_replica_fails_the_call_naming_it(lm2, ray_cluster):
@@ -204,6 +205,23 @@ def test_a_killed_replica_fails_the_call_naming_it(lm2, ray_cluster):
     finally:
         lm.close()
     assert ray_cluster.is_initialized()  # not the adapter's cluster: still up
+
+
+def test_a_hung_replica_is_reported_within_replica_timeout(tiny_model_dir, ray_cluster):
+    # Runs after the kill test closed lm2, so the cluster's two CPUs are free again.
+    lm = MiniSGLLM(pretrained=str(tiny_model_dir), data_parallel_size=2, replica_timeout_s=3, **ENGINE)
+    pid = lm.engine.infos[0]["pid"]
+    try:
+        os.kill(pid, signal.SIGSTOP)  # the actor process stops answering (a hang, not a death)
+        kw = {"until": ["\n"], "max_gen_toks": 4}
+        reqs = [Instance("generate_until", {}, (f"{i} {q}", kw), i) for i, q in enumerate(QUESTIONS * 2)]
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaFailedError, match="replica 0: no answer for 3 s"):
+            lm.generate_until(reqs, disable_tqdm=True)
+        assert time.monotonic() - t0 < 3 + 5
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        lm.close()
 
 
 def test_adapter_started_cluster_is_shut_down_and_dp1_never_imports_ray(tiny_model_dir):

@@ -48,6 +48,7 @@ log = logging.getLogger("lm_eval_minisgl")
 _COLLECT_WAIT_S = 1.0  # a replica's collect call returns after at most this long (plus a short batch)
 _COLLECT_BATCH_S = 0.05  # after the first finished request, gather the others finished meanwhile
 DEFAULT_TIMEOUT_S = 120.0  # a replica silent this long (no answer to collect) is declared hung
+_RESOURCE_WAIT_S = 5.0  # how long to wait for free CPUs/GPUs before saying the replicas do not fit
 START_TIMEOUT_S = 900.0  # replicas must have loaded their engine by then (or Ray could not place them)
 
 
@@ -232,8 +233,14 @@ class ReplicaSet:
         gpus = 1 if config.device.startswith("cuda") else 0
         if gpus:
             config = config.replace(device="cuda")  # Ray gives each actor its own GPU as cuda:0
-        free = ray.available_resources()
-        if free.get("CPU", 0) < n * num_cpus or free.get("GPU", 0) < n * gpus:
+        deadline = time.monotonic() + _RESOURCE_WAIT_S  # just-killed actors release theirs shortly
+        while True:
+            free = ray.available_resources()
+            fits = free.get("CPU", 0) >= n * num_cpus and free.get("GPU", 0) >= n * gpus
+            if fits or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        if not fits:
             raise ConfigError(
                 f"data_parallel_size={n} needs {n} x (num_cpus={num_cpus}, num_gpus={gpus}) free in the "
                 f"Ray cluster, which has {free.get('CPU', 0):g} CPUs and {free.get('GPU', 0):g} GPUs "
