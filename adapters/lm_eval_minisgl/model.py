@@ -23,6 +23,8 @@ from lm_eval.models.utils import (
 )
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from lm_eval_minisgl.replicas import make_engine
+from lm_eval_minisgl.seeds import RequestSeeds
 from minisgl_backend import ConfigError, Engine, EngineConfig, RequestOutput, SamplingParams
 
 log = logging.getLogger("lm_eval_minisgl")
@@ -39,6 +41,11 @@ ADAPTER_ARGS = {
     "max_batch_size": "accepted for CLI compatibility and ignored",
     "device": "engine device; lm-eval's default 'cuda:0' falls back to cpu when CUDA is absent",
     "trust_remote_code": "accepted for CLI compatibility and ignored (no remote code is run)",
+    "data_parallel_size": "N > 1: N engine replicas on Ray (each with cores // N threads), requests routed "
+    "by shared prefix (default 1: one in-process engine; needs minisgl[ray])",
+    "ray_address": "with data_parallel_size > 1: join this Ray cluster (default: start a local one)",
+    "replica_timeout_s": "with data_parallel_size > 1: a replica silent this long is declared hung "
+    "(ReplicaFailedError; default 120)",
 }
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
 _DEFAULT_SEED = 1234  # lm-eval's own default seed: sampled generations replay run to run
@@ -127,6 +134,9 @@ class MiniSGLLM(TemplateLM):
         device: str | None = None,
         trust_remote_code: bool | None = None,
         engine: Engine | None = None,
+        data_parallel_size: int = 1,
+        ray_address: str | None = None,
+        replica_timeout_s: float | None = None,
         **engine_args: Any,
     ) -> None:
         super().__init__()
@@ -142,7 +152,11 @@ class MiniSGLLM(TemplateLM):
             cfg = build_engine_config(args)
             if "seed" not in engine_args and cfg.seed is None:
                 cfg = cfg.replace(seed=_DEFAULT_SEED)
-            engine = Engine(cfg)
+            engine = make_engine(cfg, data_parallel_size, ray_address, replica_timeout_s)
+        elif data_parallel_size != 1:
+            raise ConfigError(
+                "data_parallel_size builds its own replicas: pass engine settings, not an Engine"
+            )
         elif not isinstance(engine, Engine):
             raise ConfigError(f"engine must be a minisgl Engine instance, got {type(engine).__name__}")
         elif engine_args or pretrained is not None or config is not None:
@@ -159,6 +173,9 @@ class MiniSGLLM(TemplateLM):
                 "raise max_model_len / the KV capacity or lower max_length"
             )
         self._warned_truncation = False
+        # Unseeded requests get seeds from the run seed and their position in lm-eval's order, so
+        # sampled generations do not depend on how the work is split (adapters/.../seeds.py).
+        self._seeds = RequestSeeds(engine.config.seed)
 
     # ------------------------------------------------------------------ lm-eval plumbing
     @property
@@ -238,7 +255,9 @@ class MiniSGLLM(TemplateLM):
     def _run(
         self, prompts: list[list[int]], params: list[SamplingParams], disable_tqdm: bool
     ) -> list[RequestOutput]:
-        # One call, all requests: the scheduler packs them into batches as KV space allows.
+        # One call, all requests: the scheduler packs them into batches as KV space allows
+        # (with data_parallel_size > 1, `engine` is a ReplicaSet splitting them over the replicas).
+        params = self._seeds.assign(params)
         return self.engine.generate(prompts, params, use_tqdm=not disable_tqdm)
 
     # ------------------------------------------------------------------ loglikelihood
