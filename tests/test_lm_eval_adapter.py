@@ -193,6 +193,10 @@ def test_penalty_gen_kwargs_reach_the_sampling_params(lm, caplog):
     assert not [r for r in caplog.records if "not supported" in r.getMessage()]  # nothing dropped
     assert params.greedy and params.logit_bias == ((42, -100.0),)
     assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.3, 0.5, -0.2)
+    with pytest.raises(
+        InvalidSamplingParamsError, match=r"\['num_beams'\] are not supported.*supported: .*top_p"
+    ):
+        lm._sampling_params({**kw, "num_beams": 4}, eos)  # an error, not a silently different score
     neutral, _, _ = lm._sampling_params({**kw, "repetition_penalty": None}, eos)
     assert not neutral.penalised
     with pytest.raises(InvalidSamplingParamsError, match="presence_penalty"):
@@ -278,3 +282,17 @@ def test_wrapper_script_with_chat_template_and_multiturn_fewshot(tmp_path):
     sample = json.loads(next(tmp_path.rglob("samples_minisgl_gen_*.jsonl")).read_text().splitlines()[0])
     prompt = json.dumps(sample["arguments"])  # the rendered context sent to the model
     assert prompt.count("<|im_start|>user") == 4  # 3 few-shot turns + the question, as chat turns
+
+
+def test_max_batch_size_is_the_engines_max_num_seqs(tiny_model_dir):
+    lm = MiniSGLLM(pretrained=str(tiny_model_dir), max_batch_size=3, num_threads=1)
+    try:
+        assert lm.engine.config.max_num_seqs == 3
+    finally:
+        lm.close()
+    assert build_engine_config({"pretrained": str(tiny_model_dir), "max_num_seqs": 5}).max_num_seqs == 5
+    both = MiniSGLLM(pretrained=str(tiny_model_dir), max_batch_size=3, max_num_seqs=7, num_threads=1)
+    try:
+        assert both.engine.config.max_num_seqs == 7  # the engine's own key wins
+    finally:
+        both.close()

@@ -25,7 +25,14 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from lm_eval_minisgl.replicas import make_engine
 from lm_eval_minisgl.seeds import RequestSeeds
-from minisgl_backend import ConfigError, Engine, EngineConfig, RequestOutput, SamplingParams
+from minisgl_backend import (
+    ConfigError,
+    Engine,
+    EngineConfig,
+    InvalidSamplingParamsError,
+    RequestOutput,
+    SamplingParams,
+)
 
 log = logging.getLogger("lm_eval_minisgl")
 
@@ -38,7 +45,7 @@ ADAPTER_ARGS = {
     "add_bos_token": "force adding (or not) the tokenizer's BOS token; default: the tokenizer's own setting",
     "prefix_token_id": "token conditioning an empty context (default: BOS, else EOS, like hf)",
     "batch_size": "accepted for CLI compatibility and ignored: the engine batches continuously",
-    "max_batch_size": "accepted for CLI compatibility and ignored",
+    "max_batch_size": "the engine's max_num_seqs (requests running at once) unless that is set too",
     "device": "engine device; lm-eval's default 'cuda:0' falls back to cpu when CUDA is absent",
     "trust_remote_code": "accepted for CLI compatibility and ignored (no remote code is run)",
     "data_parallel_size": "N > 1: N engine replicas on Ray (each with cores // N threads), requests routed "
@@ -140,9 +147,11 @@ class MiniSGLLM(TemplateLM):
         **engine_args: Any,
     ) -> None:
         super().__init__()
-        del batch_size, max_batch_size, trust_remote_code  # accepted for CLI compatibility only
+        del batch_size, trust_remote_code  # accepted for CLI compatibility only
         if engine is None:
             args = dict(engine_args)
+            if max_batch_size is not None and "max_num_seqs" not in args:
+                args["max_num_seqs"] = max_batch_size
             if pretrained is not None:
                 args["pretrained"] = pretrained
             if config is not None:
@@ -340,9 +349,12 @@ class MiniSGLLM(TemplateLM):
                 SamplingParams.check_value(field, gen_kwargs[key], f"{field} (gen_kwargs {key!r})")
         kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-        ignored = sorted(set(kwargs) - _GEN_KWARGS_USED)
-        if ignored:
-            log.warning("generation kwargs %s are not supported by minisgl and are ignored", ignored)
+        unsupported = sorted(set(kwargs) - _GEN_KWARGS_USED)
+        if unsupported:  # dropping one would score the task differently from the backend it names
+            raise InvalidSamplingParamsError(
+                f"generation kwargs {unsupported} are not supported by minisgl; "
+                f"supported: {', '.join(sorted(_GEN_KWARGS_USED | set(_GEN_KWARGS_CAST)))}"
+            )
         # Values go to SamplingParams as given (no int()/float() casts that would turn True into 1,
         # 1.7 into 1 or 2**64 into an overflow on the engine): its validation names a bad field.
         temperature = kwargs.get("temperature", 0.0)
