@@ -45,6 +45,7 @@ from langchain_minisgl._base import (
 from langchain_minisgl._tools import ToolCallStreamSplitter, parse_tool_calls
 from minisgl_backend import Engine, InvalidRequestError, RequestOutput, SamplingParams
 from minisgl_backend.chat import forced_tools, render_chat
+from minisgl_backend.chat.logprobs import TokenText, chat_logprobs
 
 _CALL_OPTIONS = ("tools", "tool_choice", "response_format", "stream", "logprobs", "top_logprobs")
 # Content parts the model cannot read: an error names them instead of dropping them silently.
@@ -298,21 +299,6 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
             response_metadata=self._metadata(out, kwargs),
         )
 
-    def _logprobs(self, out: RequestOutput, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """OpenAI's chat logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-        tok = self.engine_for(kwargs).tokenizer
-
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = tok.decode([token_id])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        return {
-            "content": [
-                {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                for lp in out.logprobs or []
-            ]
-        }
-
     @staticmethod
     def _usage(out: RequestOutput) -> UsageMetadata:
         n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
@@ -326,7 +312,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
             "seed": out.seed,
         }
         if out.logprobs is not None:
-            meta["logprobs"] = self._logprobs(out, kwargs)
+            meta["logprobs"] = chat_logprobs(TokenText(self.engine_for(kwargs).tokenizer), out.logprobs)
         return meta
 
     def _submitter(

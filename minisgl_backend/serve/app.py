@@ -34,6 +34,7 @@ from minisgl_backend.chat import (
     parse_tool_calls,
     render_chat,
 )
+from minisgl_backend.chat.logprobs import TokenText, chat_logprobs
 from minisgl_backend.engine import Engine
 from minisgl_backend.errors import (
     EmptyPromptError,
@@ -348,21 +349,7 @@ def _sse_error(e: BaseException) -> str:
     return _sse(error_body(err.message, err.type, None, err.code))
 
 
-class _TokenText:
-    """Per-token strings for logprobs (decoded one by one, as OpenAI shows them), cached."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tok = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        s = self._cache.get(token_id)
-        if s is None:
-            s = self._cache[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
-        return s
-
-
-def _top_dict(text: _TokenText, lp: TokenLogprob) -> dict[str, float]:
+def _top_dict(text: TokenText, lp: TokenLogprob) -> dict[str, float]:
     """top_logprobs of one position: the k most likely first (argmax included), then the token itself
     unless a more likely one already shows the same string."""
     d: dict[str, float] = {}
@@ -373,7 +360,7 @@ def _top_dict(text: _TokenText, lp: TokenLogprob) -> dict[str, float]:
 
 
 def _completion_logprobs(
-    text: _TokenText, out: RequestOutput, echo: bool, drop_generated: bool, offset0: int
+    text: TokenText, out: RequestOutput, echo: bool, drop_generated: bool, offset0: int
 ) -> dict[str, Any]:
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
@@ -394,19 +381,6 @@ def _completion_logprobs(
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-def _chat_logprobs(text: _TokenText, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
-    def entry(tid: int, v: float) -> dict[str, Any]:
-        s = text(tid)
-        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
-
-    return {
-        "content": [
-            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
-        ],
-        "refusal": None,
-    }
 
 
 def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -442,7 +416,7 @@ def create_app(
         from minisgl_backend.serve.metrics import ServeMetrics
 
         state.metrics = ServeMetrics(engine, state.model_name)
-    token_text = _TokenText(state.tokenizer)
+    token_text = TokenText(state.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -698,7 +672,7 @@ def create_app(
                     "index": 0,
                     "message": message,
                     "finish_reason": finish,
-                    "logprobs": _chat_logprobs(token_text, out.logprobs or []) if body.logprobs else None,
+                    "logprobs": chat_logprobs(token_text, out.logprobs or []) if body.logprobs else None,
                 }
             ],
             "usage": _usage([out]),
@@ -732,7 +706,7 @@ async def _stream_completion(
     rid: str,
     echo_text: list[str] | None,
     drop: bool,
-    token_text: _TokenText,
+    token_text: TokenText,
 ) -> AsyncIterator[str]:
     queue: asyncio.Queue = asyncio.Queue()
     created, model = int(time.time()), state.model_name
@@ -793,7 +767,7 @@ async def _stream_chat(
     body: ChatCompletionRequest,
     rid: str,
     tool_names: set[str],
-    token_text: _TokenText,
+    token_text: TokenText,
 ) -> AsyncIterator[str]:
     queue: asyncio.Queue = asyncio.Queue()
     created, model = int(time.time()), state.model_name
@@ -823,7 +797,7 @@ async def _stream_chat(
                 text = splitter.feed(item.text) if splitter is not None else item.text
                 # Each chunk carries the logprobs of the tokens it came with, as OpenAI streams
                 # them (text held back for a stop string or a tool call still has its logprobs).
-                lps = _chat_logprobs(token_text, item.logprobs) if body.logprobs and item.logprobs else None
+                lps = chat_logprobs(token_text, item.logprobs) if body.logprobs and item.logprobs else None
                 if text or lps:
                     yield chunk({"content": text}, logprobs=lps)
                 continue
