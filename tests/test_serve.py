@@ -348,6 +348,9 @@ def test_tool_results_in_the_conversation_render(client):
 
 
 def test_response_format_json_schema_constrains_the_output(client):
+    """A JSON response_format is decoded as a forced call of a tool made from it (the tool-call
+    grammar) and answered as plain content, finish_reason "stop"; streamed, that content arrives
+    chunk by chunk. Even the random model's reply parses."""
     schema = {
         "type": "object",
         "properties": {"ok": {"type": "boolean"}, "unit": {"enum": ["C", "F"]}},
@@ -358,25 +361,56 @@ def test_response_format_json_schema_constrains_the_output(client):
         {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
         {"type": "json_object"},
     ):
-        r = client.post(
-            "/v1/chat/completions",
-            json={
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "Reply."}],
-                "response_format": fmt,
-                "temperature": 1.0,
-                "seed": 3,
-                "max_tokens": 200,
-            },
-        )
+        req = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Reply."}],
+            "response_format": fmt,
+            "temperature": 1.0,
+            "seed": 3,
+            "max_tokens": 200,
+        }
+        r = client.post("/v1/chat/completions", json=req)
         assert r.status_code == 200, r.text
         (choice,) = r.json()["choices"]
+        message = choice["message"]
+        assert "tool_calls" not in message
+        with client.stream("POST", "/v1/chat/completions", json={**req, "stream": True}) as resp:
+            deltas = [ev["choices"][0] for ev in _sse_events(resp.iter_lines())[:-1]]
+        pieces = [d["delta"]["content"] for d in deltas if d["delta"].get("content")]
+        assert "".join(pieces) == message["content"]  # seeded: the same reply, streamed
+        assert deltas[-1]["finish_reason"] == choice["finish_reason"]
+        assert not any(d["delta"].get("tool_calls") for d in deltas)
         if choice["finish_reason"] == "length" and fmt["type"] == "json_object":
+            assert message["content"].startswith("{")  # cut short, but the arguments, not the call
             continue  # a free-form object may run past max_tokens: no grammar can prevent that
-        obj = json.loads(choice["message"]["content"])
+        assert choice["finish_reason"] == "stop" and len(pieces) > 1
+        obj = json.loads(message["content"])
         assert isinstance(obj, dict)
         if fmt["type"] == "json_schema":
             assert set(obj) == {"ok", "unit"} and isinstance(obj["ok"], bool) and obj["unit"] in ("C", "F")
+    # With tools and tool_choice auto, the reply is a call of a bound tool or the format's JSON
+    # (these seeds give both on the random model).
+    seen = set()
+    for seed in range(4):
+        req = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Add 1 and 2."}],
+            "tools": [ADD_TOOL],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "add", "schema": schema}},
+            "temperature": 1.0,
+            "seed": seed,
+            "max_tokens": 200,
+        }
+        (choice,) = client.post("/v1/chat/completions", json=req).json()["choices"]
+        message, finish = choice["message"], choice["finish_reason"]
+        seen.add(finish)
+        if finish == "tool_calls":
+            (call,) = message["tool_calls"]
+            assert call["function"]["name"] == "add"
+            assert set(json.loads(call["function"]["arguments"])) == {"a", "b"}
+        else:  # the format's tool, renamed so as not to shadow the bound "add"
+            assert finish == "stop" and set(json.loads(message["content"])) == {"ok", "unit"}
+    assert seen == {"tool_calls", "stop"}
 
 
 # ------------------------------------------------------------------------------------- other endpoints
@@ -534,6 +568,18 @@ BAD_REQUESTS = [
         ),
         400,
         "response_format",
+    ),
+    (
+        "chat json_schema name with spaces",
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}},
+            },
+        ),
+        400,
+        "response_format.json_schema.name",
     ),
     (
         "chat top_logprobs without logprobs",

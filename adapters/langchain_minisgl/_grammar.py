@@ -5,6 +5,5 @@ from minisgl_backend.chat.grammar import (  # noqa: F401
     TOOL_CALL_OPEN,
     GrammarError,
     GrammarProcessor,
-    json_grammar,
     tool_call_grammar,
 )

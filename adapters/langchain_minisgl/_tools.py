@@ -23,9 +23,11 @@ def _wrap(
     )
 
 
-def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
+def parse_tool_calls(
+    text: str, tool_names: set[str], reply_tool: str | None = None
+) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
     """Split model output into (content, tool calls, invalid tool calls); see the engine-level parser."""
-    content, calls, invalid = _core.parse_tool_calls(text, tool_names)
+    content, calls, invalid = _core.parse_tool_calls(text, tool_names, reply_tool)
     return (content, *_wrap(calls, invalid))
 
 

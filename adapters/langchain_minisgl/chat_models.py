@@ -44,7 +44,7 @@ from langchain_minisgl._base import (
 )
 from langchain_minisgl._tools import ToolCallStreamSplitter, parse_tool_calls
 from minisgl_backend import Engine, InvalidRequestError, RequestOutput, SamplingParams
-from minisgl_backend.chat import forced_tools, render_chat
+from minisgl_backend.chat import ChatPrompt, forced_tools, render_chat
 from minisgl_backend.chat.logprobs import TokenText, chat_logprobs
 
 _CALL_OPTIONS = ("tools", "tool_choice", "response_format", "stream", "logprobs", "top_logprobs")
@@ -260,8 +260,8 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
     # ------------------------------------------------------------------ request building
     def _prepare(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[Engine, list[int], SamplingParams, set[str]]:
-        """(engine, prompt ids, sampling params, names of tools whose calls to parse)."""
+    ) -> tuple[Engine, list[int], SamplingParams, ChatPrompt]:
+        """(engine, prompt ids, sampling params, the rendered prompt: what to parse out of the reply)."""
         check_call_kwargs(kwargs, _CALL_OPTIONS)
         engine = self.engine_for(kwargs)
         tok = engine.tokenizer
@@ -280,11 +280,15 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         if kwargs.get("logprobs", self.logprobs):
             k = kwargs.get("top_logprobs", self.top_logprobs)
             params = dataclasses.replace(params, logprobs=k or 0)
-        return engine, prompt.token_ids, params, prompt.tool_names
+        return engine, prompt.token_ids, params, prompt
 
-    def _message(self, out: RequestOutput, tool_names: set[str], kwargs: dict[str, Any]) -> AIMessage:
+    def _message(self, out: RequestOutput, prompt: ChatPrompt, kwargs: dict[str, Any]) -> AIMessage:
         text, thought = split_reasoning(out.text) if self.reasoning else (out.text, None)
-        content, calls, invalid = parse_tool_calls(text, tool_names) if tool_names else (text, [], [])
+        content, calls, invalid = (
+            parse_tool_calls(text, prompt.tool_names, prompt.reply_tool)
+            if prompt.parses_output
+            else (text, [], [])
+        )
         if invalid and out.finish_reason == "length":
             invalid = [
                 {**c, "error": f"{c['error']} (output cut at max_tokens={len(out.token_ids)})"}
@@ -322,11 +326,11 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         kwargs: dict[str, Any],
         prepared: dict[str, Any],
     ) -> Callable[[Engine], list]:
-        """Render and submit one conversation once the engine is known; tool names land in `prepared`."""
+        """Render and submit one conversation once the engine is known; the prompt lands in `prepared`."""
 
         def submit(engine: Engine) -> list:
-            _, ids, params, names = self._prepare(messages, stop, kwargs)
-            prepared["names"] = names
+            _, ids, params, prompt = self._prepare(messages, stop, kwargs)
+            prepared["prompt"] = prompt
             return [engine.submit(ids, params)]
 
         return submit
@@ -342,7 +346,9 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         prepared: dict[str, Any] = {}
         submit = self._submitter(messages, stop, kwargs, prepared)
         out = self.run_sync(kwargs, submit)[0]
-        return ChatResult(generations=[ChatGeneration(message=self._message(out, prepared["names"], kwargs))])
+        return ChatResult(
+            generations=[ChatGeneration(message=self._message(out, prepared["prompt"], kwargs))]
+        )
 
     async def _agenerate(
         self,
@@ -354,7 +360,9 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         prepared: dict[str, Any] = {}
         submit = self._submitter(messages, stop, kwargs, prepared)
         out = (await self.run_async(kwargs, submit))[0]
-        return ChatResult(generations=[ChatGeneration(message=self._message(out, prepared["names"], kwargs))])
+        return ChatResult(
+            generations=[ChatGeneration(message=self._message(out, prepared["prompt"], kwargs))]
+        )
 
     def _stream(
         self,
@@ -364,13 +372,15 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         # BaseChatModel.stream fires on_llm_new_token for every chunk yielded here.
-        engine, ids, params, names = self._prepare(messages, stop, kwargs)
+        engine, ids, params, prompt = self._prepare(messages, stop, kwargs)
         handle = engine.submit(ids, params)
-        splitter = ToolCallStreamSplitter() if names else None
+        splitter = ToolCallStreamSplitter(prompt.reply_tool) if prompt.parses_output else None
         thinker = ReasoningStreamSplitter() if self.reasoning else None
         for delta in stream_sync(engine, handle):
             if delta.finished:
-                yield self._last_chunk(delta.text, splitter, thinker, names, handle.result(), kwargs)
+                yield self._last_chunk(
+                    delta.text, splitter, thinker, prompt.tool_names, handle.result(), kwargs
+                )
             elif chunk := self._text_chunk(delta.text, splitter, thinker):
                 yield chunk
 
@@ -381,14 +391,14 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        engine, ids, params, names = self._prepare(messages, stop, kwargs)
+        engine, ids, params, prompt = self._prepare(messages, stop, kwargs)
         handle = engine.submit(ids, params)
-        splitter = ToolCallStreamSplitter() if names else None
+        splitter = ToolCallStreamSplitter(prompt.reply_tool) if prompt.parses_output else None
         thinker = ReasoningStreamSplitter() if self.reasoning else None
         async for delta in stream_async(engine, handle):
             if delta.finished:
                 out = await await_handle(engine, handle)
-                yield self._last_chunk(delta.text, splitter, thinker, names, out, kwargs)
+                yield self._last_chunk(delta.text, splitter, thinker, prompt.tool_names, out, kwargs)
             elif chunk := self._text_chunk(delta.text, splitter, thinker):
                 yield chunk
 

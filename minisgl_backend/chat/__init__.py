@@ -2,13 +2,13 @@
 rendering with tools (`template`), the tool-call prompt and parser (`tools`) and grammar-constrained
 decoding (`grammar`, llguidance)."""
 
-from minisgl_backend.chat.grammar import GrammarError, GrammarProcessor, json_grammar, tool_call_grammar
+from minisgl_backend.chat.grammar import GrammarError, GrammarProcessor, tool_call_grammar
 from minisgl_backend.chat.template import (
     ChatPrompt,
     ChatTemplateError,
     forced_tools,
     render_chat,
-    response_schema,
+    response_tool,
     template_supports_tools,
     to_template,
 )
@@ -16,6 +16,7 @@ from minisgl_backend.chat.tools import (
     ToolCallStreamSplitter,
     new_call_id,
     parse_tool_calls,
+    reply_arguments,
     tool_system_prompt,
 )
 
@@ -26,11 +27,11 @@ __all__ = [
     "GrammarProcessor",
     "ToolCallStreamSplitter",
     "forced_tools",
-    "json_grammar",
     "new_call_id",
     "parse_tool_calls",
     "render_chat",
-    "response_schema",
+    "reply_arguments",
+    "response_tool",
     "template_supports_tools",
     "to_template",
     "tool_call_grammar",

@@ -3,8 +3,8 @@
 Shared by `minisgl serve` and the LangChain adapter.
 
 Backed by llguidance (Earley parser + token trie, native code, CPU, no torch dependency). Used for
-forced tool calls (the output must parse as a call of one of the allowed tools) and for JSON /
-JSON-schema structured output.
+forced tool calls (the output must parse as a call of one of the allowed tools), which JSON /
+JSON-schema structured output (`response_format`) is too: see `chat.template.response_tool`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,12 @@ import llguidance.hf
 import numpy as np
 import torch
 
-# Compact JSON: a small model left free to choose whitespace can pad forever.
-_RIGID = {"whitespace_flexible": False}
+# Compact JSON: fixed separators, no free whitespace (a small model left free to choose whitespace
+# can pad forever). json.dumps' spaced separators, as the tool prompt shows them, were measured for
+# whole calls too: greedy SmolLM2-135M then got some calls right that compact JSON gets wrong and
+# others wrong that it gets right, no net gain; they stay for the one place they help (`_args_style`).
+_COMPACT = {"whitespace_flexible": False}
+_SPACED = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
@@ -43,35 +47,41 @@ def _ll_tokenizer(hf_tokenizer: Any) -> llguidance.LLTokenizer:
         return tok
 
 
+def _args_style(params: dict[str, Any]) -> dict[str, Any]:
+    """How a tool's arguments are written: compact JSON, except for an object that declares no
+    properties (json_object's "any JSON object"). There the model picks each value's type, and
+    compact JSON forbids the `": "` it would write before a string, so greedy SmolLM2-135M takes a
+    `{` instead and nests objects until max_tokens ('{"setup":{"setup":{...'); with json.dumps'
+    separators it writes a flat object (measured). A declared property's type fixes that token."""
+    undeclared = not params.get("properties") and params.get("additionalProperties", False) is not False
+    return _SPACED if params.get("type") == "object" and undeclared else _COMPACT
+
+
+def call_prefix(name: str) -> str:
+    """How every output of `tool_call_grammar` that calls `name` begins (the grammar's own literal):
+    the tag and the call object up to its arguments, so the arguments can be cut out as they stream."""
+    return f'{TOOL_CALL_OPEN}\n{{"name":{json.dumps(name, ensure_ascii=False)},"arguments":'
+
+
+CALL_SUFFIX = "}\n" + TOOL_CALL_CLOSE  # how it ends: the call object's brace, then the closing tag
+
+
 def tool_call_grammar(tools: Sequence[dict[str, Any]]) -> str:
     """Lark grammar for exactly one `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
     the arguments matching the chosen tool's parameter schema."""
-    alternatives = []
-    for t in tools:
+    rules = []
+    for i, t in enumerate(tools):
         fn = t["function"]
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         if params.get("type") == "object" and "additionalProperties" not in params:
             # Only declared arguments: a small model otherwise invents extra keys until max_tokens.
             params = {**params, "additionalProperties": False}
-        alternatives.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-        )
-    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    body = json.dumps({**schema, "x-guidance": _RIGID})
-    lark = f'start: "{TOOL_CALL_OPEN}\\n" call "\\n{TOOL_CALL_CLOSE}"\ncall: %json {body}'
-    return llguidance.LLMatcher.grammar_from_lark(lark)
-
-
-def json_grammar(schema: dict[str, Any] | None) -> str:
-    """Grammar for one JSON value matching `schema` (None: any JSON object)."""
-    schema = dict(schema) if schema else {"type": "object"}
-    schema["x-guidance"] = _RIGID
-    return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        opening = json.dumps(call_prefix(fn["name"])[len(TOOL_CALL_OPEN) + 1 :], ensure_ascii=False)
+        args = json.dumps({**params, "x-guidance": _args_style(params)})
+        rules.append(f'call{i}: {opening} args{i} "}}"\nargs{i}: %json {args}')
+    calls = " | ".join(f"call{i}" for i in range(len(tools)))
+    start = f'start: "{TOOL_CALL_OPEN}\\n" ({calls}) "\\n{TOOL_CALL_CLOSE}"'
+    return llguidance.LLMatcher.grammar_from_lark("\n".join([start, *rules]))
 
 
 class GrammarProcessor:

@@ -5,7 +5,8 @@ may carry `tool_calls` (`[{"id", "type": "function", "function": {"name", "argum
 arguments a dict or a JSON string) and a tool message `tool_call_id`. Templates that render
 `tools=` themselves get the tools and calls natively; for the others (SmolLM2's ChatML) the tool
 protocol is stated in a system message and calls and results are written as tagged text.
-A forced tool choice or a JSON response format constrains decoding with an llguidance grammar.
+A forced tool choice constrains decoding with an llguidance grammar; a JSON response format is
+such a forced call too (of a tool made from the format; its arguments are the reply).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl_backend.chat.grammar import GrammarProcessor, json_grammar, tool_call_grammar
+from minisgl_backend.chat.grammar import GrammarProcessor, tool_call_grammar
 from minisgl_backend.chat.tools import call_text, tool_system_prompt
 
 _native_tools: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
@@ -69,15 +70,35 @@ def forced_tools(tool_choice: Any, tools: list[dict[str, Any]]) -> list[dict[str
     return match
 
 
-def response_schema(fmt: dict[str, Any]) -> dict[str, Any] | None:
-    """The JSON schema of an OpenAI `response_format` (None: any JSON object)."""
+def response_tool(fmt: dict[str, Any], taken: Sequence[str] = ()) -> dict[str, Any]:
+    """A JSON `response_format` as the tool the model is made to call: its arguments are the reply.
+
+    One constraint for both: the reply is decoded under `tool_call_grammar` like any forced call, and
+    the caller returns the call's arguments as the message content (`parse_tool_calls(reply_tool=)`).
+    Why not a bare JSON grammar: constrained to the same schema without the tool prompt and call
+    wrapper, greedy SmolLM2-135M repeats itself inside the first string until max_tokens
+    ('{"setup":"The cat was a cat, and the cat was a cat, ...'), while as a forced call it writes a
+    whole joke and stops (measured). `json_schema` gives the name, description and parameters
+    (`strict` is implied: decoding is always constrained); `json_object` allows any JSON object.
+    `taken`: names of the request's own tools, which the reply tool must not shadow.
+    """
     kind = fmt.get("type")
     if kind == "json_object":
-        return None
-    if kind == "json_schema":
+        name, description = "json_object", "Reply to the user with a JSON object as the arguments."
+        params: dict[str, Any] = {"type": "object", "additionalProperties": True}
+    elif kind == "json_schema":
         spec = fmt.get("json_schema") or {}
-        return spec.get("schema", spec)
-    raise ChatTemplateError(f"response_format type must be 'json_object' or 'json_schema', got {kind!r}")
+        params = dict(spec.get("schema", spec) or {"type": "object", "additionalProperties": True})
+        # The schema's own title and description name and describe the tool, as in a tool made from
+        # the same class (LangChain's convert_to_openai_tool): the prompts then match.
+        title, about = params.pop("title", None), params.pop("description", None)
+        name = spec.get("name") or title or "json_schema"
+        description = spec.get("description") or about or "Reply with arguments that match the schema."
+    else:
+        raise ChatTemplateError(f"response_format type must be 'json_object' or 'json_schema', got {kind!r}")
+    while name in taken:
+        name = f"{name}_reply"
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
 
 
 def _args_dict(args: Any) -> Any:
@@ -129,6 +150,14 @@ class ChatPrompt:
     token_ids: list[int]
     logits_processors: list[Callable] = field(default_factory=list)
     tool_names: set[str] = field(default_factory=set)  # calls of these tools are parsed from the output
+    # A response_format: the forced call of this tool is the reply, its arguments the content.
+    reply_tool: str | None = None
+
+    @property
+    def parses_output(self) -> bool:
+        """Whether the output goes through `parse_tool_calls` / `ToolCallStreamSplitter` (given
+        `tool_names` and `reply_tool`): tagged blocks are calls only when tools or a format are set."""
+        return bool(self.tool_names) or self.reply_tool is not None
 
 
 def render_chat(
@@ -147,6 +176,16 @@ def render_chat(
     if tool_choice == "none":
         tools = []
     forced = forced_tools(tool_choice, tools) if tools else None
+    names = {t["function"]["name"] for t in tools}
+    reply = None
+    if response_format is not None and response_format.get("type") != "text":
+        reply = response_tool(response_format, sorted(names))
+        if forced is None:
+            # As OpenAI's structured outputs with tools: the reply is a call of a bound tool or the JSON.
+            tools.append(reply)
+            forced = list(tools)
+        else:  # a forced call of the request's own tool leaves the format nothing to shape
+            reply = None
     processors: list[Callable] = []
     instructions: list[str] = []
     native = bool(tools) and template_supports_tools(tokenizer)
@@ -155,13 +194,6 @@ def render_chat(
         instructions.append(tool_system_prompt(tools, name))
     if forced:
         processors.append(GrammarProcessor(tokenizer, tool_call_grammar(forced)))
-    if response_format is not None and response_format.get("type") != "text":
-        schema = response_schema(response_format)
-        processors.append(GrammarProcessor(tokenizer, json_grammar(schema)))
-        instructions.append(
-            "Reply with a JSON object only"
-            + (f" matching this JSON schema:\n{json.dumps(schema)}" if schema else ".")
-        )
     msgs = [to_template(m, native) for m in messages]
     if instructions:
         extra = "\n\n".join(instructions)
@@ -173,4 +205,4 @@ def render_chat(
         msgs, tools=tools if native else None, tokenize=False, add_generation_prompt=add_generation_prompt
     )
     ids = list(tokenizer.encode(text, add_special_tokens=False))  # the template already holds any BOS
-    return ChatPrompt(text, ids, processors, {t["function"]["name"] for t in tools})
+    return ChatPrompt(text, ids, processors, names, reply["function"]["name"] if reply else None)

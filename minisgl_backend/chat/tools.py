@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from minisgl_backend.chat.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from minisgl_backend.chat.grammar import CALL_SUFFIX, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, call_prefix
 
 _BLOCK = re.compile(
     re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.S
@@ -72,12 +72,27 @@ def _parse_one(body: str, calls: list[ParsedCall], invalid: list[ParsedCall]) ->
     calls.append({"name": name, "args": args, "id": new_call_id()})
 
 
-def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str, list[ParsedCall], list[ParsedCall]]:
+def reply_arguments(text: str, reply_tool: str) -> str | None:
+    """The JSON a forced call of `reply_tool` carries (a response_format's reply), as the model wrote
+    it: all of it, or as far as max_tokens let it go. None: `text` is not that call."""
+    prefix = call_prefix(reply_tool)
+    if text.startswith(prefix):
+        body = text[len(prefix) :]
+        return body[: -len(CALL_SUFFIX)] if body.endswith(CALL_SUFFIX) else body
+    return "" if prefix.startswith(text) else None  # cut inside the fixed wrapper: no JSON yet
+
+
+def parse_tool_calls(
+    text: str, tool_names: set[str], reply_tool: str | None = None
+) -> tuple[str, list[ParsedCall], list[ParsedCall]]:
     """Split model output into (content, tool calls, invalid tool calls).
 
     Tagged blocks are calls wherever they appear; an untagged reply that is nothing but a JSON object
-    naming a bound tool is a call too (small models often drop the tags).
+    naming a bound tool is a call too (small models often drop the tags). A call of `reply_tool`
+    (see `chat.template.response_tool`) is no call: its arguments are the content.
     """
+    if reply_tool is not None and (args := reply_arguments(text, reply_tool)) is not None:
+        return args, [], []
     calls: list[ParsedCall] = []
     invalid: list[ParsedCall] = []
     pieces, pos = [], 0
@@ -109,15 +124,37 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ToolCallStreamSplitter:
-    """While text streams in, emit what is surely plain content and hold back what may be a tool call."""
+    """While text streams in, emit what is surely plain content and hold back what may be a tool call.
 
-    def __init__(self) -> None:
+    With `reply_tool` (a response_format), that forced call's arguments stream out as content as
+    they come, less a tail that may be the call's closing `}` and tag.
+    """
+
+    def __init__(self, reply_tool: str | None = None) -> None:
         self.text = ""
-        self.emitted = 0
+        self.emitted = 0  # characters of content sent: of `text`, or of the reply's arguments
         self._holding = False
+        self._reply_tool = reply_tool
+        self._reply_prefix = call_prefix(reply_tool) if reply_tool is not None else None
+
+    def _feed_reply(self) -> str | None:
+        """The next piece of the reply's arguments; None once the output is not the reply call."""
+        prefix = self._reply_prefix
+        if prefix is None:
+            return None
+        if self.text.startswith(prefix):
+            body = self.text[len(prefix) :]
+            hold = len(CALL_SUFFIX) if body.endswith(CALL_SUFFIX) else _partial_suffix(body, CALL_SUFFIX)
+            out = body[self.emitted : len(body) - hold]
+            self.emitted += len(out)
+            return out
+        return "" if prefix.startswith(self.text) else None
 
     def feed(self, delta: str) -> str:
         self.text += delta
+        reply = self._feed_reply()
+        if reply is not None:
+            return reply
         if self._holding:
             return ""
         rest = self.text[self.emitted :]
@@ -135,7 +172,9 @@ class ToolCallStreamSplitter:
 
     def finish(self, tool_names: set[str]) -> tuple[str, list[ParsedCall], list[ParsedCall]]:
         """(content not yet emitted, tool calls, invalid tool calls) once the output is complete."""
-        content, calls, invalid = parse_tool_calls(self.text, tool_names)
+        content, calls, invalid = parse_tool_calls(self.text, tool_names, self._reply_tool)
+        if self._reply_tool is not None and reply_arguments(self.text, self._reply_tool) is not None:
+            return content[self.emitted :], calls, invalid  # `emitted` counted the arguments
         done = self.text[: self.emitted]
         tail = content[len(done) :] if content.startswith(done) else ""
         return tail, calls, invalid

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl_backend.aio import call_soon, result_future
 from minisgl_backend.chat import (
+    ChatPrompt,
     ChatTemplateError,
     GrammarError,
     ToolCallStreamSplitter,
@@ -641,7 +642,7 @@ def create_app(
             raise api_error(e) from e
         if body.stream:
             return StreamingResponse(
-                _stream_chat(state, handles[0], body, rid, prompt.tool_names, token_text),
+                _stream_chat(state, handles[0], body, rid, prompt, token_text),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -652,7 +653,9 @@ def create_app(
         except Exception as e:  # noqa: BLE001
             raise api_error(e) from e
         content, calls, _invalid = (
-            parse_tool_calls(out.text, prompt.tool_names) if prompt.tool_names else (out.text, [], [])
+            parse_tool_calls(out.text, prompt.tool_names, prompt.reply_tool)
+            if prompt.parses_output
+            else (out.text, [], [])
         )
         message: dict[str, Any] = {
             "role": "assistant",
@@ -766,12 +769,12 @@ async def _stream_chat(
     handle: RequestHandle,
     body: ChatCompletionRequest,
     rid: str,
-    tool_names: set[str],
+    prompt: ChatPrompt,
     token_text: TokenText,
 ) -> AsyncIterator[str]:
     queue: asyncio.Queue = asyncio.Queue()
     created, model = int(time.time()), state.model_name
-    splitter = ToolCallStreamSplitter() if tool_names else None
+    splitter = ToolCallStreamSplitter(prompt.reply_tool) if prompt.parses_output else None
 
     def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
         return _sse(
@@ -804,7 +807,7 @@ async def _stream_chat(
             out: RequestOutput = item
             finish: str = out.finish_reason
             if splitter is not None:
-                tail, calls, _invalid = splitter.finish(tool_names)
+                tail, calls, _invalid = splitter.finish(prompt.tool_names)
                 if tail:
                     yield chunk({"content": tail})
                 if calls:

@@ -183,7 +183,7 @@ class NamedToolChoice(BaseModel):
 
 class JsonSchemaSpec(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
-    name: str | None = None
+    name: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")  # OpenAI's rule
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -201,10 +201,16 @@ class ResponseFormat(BaseModel):
         return self
 
     def as_dict(self) -> dict[str, Any]:
-        if self.type == "json_schema":
+        if self.type == "json_schema" and self.json_schema is not None:
+            spec = self.json_schema
+            # name and description reach the model: the reply is a forced call of a tool made of them
             return {
                 "type": "json_schema",
-                "json_schema": {"schema": (self.json_schema.schema_ if self.json_schema else None) or {}},
+                "json_schema": {
+                    "name": spec.name,
+                    "description": spec.description,
+                    "schema": spec.schema_ or {},
+                },
             }
         return {"type": self.type}
 

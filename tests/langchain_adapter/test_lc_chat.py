@@ -11,6 +11,8 @@ from langchain_minisgl import ChatMiniSGL
 from langchain_minisgl._tools import ToolCallStreamSplitter, parse_tool_calls
 from pydantic import BaseModel
 
+from minisgl_backend.chat.grammar import CALL_SUFFIX, call_prefix
+
 
 @tool
 def add(a: int, b: int) -> int:
@@ -87,9 +89,9 @@ def test_conversation_renders_every_role_through_the_chat_template(chat):
         AIMessage("", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "call_1"}]),
         ToolMessage("5", tool_call_id="call_1"),
     ]
-    _, ids, _, names = chat._prepare(history, None, {"tools": [_openai(add)]})
+    _, ids, _, prompt = chat._prepare(history, None, {"tools": [_openai(add)]})
     text = chat.engine.tokenizer.decode(ids)
-    assert names == {"add"}
+    assert prompt.tool_names == {"add"} and prompt.reply_tool is None
     assert text.startswith("<|im_start|>system\nYou are terse.") and "You can call these tools" in text
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in text
     assert "<tool_response>\n5\n</tool_response>" in text
@@ -145,6 +147,31 @@ def test_stream_splitter_holds_back_only_what_may_be_a_call():
     assert tail == "" and calls[0]["name"] == "add"
     s = ToolCallStreamSplitter()
     assert s.feed("a < b") == "a < b"
+
+
+def test_a_response_format_reply_streams_its_arguments_as_content():
+    """The forced call of a response_format's tool is the reply: its arguments stream out as they
+    come (all but a tail that may be the closing `}` and tag), cut or whole; another call stays a call."""
+    args = '{"setup": "a}\\n}", "punchline": {"x": [1, {}]}}'
+    s, text, emitted = ToolCallStreamSplitter("Joke"), "", ""
+    for ch in call_prefix("Joke") + args + CALL_SUFFIX:
+        text += ch
+        emitted += s.feed(ch)
+        body = text[len(call_prefix("Joke")) :] if text.startswith(call_prefix("Joke")) else ""
+        assert args.startswith(emitted) and len(body) - len(emitted) <= len(CALL_SUFFIX)
+        if len(body) < len(args) and not body.endswith("}"):
+            assert emitted == body  # inside the arguments only a brace may be held back
+    assert emitted == args
+    tail, calls, invalid = s.finish(set())
+    assert tail == "" and not calls and not invalid
+    cut = call_prefix("Joke") + args[:9]
+    assert parse_tool_calls(cut, set(), "Joke") == (args[:9], [], [])  # max_tokens: the JSON so far
+    assert parse_tool_calls(call_prefix("Joke")[:5], set(), "Joke") == ("", [], [])
+    other = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    s = ToolCallStreamSplitter("Joke")
+    assert "".join(s.feed(ch) for ch in other) == ""
+    tail, calls, _ = s.finish({"add"})
+    assert tail == "" and calls[0]["name"] == "add" and calls[0]["args"] == {"a": 1, "b": 2}
 
 
 # ------------------------------------------------------------------ logprobs, reasoning, profile, media
