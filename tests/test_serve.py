@@ -158,25 +158,60 @@ def test_echo_logprobs_are_what_lm_eval_local_completions_reads(server, client):
         assert choice["text"].startswith(eng.tokenizer.decode(ids))
 
 
-def test_streaming_completion_equals_the_non_streamed_one(client):
-    req = {"model": MODEL, "prompt": ["Once upon a time", "In a galaxy"], "max_tokens": 12, "temperature": 0}
-    whole = client.post("/v1/completions", json=req).json()
-    with client.stream(
-        "POST", "/v1/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}}
-    ) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        events = _sse_events(r.iter_lines())
-    assert events[-1] == "[DONE]"
-    usage = events[-2]
-    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
-    texts, finish = ["", ""], [None, None]
-    for ev in events[:-2]:
+def _streamed_choices(events: list, n: int) -> list[dict]:
+    """Per choice index: its text, finish_reason, chunks with logprobs and the logprobs concatenated."""
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    out = [{"text": "", "finish": None, "lp_chunks": [], **{k: [] for k in keys}} for _ in range(n)]
+    for ev in events:
         (c,) = ev["choices"]
-        texts[c["index"]] += c["text"]
-        if c["finish_reason"]:
-            finish[c["index"]] = c["finish_reason"]
-    assert texts == [c["text"] for c in whole["choices"]]
-    assert finish == [c["finish_reason"] for c in whole["choices"]]
+        o = out[c["index"]]
+        o["text"] += c["text"]
+        o["finish"] = c["finish_reason"] or o["finish"]
+        if c["logprobs"] is not None:
+            o["lp_chunks"].append(c)
+            for k in keys:
+                o[k] += c["logprobs"][k]
+    return out
+
+
+def test_streaming_completion_equals_the_non_streamed_one(client):
+    """Text, finish reasons, usage, and each chunk's own tokens' logprobs (OpenAI's shape, offsets
+    into the choice's text) that add up to the non-streamed ones; with echo, the prompt's first."""
+    req = {
+        "model": MODEL,
+        "prompt": ["Once upon a time", "In a galaxy"],
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": 2,
+    }
+    for extra in ({}, {"echo": True, "prompt": "Once upon a time", "max_tokens": 4}):
+        whole = client.post("/v1/completions", json={**req, **extra}).json()
+        with client.stream(
+            "POST",
+            "/v1/completions",
+            json={**req, **extra, "stream": True, "stream_options": {"include_usage": True}},
+        ) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = _sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        usage = events[-2]
+        assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+        streamed = _streamed_choices(events[:-2], len(whole["choices"]))
+        for got, want in zip(streamed, whole["choices"]):
+            lp = want["logprobs"]
+            assert got["text"] == want["text"] and got["finish"] == want["finish_reason"]
+            assert got["tokens"] == lp["tokens"] and got["text_offset"] == lp["text_offset"]
+            # the values to rounding: the streamed run reads the prompt from the prefix cache
+            near = [v if v is None else pytest.approx(v, abs=1e-5) for v in lp["token_logprobs"]]
+            assert got["token_logprobs"] == near
+            assert [t and set(t) for t in got["top_logprobs"]] == [t and set(t) for t in lp["top_logprobs"]]
+            chunks = got["lp_chunks"]
+            if extra:  # the echo first, with the prompt's logprobs (the first token has none)
+                assert (
+                    chunks[0]["text"] == "Once upon a time"
+                    and chunks[0]["logprobs"]["token_logprobs"][0] is None
+                )
+            assert len(chunks) > 1 and all(c["finish_reason"] is None for c in chunks)  # not all at the end
 
 
 def test_stop_strings_and_seeded_sampling(server, client):

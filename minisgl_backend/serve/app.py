@@ -360,28 +360,40 @@ def _top_dict(text: TokenText, lp: TokenLogprob) -> dict[str, float]:
     return d
 
 
-def _completion_logprobs(
-    text: TokenText, out: RequestOutput, echo: bool, drop_generated: bool, offset0: int
-) -> dict[str, Any]:
+LogprobEntry = tuple[int, TokenLogprob | None]  # a token id and its logprob (None: it has none)
+
+
+def _prompt_entries(out: RequestOutput) -> list[LogprobEntry]:
+    plps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    return list(zip(out.prompt_token_ids, plps))
+
+
+def _generated_entries(lps: Sequence[TokenLogprob] | None) -> list[LogprobEntry]:
+    return [(lp.token_id, lp) for lp in lps or []]
+
+
+def _text_logprobs(
+    text: TokenText, entries: Sequence[LogprobEntry], offset: int
+) -> tuple[dict[str, Any], int]:
+    """OpenAI's completion logprobs object for these tokens, the first at character `offset` of the
+    choice's text; and the offset after the last (where a streamed choice's next chunk starts)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
-    if echo:
-        plps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-        for tid, lp in zip(out.prompt_token_ids, plps):
-            tokens.append(text(tid))
-            token_logprobs.append(None if lp is None else lp.logprob)
-            top.append(None if lp is None else _top_dict(text, lp))
-    if not drop_generated:
-        for lp in out.logprobs or []:
-            tokens.append(text(lp.token_id))
-            token_logprobs.append(lp.logprob)
-            top.append(_top_dict(text, lp))
-    offsets, pos = [], offset0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+    offsets: list[int] = []
+    for tid, lp in entries:
+        s = text(tid)
+        tokens.append(s)
+        token_logprobs.append(None if lp is None else lp.logprob)
+        top.append(None if lp is None else _top_dict(text, lp))
+        offsets.append(offset)
+        offset += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }, offset
 
 
 def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -590,14 +602,18 @@ def create_app(
         for i, out in enumerate(outs):
             text = "" if drop else out.text
             prefix = echo_text[i] if echo_text else ""
+            lps = None
+            if k is not None:
+                entries = _prompt_entries(out) if body.echo else []
+                lps = _text_logprobs(
+                    token_text, entries + ([] if drop else _generated_entries(out.logprobs)), 0
+                )[0]
             choices.append(
                 {
                     "index": i,
                     "text": prefix + text,
                     "finish_reason": "length" if drop else out.finish_reason,
-                    "logprobs": _completion_logprobs(token_text, out, body.echo, drop, 0)
-                    if k is not None
-                    else None,
+                    "logprobs": lps,
                 }
             )
         return {
@@ -726,12 +742,27 @@ async def _stream_completion(
             }
         )
 
+    # Each chunk carries the logprobs of the tokens it came with (held-back text included), at
+    # their offsets in the choice's text. With echo, the prompt's logprobs come only with the
+    # finished result, so such a choice is held back until then: its echo must come first.
+    k = body.logprobs
+    hold: list[list[StreamDelta] | None] = [[] if echo_text and k is not None else None for _ in handles]
+    offset = [0] * len(handles)
+
+    def delta_chunk(i: int, delta: StreamDelta) -> str | None:
+        lps = None
+        if k is not None and delta.logprobs and not drop:
+            lps, offset[i] = _text_logprobs(token_text, _generated_entries(delta.logprobs), offset[i])
+        text = "" if drop else delta.text
+        return chunk(i, text, logprobs=lps) if text or lps else None
+
     try:
         for i, h in enumerate(handles):
             _pump(h, i, queue)
         if echo_text:
             for i, t in enumerate(echo_text):
-                yield chunk(i, t)
+                if hold[i] is None:
+                    yield chunk(i, t)
         while len(outs) < len(handles):
             i, item = await queue.get()
             if isinstance(item, BaseException):
@@ -739,14 +770,17 @@ async def _stream_completion(
                 return
             if isinstance(item, RequestOutput):
                 outs[i] = item
-                lps = (
-                    _completion_logprobs(token_text, item, body.echo, drop, 0)
-                    if body.logprobs is not None
-                    else None
-                )
-                yield chunk(i, "", "length" if drop else item.finish_reason, lps)
-            elif item.text and not drop:
-                yield chunk(i, item.text)
+                if hold[i] is not None:
+                    lps, offset[i] = _text_logprobs(token_text, _prompt_entries(item), 0)
+                    yield chunk(i, echo_text[i], logprobs=lps)
+                    for delta in hold[i]:
+                        if (c := delta_chunk(i, delta)) is not None:
+                            yield c
+                yield chunk(i, "", "length" if drop else item.finish_reason)
+            elif hold[i] is not None:
+                hold[i].append(item)
+            elif (c := delta_chunk(i, item)) is not None:
+                yield c
         if body.include_usage:
             yield _sse(
                 {
