@@ -1,6 +1,10 @@
 """LangChain's standard chat-model integration suite on `ChatOpenAI(base_url=..., api_key=...)`
 against `minisgl serve` (embedded SmolLM2, bf16, greedy): the same suite, the same model and the
-same model-quality xfails as the in-process ChatMiniSGL run (test_lc_standard.py)."""
+same model-quality xfails as the in-process ChatMiniSGL run (test_lc_standard.py), no others.
+
+ChatOpenAI's structured output defaults to `method="json_schema"` (a response_format) where
+ChatMiniSGL's uses a forced tool call, and its json_mode sends a schema-less json_object: the server
+decodes both as a forced call of a tool made from the format, so they pass as ChatMiniSGL's do."""
 
 from __future__ import annotations
 
@@ -87,35 +91,6 @@ class TestChatOpenAIOverMiniSGL(ChatModelIntegrationTests):
     )
     def test_agent_loop(self, model: BaseChatModel) -> None:
         super().test_agent_loop(model)
-
-    # --- more than the in-process suite: ChatOpenAI.with_structured_output defaults to method="json_schema"
-    # --- (a response_format) where ChatMiniSGL defaults to "function_calling" (a forced tool call), and
-    # --- json_mode sends a schema-less json_object. Both are grammar-constrained, so the reply is valid
-    # --- JSON as far as it goes, but greedy SmolLM2-135M repeats itself inside the first string
-    # --- ('{"setup":"I'm a cat, I'm a cat, ...') until max_tokens=64 cuts it (measured; the same
-    # --- schema as a forced tool call gives a complete joke).
-    _LOOPS = (
-        "greedy SmolLM2-135M loops inside a JSON string under response_format (ChatOpenAI's default "
-        "structured-output method) until max_tokens=64; model quality, not protocol: see the comment"
-    )
-
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
-    @pytest.mark.xfail(reason=_LOOPS, strict=False)
-    def test_structured_output(self, model: BaseChatModel, schema_type: str) -> None:
-        super().test_structured_output(model, schema_type)
-
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
-    @pytest.mark.xfail(reason=_LOOPS, strict=False)
-    async def test_structured_output_async(self, model: BaseChatModel, schema_type: str) -> None:
-        await super().test_structured_output_async(model, schema_type)
-
-    @pytest.mark.xfail(reason=_LOOPS, strict=False)
-    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
-        super().test_structured_output_pydantic_2_v1(model)
-
-    @pytest.mark.xfail(reason=_LOOPS, strict=False)
-    def test_json_mode(self, model: BaseChatModel) -> None:
-        super().test_json_mode(model)
 
     @pytest.mark.xfail(
         reason="SmolLM2-135M keeps writing inside the optional 'punchline' string until "

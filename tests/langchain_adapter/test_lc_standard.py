@@ -94,12 +94,3 @@ class TestChatMiniSGLIntegration(ChatModelIntegrationTests):
     )
     def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
         super().test_structured_output_optional_param(model)
-
-    @pytest.mark.xfail(
-        reason="json_mode constrains the output to *a* JSON object, not to the schema: greedy SmolLM2-135M "
-        "adds a third key ('type') beside setup/punchline on the Intel/AMX machines (their kernels round "
-        "differently from the AMD ones where it did not); the JSON itself is grammar-valid",
-        strict=False,
-    )
-    def test_json_mode(self, model: BaseChatModel) -> None:
-        super().test_json_mode(model)
