@@ -207,32 +207,3 @@ def test_langchain_chat_openai_invoke_stream_and_tools(server):
     assert (
         msg.tool_calls and msg.tool_calls[0]["name"] == "add" and set(msg.tool_calls[0]["args"]) == {"a", "b"}
     )
-
-
-def test_langchain_chat_openai_structured_output_by_every_method(server):
-    """ChatOpenAI's three structured-output methods against the server: `json_schema` (its default:
-    a response_format) and `function_calling` (a forced tool) decode under the same tool-call grammar
-    and parse into the schema; `json_mode` (a schema-less json_object) gives a JSON object as content."""
-    lco = pytest.importorskip("langchain_openai")
-    from typing import Literal
-
-    from pydantic import BaseModel
-
-    class Reading(BaseModel):
-        """A temperature reading."""
-
-        value: int
-        unit: Literal["C", "F"]
-
-    chat = lco.ChatOpenAI(base_url=f"{server.url}/v1", api_key=KEY, model=MODEL, temperature=0, max_tokens=64)
-    ask = "It is 21 degrees Celsius outside."
-    out = chat.with_structured_output(Reading, include_raw=True).invoke(ask)  # method="json_schema"
-    assert isinstance(out["parsed"], Reading) and out["raw"].response_metadata["finish_reason"] == "stop"
-    *_, last = chat.with_structured_output(Reading).stream(ask)
-    assert last == out["parsed"]  # streamed: the same reply
-    assert isinstance(chat.with_structured_output(Reading, method="function_calling").invoke(ask), Reading)
-    out = chat.with_structured_output(Reading, method="json_mode", include_raw=True).invoke(
-        ask + " Reply in JSON with the keys value and unit."
-    )
-    assert out["raw"].response_metadata["finish_reason"] == "stop"
-    assert isinstance(json.loads(out["raw"].content), dict)
