@@ -258,8 +258,8 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
 }
 
 template <typename T>
-void decode_attention_t(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t positions,
-                        uintptr_t out, int64_t batch, const AttnShape& s, int threads) {
+void decode_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables,
+                        uintptr_t positions, uintptr_t out, int64_t batch, const AttnShape& s, int threads) {
     const auto* qp = reinterpret_cast<const T*>(q);
     const auto* kp = reinterpret_cast<const T*>(k);
     const auto* vp = reinterpret_cast<const T*>(v);
@@ -273,7 +273,7 @@ void decode_attention_t(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t tables,
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < batch * s.kv_heads; ++item) {
             const int64_t b = item / s.kv_heads, kvh = item % s.kv_heads;
-            attend_group<T>(qp + b * per_row, kp, vp, tp + b * s.table_stride, pp[b], kvh, op + b * per_row, s,
+            attend_group<T>(qp + b * q_stride, kp, vp, tp + b * s.table_stride, pp[b], kvh, op + b * per_row, s,
                             scores, acc);
         }
     }
@@ -294,7 +294,7 @@ bool tables_in_bounds(const int64_t* tables, const int64_t* positions, int64_t b
     return true;
 }
 
-void decode_attention(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t positions,
+void decode_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t positions,
                       uintptr_t out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t num_blocks, int64_t table_stride, double scale, double softcap,
                       int64_t window, bool bf16, int threads) {
@@ -311,9 +311,9 @@ void decode_attention(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t tables, u
                       static_cast<float>(softcap),
                       window};
     if (bf16)
-        decode_attention_t<uint16_t>(q, k, v, tables, positions, out, batch, s, threads);
+        decode_attention_t<uint16_t>(q, q_stride, k, v, tables, positions, out, batch, s, threads);
     else
-        decode_attention_t<float>(q, k, v, tables, positions, out, batch, s, threads);
+        decode_attention_t<float>(q, q_stride, k, v, tables, positions, out, batch, s, threads);
 }
 
 // ---- row-wise ops: RMSNorm (with the residual add fused) and RoPE -------------------------------
@@ -440,11 +440,11 @@ PYBIND11_MODULE(_kernels, m) {
           py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
           "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]); contiguous bfloat16; bias 0 = none.");
     m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(), py::arg("q"),
-          py::arg("k"), py::arg("v"), py::arg("tables"), py::arg("positions"), py::arg("out"), py::arg("batch"),
+          py::arg("q_row_stride"), py::arg("k"), py::arg("v"), py::arg("tables"), py::arg("positions"), py::arg("out"), py::arg("batch"),
           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("block_size"),
           py::arg("num_blocks"), py::arg("table_stride"), py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("bf16"),
           py::arg("threads"),
-          "One query per sequence over its paged K/V: q/out [b,h,d], pools [slots,kvh,d], tables int64 [b,stride], "
+          "One query per sequence over its paged K/V: q [b,h,d] (rows q_row_stride apart), out [b,h,d], pools [slots,kvh,d], tables int64 [b,stride], "
           "positions int64 [b] (the query's position; keys 0..pos, or the last `window`).");
     m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("residual"),
           py::arg("sum_out"), py::arg("weight"), py::arg("out"), py::arg("rows"), py::arg("dim"), py::arg("eps"),

@@ -113,6 +113,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         SEED_TABLE,
         bench,
         bench_configs,
+        bench_peers,
         format_table,
         mixed_prompts,
         shared_prefix_prompts,
@@ -122,6 +123,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise MiniSGLError(
             "--trace and --plot record the timeline of --scenario or --sweep runs; give one of them"
         )
+    if args.scenario == "peers":
+        if args.sweep or args.trace or args.plot:
+            raise MiniSGLError("--scenario peers takes none of --sweep, --trace, --plot")
+        rows = bench_peers(_engine_config(args), repeat=args.repeat or 3)
+        print(format_table(rows, columns=list(next(iter(rows.values())))))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"output_tok_per_s": rows}, f, indent=2)
+        return 0
     if args.scenario or args.sweep:
         if args.sweep:
             key, _, values = args.sweep.partition("=")
@@ -132,7 +142,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             variants = {f"{key}={v}": {key: yaml.safe_load(v)} for v in values.split(",")}
         else:
             variants = PREFIX_TABLE if args.scenario == "prefix" else SEED_TABLE
-        if args.repeat > 1:  # interleaved (a, b, a, b): drift on a shared machine hits every variant alike
+        # interleaved (a, b, a, b): drift on a shared machine hits every variant alike
+        if (args.repeat or 1) > 1:
             variants = {f"{name} #{i + 1}": ov for i in range(args.repeat) for name, ov in variants.items()}
         prefix = args.scenario == "prefix"
         workload = shared_prefix_prompts if prefix else mixed_prompts
@@ -372,10 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="also write the results to this JSON file")
     b.add_argument(
         "--scenario",
-        choices=["seed-table", "prefix"],
+        choices=["seed-table", "prefix", "peers"],
         help="seed-table: the seed's four rows (serial / chunk too small / moderate / "
         "over-synchronised) on a mixed-length closed-loop workload; prefix: prefix_cache "
-        "off / sync / async on a shared-prefix (few-shot) workload",
+        "off / sync / async on a shared-prefix (few-shot) workload; peers: output tok/s of the "
+        "default and deterministic configs on the peer harness's workloads (batch 1, 8, 32 and a "
+        "prefill one; best of --repeat runs, default 3)",
     )
     b.add_argument(
         "--sweep",
@@ -387,9 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--repeat",
         type=int,
-        default=1,
-        help="with --scenario/--sweep: run the variants this many "
-        "times, interleaved (compare ratios on a noisy machine)",
+        default=None,
+        help="with --scenario/--sweep: run the variants this many times, interleaved (compare "
+        "ratios on a noisy machine; default 1); with --scenario peers: runs per workload, best "
+        "kept (default 3)",
     )
     b.add_argument(
         "--trace",

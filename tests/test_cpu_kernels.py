@@ -104,6 +104,10 @@ def test_decode_attention_matches_reference(dtype, tol, window, cap):
     ref = _attention_reference(q, k, v, tables, pos, bs, scale, window, cap)
     assert out.dtype == dtype
     assert (out.double() - ref).abs().max() < tol
+    # rows of a wider tensor (as q is a view into the qkv projection): the same bits
+    wide = torch.cat([q.flatten(1), torch.randn(q.shape[0], 7).to(dtype)], dim=1)
+    strided = wide[:, : q[0].numel()].view(q.shape)
+    assert torch.equal(cpu_kernels.decode_attention(strided, k, v, tables, pos, scale, window, cap), out)
 
 
 def test_decode_attention_matches_the_torch_path(torch_only):

@@ -95,12 +95,14 @@ def decode_attention(
     ):
         return None
     bsz, h, d = q.shape
-    q = q.contiguous()
+    if q.stride(2) != 1 or q.stride(1) != d:  # rows may be strided (views into the qkv output)
+        q = q.contiguous()
     tables = tables.to(torch.int64).contiguous()
     positions = positions.to(torch.int64).contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(bsz, h, d, dtype=q.dtype)
     _native.decode_attention(
         q.data_ptr(),
+        q.stride(0),
         k_pool.data_ptr(),
         v_pool.data_ptr(),
         tables.data_ptr(),

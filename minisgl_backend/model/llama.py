@@ -303,12 +303,14 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projections of the first n rows of x (the rest is row padding), normed and rotated: views
         into one qkv_proj output (rows of stride (h + 2 kvh) d)."""
-        q, k, v = self.qkv_proj(x)[:n].split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q, k, v = q.view(n, self.h, self.d), k.view(n, self.kvh, self.d), v.view(n, self.kvh, self.d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qkv = self.qkv_proj(x)[:n].view(n, self.h + 2 * self.kvh, self.d)
+        v = qkv[:, self.h + self.kvh :]
         cos, sin = rope
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        if self.qk_norm:
+            q, k = self.q_norm(qkv[:, : self.h]), self.k_norm(qkv[:, self.h : self.h + self.kvh])
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        qk = apply_rotary(qkv[:, : self.h + self.kvh], cos, sin)  # q and k heads in one pass
+        return qk[:, : self.h], qk[:, self.h :], v
 
     def forward(
         self,
@@ -325,13 +327,15 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, rope, n)
         kv.write(self.layer_id, batch.slot_mapping, k, v)
 
-        out = torch.empty_like(q)
         b = batch.num_decode
+        out = None if b == n else torch.empty_like(q)
         if b:
             tables, mask = (batch.decode_block_tables, batch.decode_mask) if decode is None else decode
-            out[:b] = self._decode_attention(
-                q[:b], tables, mask, kv, batch.decode_block_tables, batch.positions[:b]
-            )
+            full, pos = batch.decode_block_tables, batch.positions[:b]
+            o = self._decode_attention(q[:b], tables, mask, kv, full, pos)
+            if out is None:  # a decode-only batch: the attention output is the whole output
+                return self.o_proj(o.reshape(n, self.h * self.d))
+            out[:b] = o
         for chunk, mask in zip(batch.prefill_chunks, masks):
             s, e = chunk.start, chunk.start + chunk.length
             qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
