@@ -174,6 +174,94 @@ void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t 
     }
 }
 
+// ---- weight-only int8: y = (x @ q^T) * scale[n] (+ bias) -------------------------------------------
+//
+// The same 4-weight-row tiles over per-output-channel int8 weights: half the bytes of bf16 per decode
+// step. Each 128-bit load holds 16 weights, widened to float32 (vpmovsxbd + vcvtdq2ps) once and used
+// by every input row; the input rows are float32 (converted once per call).
+
+template <int MM>
+AVX512 inline void tile_int8(const float* x, int64_t xs, const int8_t* w, const float* scale, const uint16_t* bias,
+                             uint16_t* y, int64_t K, int64_t N) {
+    __m512 acc[MM][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < MM; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1);
+        __m512 wf[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j)
+            wf[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w + j * K + k)));
+#pragma GCC unroll 4
+        for (int i = 0; i < MM; ++i) {
+            const __m512 xv = _mm512_loadu_ps(x + i * xs + k);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wf[j], acc[i][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MM; ++i) {
+        alignas(16) float s[4];
+        _mm_store_ps(s, _mm_mul_ps(reduce4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]), _mm_loadu_ps(scale)));
+        for (int j = 0; j < 4; ++j) y[i * N + j] = f32_to_bf16(bias ? s[j] + bf16_to_f32(bias[j]) : s[j]);
+    }
+}
+
+AVX512 void tail_int8(const float* x, const int8_t* w, float scale, const uint16_t* bias, uint16_t* y, int64_t K) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 z = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1);
+        const __m512 wf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w + k)));
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), wf, acc);
+    }
+    alignas(16) float s[4];
+    _mm_store_ps(s, reduce4(acc, z, z, z));
+    const float v = s[0] * scale;
+    *y = f32_to_bf16(bias ? v + bf16_to_f32(*bias) : v);
+}
+
+AVX512 void tiles_int8(const float* x, int64_t xs, const int8_t* w, const float* scale, const uint16_t* bias,
+                       uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t b) {
+    const int64_t n0 = b * 4;
+    const int8_t* wb = w + n0 * K;
+    const uint16_t* bb = bias ? bias + n0 : nullptr;
+    int64_t m0 = 0;
+    for (; m0 + 4 <= M; m0 += 4) tile_int8<4>(x + m0 * xs, xs, wb, scale + n0, bb, y + m0 * N + n0, K, N);
+    switch (M - m0) {
+        case 3: tile_int8<3>(x + m0 * xs, xs, wb, scale + n0, bb, y + m0 * N + n0, K, N); break;
+        case 2: tile_int8<2>(x + m0 * xs, xs, wb, scale + n0, bb, y + m0 * N + n0, K, N); break;
+        case 1: tile_int8<1>(x + m0 * xs, xs, wb, scale + n0, bb, y + m0 * N + n0, K, N); break;
+        default: break;
+    }
+}
+
+void linear_int8(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y, int64_t M, int64_t N,
+                 int64_t K, int threads) {
+    const auto* xp = reinterpret_cast<const uint16_t*>(x);
+    const auto* wp = reinterpret_cast<const int8_t*>(w);
+    const auto* sp = reinterpret_cast<const float*>(scale);
+    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
+    auto* yp = reinterpret_cast<uint16_t*>(y);
+    const int64_t xs = (K + 15) / 16 * 16;  // float32 per row, zero-padded to whole k-steps
+    std::vector<float> xf(static_cast<size_t>(M * xs), 0.0f);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xf[m * xs + k] = bf16_to_f32(xp[m * K + k]);
+    const int64_t blocks = N / 4, tail = N % 4;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t b = 0; b < blocks; ++b) tiles_int8(xf.data(), xs, wp, sp, bp, yp, M, N, K, b);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < M * tail; ++t) {
+            const int64_t m = t / tail, n = blocks * 4 + t % tail;
+            tail_int8(xf.data() + m * xs, wp + n * K, sp[n], bp ? bp + n : nullptr, yp + m * N + n, K);
+        }
+    }
+}
+
 // ---- decode attention over the paged cache ------------------------------------------------------
 
 template <typename T>
@@ -439,6 +527,10 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("linear_bf16", &linear_bf16, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
           py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
           "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]); contiguous bfloat16; bias 0 = none.");
+    m.def("linear_int8", &linear_int8, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
+          py::arg("scale"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
+          py::arg("threads"),
+          "y[m,n] = (x[m,k] @ w[n,k]^T) * scale[n] (+ bias[n]); x, bias, y bfloat16, w int8, scale float32.");
     m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(), py::arg("q"),
           py::arg("q_row_stride"), py::arg("k"), py::arg("v"), py::arg("tables"), py::arg("positions"), py::arg("out"), py::arg("batch"),
           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("block_size"),

@@ -80,6 +80,8 @@ def _load(config: EngineConfig, executor: DualWorkerExecutor) -> tuple[LoadedMod
     loaded = executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
     if config.deterministic:
         executor.run_on_compute(lambda: batch_invariant.enable(loaded.model))
+    if config.weight_dtype == "int8":
+        executor.run_on_compute(loaded.model.quantize_int8)
     spec, dtype = loaded.model.spec, DTYPES[config.dtype]
     per_block = kv_bytes_per_block(
         spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, dtype

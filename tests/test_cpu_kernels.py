@@ -210,3 +210,59 @@ def test_env_switch_turns_the_kernels_off():
     env = {**os.environ, "MINISGL_CPU_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (7, 37), (49, 1536)])
+def test_int8_linear_matches_its_dequantized_weight(n, k):
+    from minisgl_backend.model.llama import Linear
+
+    torch.manual_seed(7)
+    lin = Linear(k, n, bias=True).bfloat16()
+    exact = lin.weight.detach().clone()
+    lin.quantize_int8()
+    assert lin.qweight.dtype == torch.int8 and lin.qscale.shape == (n,)
+    # the dequantized weight is within half a quantisation step (+ bf16 rounding) of the original
+    step = lin.qscale[:, None]
+    assert ((lin.weight.float() - exact.float()).abs() <= step / 2 + exact.float().abs() * 2**-8).all()
+    g = _gen(8)
+    with torch.inference_mode():
+        for m in (1, 3, cpu_kernels.MAX_KERNEL_ROWS, cpu_kernels.MAX_KERNEL_ROWS + 2):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+            got = lin(x).float()
+            assert (got - ref).abs().max() <= ref.abs().max() * 2**-7 + 1e-3
+
+
+def test_int8_config_is_the_bf16_cpu_decode_path():
+    from minisgl_backend import EngineConfig
+    from minisgl_backend.errors import ConfigError
+
+    EngineConfig(dtype="bfloat16", weight_dtype="int8")
+    for bad in ({"dtype": "float32"}, {"dtype": "bfloat16", "deterministic": True}):
+        with pytest.raises(ConfigError, match="weight_dtype: int8"):
+            EngineConfig(weight_dtype="int8", **bad)
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        EngineConfig(dtype="bfloat16", weight_dtype="int4")
+
+
+def test_int8_engine_scores_close_to_bf16_and_frees_every_block(tiny_model_dir):
+    """weight_dtype=int8 on the tiny model: prompt logprobs near the bf16 engine's, greedy decode
+    runs through the int8 kernel, and every block is FREE after drain."""
+    from minisgl_backend import Engine, EngineConfig, SamplingParams
+
+    prompts = [[5, 9, 13, 17, 21, 25, 29, 33], [7, 7, 7, 100, 200, 300]]
+    params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0)
+    runs = {}
+    for wd in (None, "int8"):
+        cfg = EngineConfig(
+            model=str(tiny_model_dir), dtype="bfloat16", weight_dtype=wd, stats_interval_s=0, num_threads=1
+        )
+        with Engine(cfg) as eng:
+            runs[wd] = eng.generate(prompts, params, use_tqdm=False)
+            counts = eng.drain(timeout=60, flush_cache=True)
+            assert counts["FREE"] == eng.num_blocks, counts
+            assert counts["running"] == counts["waiting"] == 0
+    for a, b in zip(runs[None], runs["int8"]):
+        assert len(b.token_ids) == 6
+        deltas = [abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+        assert max(deltas) < 0.25, deltas

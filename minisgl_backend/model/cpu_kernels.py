@@ -213,3 +213,36 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         torch.get_num_threads(),
     )
     return out
+
+
+def linear_int8(
+    x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """(x @ qweight^T) * qscale (+ bias) for a few bf16 CPU rows over int8 weights [N, K] with
+    float32 per-output-channel scales [N] (`weight_dtype: int8`). None where the kernel cannot run
+    (the caller runs F.linear on its dequantized bf16 weight)."""
+    m = x.shape[0]
+    if not (
+        _ENABLED
+        and 0 < m <= MAX_KERNEL_ROWS
+        and x.dim() == 2
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and (bias is None or bias.dtype == torch.bfloat16)
+    ):
+        return None
+    x = x.contiguous()
+    n, k = qweight.shape
+    out = torch.empty(m, n, dtype=x.dtype)
+    _native.linear_int8(
+        x.data_ptr(),
+        qweight.data_ptr(),
+        qscale.data_ptr(),
+        0 if bias is None else bias.contiguous().data_ptr(),
+        out.data_ptr(),
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return out

@@ -209,10 +209,29 @@ def _rope_specs(cfg, head_dim: int) -> tuple[RopeSpec, RopeSpec | None]:
 
 class Linear(nn.Linear):
     """nn.Linear whose few-row bf16 CPU calls (decode steps) run the native kernel
-    (`model/cpu_kernels.py`); everything else is F.linear."""
+    (`model/cpu_kernels.py`); everything else is F.linear. After quantize_int8() the few-row calls
+    read int8 weights instead (half the bytes), and the rest runs on their dequantized bf16 copy, so
+    prefill and decode use the same quantized weights."""
+
+    qweight: torch.Tensor | None = None  # int8 [out, in], set by quantize_int8
+    qscale: torch.Tensor | None = None  # float32 [out]: weight ~ qweight * qscale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            out = cpu_kernels.linear_int8(x, self.qweight, self.qscale, self.bias)
+            if out is not None:
+                return out
         return cpu_kernels.linear(x, self.weight, self.bias)
+
+    @torch.no_grad()
+    def quantize_int8(self) -> None:
+        """Symmetric per-output-channel int8 (absmax / 127), the weight-only scheme of gpt-fast; the
+        bf16 weight is replaced by its dequantized value (a new tensor: a tied embedding keeps its own)."""
+        w = self.weight.float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.qweight, self.qscale = q.contiguous(), scale.contiguous()
+        self.weight = nn.Parameter((q.float() * scale[:, None]).to(self.weight.dtype), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -459,6 +478,13 @@ class CausalLM(nn.Module):
         # Set by model.batch_invariant.enable(): the deterministic forward pass (None = default path).
         self.batch_invariant: BatchInvariantForward | None = None
         self.tie_weights()
+
+    def quantize_int8(self) -> None:
+        """`weight_dtype: int8`: every linear layer, the LM head included (untied from the embedding,
+        which stays exact), holds int8 weights for decode (see Linear.quantize_int8)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize_int8()
 
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:
