@@ -375,4 +375,3 @@ def make_engine(
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"replica_timeout_s must be a number > 0, got {replica_timeout_s!r}")
     return ReplicaSet(cfg, n, address=None if ray_address is None else str(ray_address), timeout_s=timeout)
-
