@@ -5,8 +5,10 @@ per-replica metrics, /health when a replica dies, and SIGTERM leaving no Ray pro
 
 One `minisgl serve --replicas 2` process for the module, started as a user would (it starts its own
 local Ray cluster). This test process joins that cluster as a second driver only to reach the
-replicas (`drain`, finished records, pids); the cluster runs with RAY_AUTH_MODE=disabled so that a
-driver process that imported Ray before may join it (Ray reads the mode once per process).
+replicas (`drain`, finished records, pids). Both must use the same Ray authentication mode, and this
+process's is fixed already: Ray reads RAY_AUTH_MODE when it is imported, and sets it to `token` (with
+the token in ~/.ray/auth_token) when this process starts a local cluster (an earlier test module
+may have). So the command gets this process's mode, `disabled` when none was set.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _free_port() -> int:
 def served(tiny_model_dir):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_AUTH_MODE"] = "disabled"
+    env["RAY_AUTH_MODE"] = os.environ.get("RAY_AUTH_MODE", "disabled")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "adapters"), env.get("PYTHONPATH", "")])
     engine = {
         "num_blocks": 64,  # a tight pool per replica: concurrent clients preempt each other
