@@ -278,6 +278,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from minisgl_backend.serve.server import _require_extra, run_server
 
     _require_extra()  # before loading a model
+    if args.replicas < 1:
+        raise MiniSGLError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1 or args.ray_address:
+        return _serve_on_ray(args)
     try:
         engine = Engine(_engine_config(args))
     except KeyboardInterrupt:  # stopped while loading the model
@@ -290,6 +294,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name,
         log_level=args.log_level,
     )
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    from minisgl_backend.cluster import import_serve
+    from minisgl_backend.serve.ray_app import FEATURE, run_ray_server
+
+    import_serve(FEATURE)  # the missing extra is named before anything starts
+    config = _engine_config(args)
+    try:
+        run_ray_server(
+            config,
+            args.replicas,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key or None,
+            model_name=args.served_model_name,
+            ray_address=args.ray_address,
+        )
+    except KeyboardInterrupt:  # stopped while Ray started or the replicas loaded
+        return 130
     return 0
 
 
@@ -444,6 +469,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--served-model-name", help="the model id clients send and /v1/models lists (default: --model)"
+    )
+    sv.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine replicas: 1 (default) serves one engine in this process; N >= 2 runs N replicas "
+        "as Ray Serve deployments behind one ingress (needs the ray extra)",
+    )
+    sv.add_argument(
+        "--ray-address",
+        help="with --replicas: the Ray cluster to join (auto, HOST:PORT, ray://...; default RAY_ADDRESS, "
+        "else a local cluster is started and stopped with the command); given with --replicas 1, "
+        "that one replica runs on Ray too ('local' starts a local cluster)",
     )
     sv.add_argument(
         "--log-level",
