@@ -1,7 +1,7 @@
 """Time and profile decode steps of the model alone (no scheduler): the per-op split behind README "Speed".
 
     python scripts/profile_decode.py [--dtype bfloat16] [--batch 1] [--context 100] [--steps 40]
-                                     [--deterministic] [--threads N] [--cpu-time] [--profile]
+                                     [--deterministic] [--int8] [--threads N] [--cpu-time] [--profile]
 
 Builds a KV cache, prefills `batch` random prompts of `context` tokens, then times `steps` decode
 steps and prints one JSON line (min and median step time, tokens/s). --cpu-time times each step by
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--int8", action="store_true", help="weight_dtype: int8 (bf16 only)")
     ap.add_argument("--cpu-time", action="store_true")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
@@ -44,6 +45,8 @@ def main() -> None:
     model = load_model(a.model, a.dtype, "cpu").model
     if a.deterministic:
         batch_invariant.enable(model)
+    if a.int8:
+        model.quantize_int8()
     s = model.spec
     per_seq = -(-(a.context + a.steps + 20) // BLOCK)
     kv = KVCache(
@@ -91,6 +94,7 @@ def main() -> None:
                 "batch": a.batch,
                 "context": a.context,
                 "deterministic": a.deterministic,
+                "int8": a.int8,
                 "threads": torch.get_num_threads(),
                 "cpu_kernels": cpu_kernels.available(),
                 "clock": "thread_cpu" if a.cpu_time else "wall",
