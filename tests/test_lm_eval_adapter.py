@@ -240,6 +240,9 @@ def _lm_eval(exe: str, args: list[str], out: Path) -> dict:
     return json.loads(next(out.rglob("results_*.json")).read_text())
 
 
+# The CLI tests pass deterministic=false: they check the CLI path, not reproducibility (the default,
+# checked by test_default_runs_score_the_same_at_max_num_seqs_4_and_64), which would add ~75 s of CPU
+# to these two tests (measured: 180 s vs 102 s user time together).
 def test_stock_cli_runs_all_local_tasks(tmp_path):
     res = _lm_eval(
         "lm_eval",
@@ -247,7 +250,7 @@ def test_stock_cli_runs_all_local_tasks(tmp_path):
             "--model",
             "minisgl",
             "--model_args",
-            "pretrained=smollm2-135m-instruct,dtype=float32,chunk_size=64",
+            "pretrained=smollm2-135m-instruct,dtype=float32,chunk_size=64,deterministic=false",
             "--tasks",
             "minisgl_mc,minisgl_gen,minisgl_ppl",
             "--limit",
@@ -267,7 +270,7 @@ def test_wrapper_script_with_chat_template_and_multiturn_fewshot(tmp_path):
             "--model",
             "minisgl",
             "--model_args",
-            "pretrained=smollm2-135m-instruct,dtype=bfloat16",
+            "pretrained=smollm2-135m-instruct,dtype=bfloat16,deterministic=false",
             "--tasks",
             "minisgl_gen",
             "--limit",
@@ -442,3 +445,52 @@ def test_a_special_token_marker_is_matched_by_its_id(thinker):
     eos = thinker.tokenizer.eos_token  # special
     assert MiniSGLLM(engine=thinker, think_end_token=eos).think_end_token == thinker.tokenizer.eos_token_id
     assert MiniSGLLM(engine=thinker, think_end_token="</think>").think_end_token == "</think>"
+
+
+# ------------------------------------------------------------------------ reproducible by default
+def test_deterministic_is_the_default_unless_the_user_sets_it(tiny_model_dir, tmp_path):
+    base = {"pretrained": str(tiny_model_dir), "num_threads": 1, "stats_interval_s": 0}
+    preset = tmp_path / "fast.yaml"
+    preset.write_text("deterministic: false\n")
+    for kwargs, expected in (({}, True), ({"deterministic": False}, False), ({"config": str(preset)}, False)):
+        lm = MiniSGLLM(**base, **kwargs)
+        try:
+            assert lm.engine.config.deterministic is expected, kwargs
+        finally:
+            lm.close()
+
+
+def test_default_runs_score_the_same_at_max_num_seqs_4_and_64(tmp_path_factory, monkeypatch):
+    """The local tasks (loglikelihood, generation, perplexity) through simple_evaluate, on a random
+    model with SmolLM2-135M's widths (2 layers): with the default forward its loglikelihood bits
+    change with the batch on this CPU (with deterministic=false, every one of these multiple-choice
+    docs between these two runs; SmolLM2's own perplexity in the 7th digit); by default every score
+    and every per-request response is the same, bitwise."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from minisgl_backend.tools.tiny import make_random_llama
+
+    path = make_random_llama(tmp_path_factory.mktemp("smol2"), "smol2")
+    monkeypatch.chdir(ROOT)  # the tasks' data paths are relative to the repository
+    tasks = TaskManager(include_path=str(ROOT / "configs" / "tasks"), include_defaults=False)
+    runs = {}
+    for seqs in (4, 64):
+        lm = MiniSGLLM(
+            pretrained=str(path), dtype="float32", num_threads=1, stats_interval_s=0, max_num_seqs=seqs
+        )
+        try:
+            assert lm.engine.config.deterministic is True and lm.engine.config.max_num_seqs == seqs
+            res = simple_evaluate(
+                model=lm,
+                tasks=["minisgl_mc", "minisgl_gen", "minisgl_ppl"],
+                task_manager=tasks,
+                limit=8,
+                log_samples=True,
+            )
+        finally:
+            lm.close()
+        resps = {t: [s["resps"] for s in samples] for t, samples in res["samples"].items()}
+        runs[seqs] = (res["results"], resps)
+    assert sum(len(r) for r in runs[4][1].values()) == 3 * 8
+    assert runs[4] == runs[64]

@@ -34,6 +34,7 @@ from minisgl_backend import (
     RequestOutput,
     SamplingParams,
 )
+from minisgl_backend.config import load_preset
 
 log = logging.getLogger("lm_eval_minisgl")
 
@@ -175,6 +176,10 @@ class MiniSGLLM(TemplateLM):
                 args["config"] = config
             if "device" not in engine_args and (dev := _resolve_device(device)) is not None:
                 args["device"] = dev
+            if "deterministic" not in args and (config is None or "deterministic" not in load_preset(config)):
+                # Reproducible by default: a score must not depend on batch size, the prefix cache or
+                # what else runs (bitwise logits); deterministic=false trades that for speed.
+                args["deterministic"] = True
             cfg = build_engine_config(args)
             if "seed" not in engine_args and cfg.seed is None:
                 cfg = cfg.replace(seed=_DEFAULT_SEED)

@@ -29,6 +29,17 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=1024,
         initializer_range=0.25,
     ),
+    # SmolLM2-135M's widths with 2 of its 30 layers: its matmul shapes, so the default forward's
+    # bits depend on the batch as the real model's do (the tiny shape's mostly do not), at ~1/10 the cost.
+    "smol2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        initializer_range=0.02,
+    ),
     "1b": dict(
         hidden_size=2048,
         intermediate_size=8192,
