@@ -39,6 +39,7 @@ from langchain_minisgl._base import (
     MiniSGLParams,
     await_handle,
     check_call_kwargs,
+    check_streamable,
     stream_async,
     stream_sync,
 )
@@ -342,7 +343,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         prepared: dict[str, Any] = {}
         submit = self._submitter(messages, stop, kwargs, prepared)
         out = self.run_sync(kwargs, submit)[0]
-        return ChatResult(generations=[ChatGeneration(message=self._message(out, prepared["names"], kwargs))])
+        return self._chat_result(out, prepared["names"], kwargs)
 
     async def _agenerate(
         self,
@@ -354,7 +355,13 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         prepared: dict[str, Any] = {}
         submit = self._submitter(messages, stop, kwargs, prepared)
         out = (await self.run_async(kwargs, submit))[0]
-        return ChatResult(generations=[ChatGeneration(message=self._message(out, prepared["names"], kwargs))])
+        return self._chat_result(out, prepared["names"], kwargs)
+
+    def _chat_result(self, out: RequestOutput, names: set[str], kwargs: dict[str, Any]) -> ChatResult:
+        """One generation per sample (n); invoke() returns the first, sample 0."""
+        return ChatResult(
+            generations=[ChatGeneration(message=self._message(s, names, kwargs)) for s in out.samples]
+        )
 
     def _stream(
         self,
@@ -365,6 +372,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         # BaseChatModel.stream fires on_llm_new_token for every chunk yielded here.
         engine, ids, params, names = self._prepare(messages, stop, kwargs)
+        check_streamable(params)
         handle = engine.submit(ids, params)
         splitter = ToolCallStreamSplitter() if names else None
         thinker = ReasoningStreamSplitter() if self.reasoning else None
@@ -382,6 +390,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         engine, ids, params, names = self._prepare(messages, stop, kwargs)
+        check_streamable(params)
         handle = engine.submit(ids, params)
         splitter = ToolCallStreamSplitter() if names else None
         thinker = ReasoningStreamSplitter() if self.reasoning else None

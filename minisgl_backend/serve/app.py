@@ -265,14 +265,16 @@ def _sampling(
         presence_penalty=float(req.presence_penalty),
         frequency_penalty=float(req.frequency_penalty),
         logit_bias=req.logit_bias_ids,
+        n=req.n,
     )
     params.check_vocab(vocab_size)  # a 400 now rather than a failed request at its first draw
     return params
 
 
 def _usage(outs: Sequence[RequestOutput], drop_generated: bool = False) -> dict[str, int]:
+    """OpenAI's usage: each prompt once, the tokens of every sample (choice)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = 0 if drop_generated else sum(len(o.token_ids) for o in outs)
+    completion = 0 if drop_generated else sum(len(s.token_ids) for o in outs for s in o.samples)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -523,18 +525,18 @@ def build_app(
             raise api_error(e) from e
         choices = []
         for i, out in enumerate(outs):
-            text = "" if drop else out.text
             prefix = echo_text[i] if echo_text else ""
-            choices.append(
-                {
-                    "index": i,
-                    "text": prefix + text,
-                    "finish_reason": "length" if drop else out.finish_reason,
-                    "logprobs": _completion_logprobs(token_text, out, body.echo, drop, 0)
-                    if k is not None
-                    else None,
-                }
-            )
+            for s in out.samples:  # OpenAI's order: the n choices of prompt 0, then of prompt 1, ...
+                choices.append(
+                    {
+                        "index": i * body.n + s.index,
+                        "text": prefix + ("" if drop else s.text),
+                        "finish_reason": "length" if drop else s.finish_reason,
+                        "logprobs": _completion_logprobs(token_text, s, body.echo, drop, 0)
+                        if k is not None
+                        else None,
+                    }
+                )
         return {
             "id": rid,
             "object": "text_completion",
@@ -587,30 +589,33 @@ def build_app(
             return PlainTextResponse("", status_code=499)
         except Exception as e:  # noqa: BLE001
             raise api_error(e) from e
-        content, calls, _invalid = (
-            parse_tool_calls(out.text, prompt.tool_names) if prompt.tool_names else (out.text, [], [])
-        )
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": content if (content or not calls) else None,
-        }
-        finish = out.finish_reason
-        if calls:
-            message["tool_calls"] = _openai_calls(calls)
-            finish = "tool_calls"
+        choices = []
+        for s in out.samples:  # one choice per sample (n)
+            content, calls, _invalid = (
+                parse_tool_calls(s.text, prompt.tool_names) if prompt.tool_names else (s.text, [], [])
+            )
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": content if (content or not calls) else None,
+            }
+            finish = s.finish_reason
+            if calls:
+                message["tool_calls"] = _openai_calls(calls)
+                finish = "tool_calls"
+            choices.append(
+                {
+                    "index": s.index,
+                    "message": message,
+                    "finish_reason": finish,
+                    "logprobs": chat_logprobs(token_text, s.logprobs or []) if body.logprobs else None,
+                }
+            )
         return {
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": state.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": finish,
-                    "logprobs": chat_logprobs(token_text, out.logprobs or []) if body.logprobs else None,
-                }
-            ],
+            "choices": choices,
             "usage": _usage([out]),
             "system_fingerprint": None,
         }
@@ -659,10 +664,12 @@ async def _stream_completion(
         )
 
     try:
+        n = body.n  # choice index = prompt index * n + sample index
         events = _Merged(streams)
         if echo_text:
             for i, t in enumerate(echo_text):
-                yield chunk(i, t)
+                for j in range(n):
+                    yield chunk(i * n + j, t)
         while len(outs) < len(streams):
             i, item = await events.next()
             if isinstance(item, BaseException):
@@ -670,14 +677,15 @@ async def _stream_completion(
                 return
             if isinstance(item, RequestOutput):
                 outs[i] = item
-                lps = (
-                    _completion_logprobs(token_text, item, body.echo, drop, 0)
-                    if body.logprobs is not None
-                    else None
-                )
-                yield chunk(i, "", "length" if drop else item.finish_reason, lps)
+                for s in item.samples:
+                    lps = (
+                        _completion_logprobs(token_text, s, body.echo, drop, 0)
+                        if body.logprobs is not None
+                        else None
+                    )
+                    yield chunk(i * n + s.index, "", "length" if drop else s.finish_reason, lps)
             elif item.text and not drop:
-                yield chunk(i, item.text)
+                yield chunk(i * n + item.index, item.text)
         if body.include_usage:
             yield _sse(
                 {
@@ -704,9 +712,10 @@ async def _stream_chat(
     token_text: TokenText,
 ) -> AsyncIterator[str]:
     created, model = int(time.time()), state.model_name
-    splitter = ToolCallStreamSplitter() if tool_names else None
+    # One splitter per choice (sample): each sample's text may hold its own tool call.
+    splitters = [ToolCallStreamSplitter() if tool_names else None for _ in range(body.n)]
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+    def chunk(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
         return _sse(
             {
                 "id": rid,
@@ -714,38 +723,43 @@ async def _stream_chat(
                 "created": created,
                 "model": model,
                 "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
             }
         )
 
     try:
         events = _Merged([stream])
-        yield chunk({"role": "assistant", "content": ""})
+        for i in range(body.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
         while True:
             _, item = await events.next()
             if isinstance(item, BaseException):
                 yield _sse_error(item)
                 return
             if isinstance(item, StreamDelta):
+                splitter = splitters[item.index]
                 text = splitter.feed(item.text) if splitter is not None else item.text
                 # Each chunk carries the logprobs of the tokens it came with, as OpenAI streams
                 # them (text held back for a stop string or a tool call still has its logprobs).
                 lps = chat_logprobs(token_text, item.logprobs) if body.logprobs and item.logprobs else None
                 if text or lps:
-                    yield chunk({"content": text}, logprobs=lps)
+                    yield chunk(item.index, {"content": text}, logprobs=lps)
                 continue
             out: RequestOutput = item
-            finish: str = out.finish_reason
-            if splitter is not None:
-                tail, calls, _invalid = splitter.finish(tool_names)
-                if tail:
-                    yield chunk({"content": tail})
-                if calls:
-                    finish = "tool_calls"
-                    yield chunk(
-                        {"tool_calls": [{**c, "index": j} for j, c in enumerate(_openai_calls(calls))]}
-                    )
-            yield chunk({}, finish)
+            for s in out.samples:
+                finish: str = s.finish_reason
+                splitter = splitters[s.index]
+                if splitter is not None:
+                    tail, calls, _invalid = splitter.finish(tool_names)
+                    if tail:
+                        yield chunk(s.index, {"content": tail})
+                    if calls:
+                        finish = "tool_calls"
+                        yield chunk(
+                            s.index,
+                            {"tool_calls": [{**c, "index": j} for j, c in enumerate(_openai_calls(calls))]},
+                        )
+                yield chunk(s.index, {}, finish)
             break
         if body.include_usage:
             yield _sse(

@@ -224,7 +224,11 @@ class EngineBackend(Backend):
                 continue
             self.finished.append(
                 FinishedRecord(
-                    out.request_id, user, out.finish_reason, len(out.prompt_token_ids), len(out.token_ids)
+                    out.request_id,
+                    user,
+                    out.finish_reason,
+                    len(out.prompt_token_ids),
+                    sum(len(s.token_ids) for s in out.samples),
                 )
             )
             if self.metrics is not None:

@@ -187,7 +187,7 @@ class ServeMetrics:
 
     def observe(self, out: RequestOutput) -> None:
         m = self.model_name
-        n = len(out.token_ids)
+        n = sum(len(s.token_ids) for s in out.samples)  # every sample of an n > 1 request
         self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
         self.generation_tokens.labels(m).inc(n)
         self.request_success.labels(m, out.finish_reason).inc()
