@@ -37,7 +37,14 @@ class BuildPyWithPth(build_py):
 # compiler still installs.
 # optional=True also makes an editable install skip copying a .so that was never built.
 NATIVE = Extension("minisgl_backend._native", ["csrc/inflight_tracker.cpp"], language="c++", optional=True)
-SKIP_NATIVE_ENV = "MINISGL_SKIP_NATIVE"  # =1: do not even try (also how the fallback is tested)
+# The CPU decode kernels (csrc/cpu_kernels.cpp, docs/architecture.md §6). Optional too: without them the
+# model runs torch's own ops (minisgl_backend/model/cpu_kernels.py decides per call).
+KERNELS = Extension("minisgl_backend._kernels", ["csrc/cpu_kernels.cpp"], language="c++", optional=True)
+SKIP_NATIVE_ENV = "MINISGL_SKIP_NATIVE"
+FALLBACKS = {
+    NATIVE.name: "the Python callback path (PyInflightTracker), which is slower (docs/requirements.md, S14)",
+    KERNELS.name: "torch's own ops for every layer, which are slower at decode (README, Speed)",
+}  # =1: do not even try (also how the fallback is tested)
 
 
 class OptionalBuildExt(build_ext):
@@ -53,14 +60,19 @@ class OptionalBuildExt(build_ext):
             if self.compiler.compiler_type == "unix":
                 ext.extra_compile_args += ["-std=c++17", "-O2", "-g0", "-fvisibility=hidden"]
                 ext.extra_link_args += ["-ldl"]  # dlopen of the CUDA runtime at run time
+                if ext is KERNELS:
+                    # libgomp.so.1 is the soname torch's wheel loads too: one OpenMP runtime, one team.
+                    # -Wno-*uninitialized: GCC 12 flags the _mm512_undefined_* placeholders of immintrin.h.
+                    quiet = ["-Wno-uninitialized", "-Wno-maybe-uninitialized"]
+                    ext.extra_compile_args += ["-O3", "-fopenmp", *quiet]
+                    ext.extra_link_args += ["-fopenmp"]
             super().build_extension(ext)
         except Exception as exc:  # compiler missing or failing, pybind11 missing, ...
             bar = "=" * 78
             print(
                 f"\n{bar}\nWARNING: could not build the native extension {ext.name} "
                 f"({type(exc).__name__}: {exc}).\n"
-                "minisgl will use the Python callback path (PyInflightTracker), which is slower "
-                "(docs/requirements.md, S14).\n"
+                f"minisgl will use {FALLBACKS[ext.name]}.\n"
                 f"{bar}\n",
                 file=sys.stderr,
             )
@@ -70,4 +82,4 @@ class OptionalBuildExt(build_ext):
         return [path for path in super().get_outputs() if os.path.exists(path)]
 
 
-setup(ext_modules=[NATIVE], cmdclass={"build_py": BuildPyWithPth, "build_ext": OptionalBuildExt})
+setup(ext_modules=[NATIVE, KERNELS], cmdclass={"build_py": BuildPyWithPth, "build_ext": OptionalBuildExt})

@@ -113,6 +113,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         SEED_TABLE,
         bench,
         bench_configs,
+        bench_peers,
         format_table,
         mixed_prompts,
         shared_prefix_prompts,
@@ -122,6 +123,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise MiniSGLError(
             "--trace and --plot record the timeline of --scenario or --sweep runs; give one of them"
         )
+    if args.scenario == "peers":
+        if args.sweep or args.trace or args.plot:
+            raise MiniSGLError("--scenario peers takes none of --sweep, --trace, --plot")
+        rows = bench_peers(_engine_config(args), repeat=args.repeat or 3)
+        print(format_table(rows, columns=list(next(iter(rows.values())))))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"output_tok_per_s": rows}, f, indent=2)
+        return 0
     if args.scenario or args.sweep:
         if args.sweep:
             key, _, values = args.sweep.partition("=")
@@ -132,7 +142,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             variants = {f"{key}={v}": {key: yaml.safe_load(v)} for v in values.split(",")}
         else:
             variants = PREFIX_TABLE if args.scenario == "prefix" else SEED_TABLE
-        if args.repeat > 1:  # interleaved (a, b, a, b): drift on a shared machine hits every variant alike
+        # interleaved (a, b, a, b): drift on a shared machine hits every variant alike
+        if (args.repeat or 1) > 1:
             variants = {f"{name} #{i + 1}": ov for i in range(args.repeat) for name, ov in variants.items()}
         prefix = args.scenario == "prefix"
         workload = shared_prefix_prompts if prefix else mixed_prompts
@@ -267,6 +278,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from minisgl_backend.serve.server import _require_extra, run_server
 
     _require_extra()  # before loading a model
+    if args.replicas < 1:
+        raise MiniSGLError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1 or args.ray_address:
+        return _serve_on_ray(args)
     try:
         engine = Engine(_engine_config(args))
     except KeyboardInterrupt:  # stopped while loading the model
@@ -279,6 +294,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name,
         log_level=args.log_level,
     )
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    from minisgl_backend.cluster import import_serve
+    from minisgl_backend.serve.ray_app import FEATURE, run_ray_server
+
+    import_serve(FEATURE)  # the missing extra is named before anything starts
+    config = _engine_config(args)
+    try:
+        run_ray_server(
+            config,
+            args.replicas,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key or None,
+            model_name=args.served_model_name,
+            ray_address=args.ray_address,
+        )
+    except KeyboardInterrupt:  # stopped while Ray started or the replicas loaded
+        return 130
     return 0
 
 
@@ -372,10 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="also write the results to this JSON file")
     b.add_argument(
         "--scenario",
-        choices=["seed-table", "prefix"],
+        choices=["seed-table", "prefix", "peers"],
         help="seed-table: the seed's four rows (serial / chunk too small / moderate / "
         "over-synchronised) on a mixed-length closed-loop workload; prefix: prefix_cache "
-        "off / sync / async on a shared-prefix (few-shot) workload",
+        "off / sync / async on a shared-prefix (few-shot) workload; peers: output tok/s of the "
+        "default and deterministic configs on the peer harness's workloads (batch 1, 8, 32 and a "
+        "prefill one; best of --repeat runs, default 3)",
     )
     b.add_argument(
         "--sweep",
@@ -387,9 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--repeat",
         type=int,
-        default=1,
-        help="with --scenario/--sweep: run the variants this many "
-        "times, interleaved (compare ratios on a noisy machine)",
+        default=None,
+        help="with --scenario/--sweep: run the variants this many times, interleaved (compare "
+        "ratios on a noisy machine; default 1); with --scenario peers: runs per workload, best "
+        "kept (default 3)",
     )
     b.add_argument(
         "--trace",
@@ -430,6 +469,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--served-model-name", help="the model id clients send and /v1/models lists (default: --model)"
+    )
+    sv.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine replicas: 1 (default) serves one engine in this process; N >= 2 runs N replicas "
+        "as Ray Serve deployments behind one ingress (needs the ray extra)",
+    )
+    sv.add_argument(
+        "--ray-address",
+        help="with --replicas: the Ray cluster to join (auto, HOST:PORT, ray://...; default RAY_ADDRESS, "
+        "else a local cluster is started and stopped with the command); given with --replicas 1, "
+        "that one replica runs on Ray too ('local' starts a local cluster)",
     )
     sv.add_argument(
         "--log-level",

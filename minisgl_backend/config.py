@@ -62,6 +62,7 @@ class EngineConfig:
     )
     # --- runtime ---
     num_threads: int | None = None  # torch intra-op threads; None = torch default
+    weight_dtype: str | None = None  # None = dtype; int8 = weight-only int8 for decode (bf16, CPU)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -80,6 +81,15 @@ class EngineConfig:
             raise ConfigError(
                 f"kv_cache_memory_gb must be > 0 and at most this machine's memory "
                 f"({mem:.1f} GiB), got {self.kv_cache_memory_gb}"
+            )
+
+        if self.weight_dtype == "int8" and (
+            device_type != "cpu" or self.dtype != "bfloat16" or self.deterministic
+        ):
+            raise ConfigError(
+                "weight_dtype: int8 is the bf16 CPU decode path: it needs dtype: bfloat16, device: cpu and "
+                f"deterministic: false (got dtype={self.dtype!r}, device={self.device!r}, "
+                f"deterministic={self.deterministic})"
             )
 
     @classmethod
@@ -181,4 +191,5 @@ _SPECS: dict[str, Spec] = {
     "seed": Spec("int", lo=0, hi=SEED_LIMIT, hi_open=True, optional=True),
     "max_logprobs": Spec("int", lo=0),
     "num_threads": Spec("int", lo=1, optional=True, note="None = torch default"),
+    "weight_dtype": Spec("choice", choices=("int8",), optional=True, note="None = dtype"),
 }

@@ -42,8 +42,9 @@ from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
 from minisgl_backend.metrics import Metrics, Tracer, install_logging
 from minisgl_backend.model import batch_invariant
 from minisgl_backend.model.loader import DTYPES, LoadedModel, load_model
+from minisgl_backend.sampling.sampler import sample_key
 from minisgl_backend.scheduler.loop import Abort, Add, Drain, SchedulerLoop, StatsLine
-from minisgl_backend.scheduler.request import Request
+from minisgl_backend.scheduler.request import Request, SampleGroup
 from minisgl_backend.scheduler.scheduler import Scheduler
 from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
 from minisgl_backend.validation import check_text
@@ -80,6 +81,8 @@ def _load(config: EngineConfig, executor: DualWorkerExecutor) -> tuple[LoadedMod
     loaded = executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
     if config.deterministic:
         executor.run_on_compute(lambda: batch_invariant.enable(loaded.model))
+    if config.weight_dtype == "int8":
+        executor.run_on_compute(loaded.model.quantize_int8)
     spec, dtype = loaded.model.spec, DTYPES[config.dtype]
     per_block = kv_bytes_per_block(
         spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, dtype
@@ -156,7 +159,7 @@ class Engine:
     ) -> RequestHandle:
         """Queue one request; returns at once. Safe to call from many threads. With
         `max_waiting_requests` set, raises QueueFullError while that many requests wait for admission."""
-        req = self._make_request(prompt, _as_params(params), request_id)
+        reqs = self._make_requests(prompt, _as_params(params), request_id)
         if (
             self.config.max_waiting_requests is not None
             and self.num_waiting() >= self.config.max_waiting_requests
@@ -165,8 +168,8 @@ class Engine:
                 f"{self.config.max_waiting_requests} requests are already waiting "
                 "(max_waiting_requests); retry later"
             )
-        self._loop.send(Add(req), self)
-        return req.handle
+        self._loop.send(Add(reqs), self)
+        return reqs[0].handle
 
     def generate(
         self,
@@ -174,7 +177,8 @@ class Engine:
         params: ParamsLike | Sequence[ParamsLike] = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run prompts to completion (all submitted at once); outputs in input order."""
+        """Run prompts to completion (all submitted at once); outputs in input order, one per prompt
+        (a request with n > 1 gives sample 0, with all n in `RequestOutput.samples`)."""
         self._not_reentrant("Engine.generate()")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -186,20 +190,21 @@ class Engine:
         else:
             plist = [_as_params(params)] * len(prompts)
         # Validate everything before queueing anything: a bad prompt fails the call, not half of it.
-        reqs = [self._make_request(p, sp, None) for p, sp in zip(prompts, plist)]
+        reqs = [self._make_requests(p, sp, None) for p, sp in zip(prompts, plist)]
+        handles = [r[0].handle for r in reqs]
         done: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
-        for r in reqs:
-            r.handle.add_done_callback(done.put)
+        for h in handles:
+            h.add_done_callback(done.put)
         for r in reqs:
             self._loop.send(Add(r), self)
-        if use_tqdm and reqs:
+        if use_tqdm and handles:
             from tqdm.auto import tqdm
 
-            with tqdm(total=len(reqs), desc="minisgl generate", unit="req") as bar:
-                for _ in reqs:
+            with tqdm(total=len(handles), desc="minisgl generate", unit="req") as bar:
+                for _ in handles:
                     done.get()
                     bar.update(1)
-        return [r.handle.result() for r in reqs]
+        return [h.result() for h in handles]
 
     def stream(self, prompt: Prompt, params: ParamsLike = None) -> Iterator[StreamDelta]:
         """Yield deltas as tokens are produced; closing the iterator early aborts the request."""
@@ -298,7 +303,11 @@ class Engine:
             raise InvalidRequestError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         return ids
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> Request:
+    def _make_requests(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None
+    ) -> tuple[Request, ...]:
+        """The request's params.n samples (one Request each, sample i keyed by sample_key(seed, i)),
+        with one handle and one SampleGroup between them."""
         ids = self._tokenize(prompt)
         if not ids:
             raise EmptyPromptError("the prompt is empty (it has no tokens)")
@@ -327,6 +336,12 @@ class Engine:
         if request_id is not None and (not isinstance(request_id, str) or not request_id):
             raise InvalidRequestError(f"request_id must be a non-empty string or None, got {request_id!r}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        handle = RequestHandle(rid)
+        handle = RequestHandle(rid, params.n)
         handle._engine_threads = self._own_threads
-        return Request(rid, ids, params, seed, self._eos_ids, self._detok_tokenizer, handle)
+        group = SampleGroup(params.n)
+        return tuple(
+            Request(
+                rid, ids, params, sample_key(seed, i), self._eos_ids, self._detok_tokenizer, handle, i, group
+            )
+            for i in range(params.n)
+        )

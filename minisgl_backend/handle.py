@@ -18,10 +18,13 @@ class RequestHandle:
     """The caller's side of a request: `result()` and iteration over StreamDelta.
 
     The scheduler thread only posts into it (a queue put and a Future result); it never reads it.
+    A request of n samples streams the deltas of all of them (each with its sample's `index`) and
+    ends after the last sample's final delta.
     """
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, n: int = 1) -> None:
         self.request_id = request_id
+        self._unfinished = n  # samples whose final delta the iterator has not yet taken
         self._future: Future[RequestOutput] = Future()
         self._deltas: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
         self._engine_threads: frozenset[threading.Thread] = frozenset()  # set by the engine
@@ -50,8 +53,8 @@ class RequestHandle:
         self._future.add_done_callback(lambda _f: fn(self))
 
     def __iter__(self) -> Iterator[StreamDelta]:
-        """The deltas, once: iterating again after the final delta (or the error) has been taken
-        returns at once (re-raising that error) instead of blocking forever."""
+        """The deltas (of every sample), once: iterating again after the last final delta (or the
+        error) has been taken returns at once (re-raising that error) instead of blocking forever."""
         while True:
             if self._consumed:
                 if self._future.done() and self._future.exception() is not None:
@@ -64,9 +67,10 @@ class RequestHandle:
                 self._consumed = True
                 raise item
             if item.finished:
-                self._consumed = True
+                self._unfinished -= 1
+                self._consumed = self._unfinished == 0
             yield item
-            if item.finished:
+            if self._consumed:
                 return
 
     # --- posted by the scheduler thread ---

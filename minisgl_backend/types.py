@@ -50,6 +50,13 @@ class SamplingParams:
     of the vocabulary's shape, NaN or +inf, or nothing left to draw) ends only its own request, with
     a RequestFailedError chaining the cause. A processor must not call blocking engine methods
     (ReentrantCallError).
+    `n` (an int >= 1) draws n samples of the prompt in parallel; they share the prompt's full KV
+    blocks through the prefix cache (it is computed once; each sample recomputes only the prompt's
+    last, partial block). Sample 0 is drawn with the request's seed, sample i > 0 with
+    `sample_key(seed, i)` (the i-th output of SplitMix64 seeded with it), so sample i is the same
+    whatever n, the batch or the chunking, and replays alone as an n = 1 request with that seed
+    (its RequestOutput.seed). The request's RequestOutput is sample 0, with every sample in
+    `.samples`; stream deltas carry their sample's `index`.
     """
 
     temperature: float = 1.0
@@ -71,6 +78,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # token id -> bias; a dict (or (id, bias) pairs) is stored as sorted (id, bias) pairs (hashable)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1
 
     def __post_init__(self) -> None:
         err = InvalidSamplingParamsError
@@ -143,6 +151,7 @@ _SPECS: dict[str, Spec] = {
     "repetition_penalty": Spec("float", lo=0, lo_open=True, note="1 = off"),
     "presence_penalty": Spec("float", lo=-2, hi=2, note="0 = off"),
     "frequency_penalty": Spec("float", lo=-2, hi=2, note="0 = off"),
+    "n": Spec("int", lo=1, note="parallel samples of the prompt"),
 }
 
 
@@ -181,7 +190,9 @@ class RequestTimings:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """The finished result of one request."""
+    """The finished result of one request: one sample of it (`index`), and for the request itself
+    its sample 0, which equals the output of the same request with n = 1, so code that reads
+    `.text` or `.token_ids` is unchanged by n. `samples` holds all n samples in index order."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -194,6 +205,14 @@ class RequestOutput:
     # One entry per prompt token; None before prompt_logprobs_start (token 0 never has one).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_preemptions: int = 0
+    index: int = 0  # which of the request's n samples this is
+    # Samples 1..n-1 when this is an n > 1 request's output (sample 0); read them through `samples`.
+    more_samples: tuple[RequestOutput, ...] = ()
+
+    @property
+    def samples(self) -> tuple[RequestOutput, ...]:
+        """Every sample of the request in index order, this one first: (self,) when n = 1."""
+        return (self, *self.more_samples)
 
 
 @dataclass(frozen=True)
@@ -206,3 +225,4 @@ class StreamDelta:
     finished: bool
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked
+    index: int = 0  # the sample (of the request's n) these tokens belong to; `finished` is that sample's

@@ -3,10 +3,14 @@
     .venv/bin/python scripts/bench_lm_eval.py                      # speed: minisgl_mc (600 requests), fp32
     .venv/bin/python scripts/bench_lm_eval.py --tasks minisgl_mc,minisgl_gen,minisgl_ppl   # full parity
     .venv/bin/python scripts/bench_lm_eval.py --hf-batch-sizes "" --variant prefix_cache=off  # cache gain
+    .venv/bin/python scripts/bench_lm_eval.py --hf-batch-sizes "" --tasks minisgl_mc,minisgl_gen,minisgl_ppl \
+        --variant deterministic=false --repeat 2        # the cost of the adapter's deterministic default
 
 Each run is the stock CLI in a fresh subprocess (start-up and model load included), offline, on the
 same weights (the HF directory the engine resolves the model to). Prints a table and a JSON summary:
 metrics per run, max |loglikelihood difference| per request, and whether greedy generations are identical.
+Each run also reports its CPU time (user + system of the lm_eval process), steadier than the wall
+time on a machine other jobs share. `--repeat N` runs every configuration N times, interleaved.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -23,10 +28,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_lm_eval(
     model: str, model_args: str, tasks: str, out: Path, extra: list[str]
-) -> tuple[float, dict, dict]:
-    """Returns (wall seconds, metrics per task, {(task, doc_id, request index): response})."""
+) -> tuple[float, float, dict, dict]:
+    """Returns (wall seconds, CPU seconds, metrics per task, {(task, doc_id, request index): response})."""
     cmd = [
         str(Path(sys.executable).with_name("lm_eval")),
         "--model",
@@ -45,9 +55,9 @@ def run_lm_eval(
         *extra,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
@@ -63,7 +73,7 @@ def run_lm_eval(
             rolling = "bits_per_byte" in s.get("metrics", [])  # responses are strings: tell numbers from text
             for i, r in enumerate(s["resps"]):
                 responses[(task, s["doc_id"], i)] = float(r[0]) if rolling else r[0]
-    return wall, metrics, responses
+    return wall, cpu, metrics, responses
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -112,6 +122,9 @@ def main() -> None:
     ap.add_argument(
         "--num-fewshot", type=int, default=None, help="lm-eval --num_fewshot (longer shared contexts)"
     )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="run every configuration this many times, interleaved"
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = ap.parse_args()
 
@@ -122,38 +135,43 @@ def main() -> None:
     extra = ["--limit", str(args.limit)] if args.limit else []
     if args.num_fewshot is not None:
         extra += ["--num_fewshot", str(args.num_fewshot)]
-    runs: dict[str, tuple[float, dict, dict]] = {}
+    mini_args = f"pretrained={args.model},dtype=float32" + (
+        f",{args.minisgl_args}" if args.minisgl_args else ""
+    )
+    configs = {"minisgl": ("minisgl", mini_args, [])}
+    configs.update({f"minisgl {v}": ("minisgl", f"{mini_args},{v}", []) for v in args.variant})
+    for bs in filter(None, args.hf_batch_sizes.split(",")):
+        configs[f"hf bs={bs}"] = ("hf", f"pretrained={hf_dir},dtype=float32", ["--batch_size", bs])
+    runs: dict[str, list[tuple[float, float, dict, dict]]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
-        mini_args = f"pretrained={args.model},dtype=float32" + (
-            f",{args.minisgl_args}" if args.minisgl_args else ""
-        )
-        runs["minisgl"] = run_lm_eval("minisgl", mini_args, args.tasks, Path(tmp, "minisgl"), extra)
-        for i, variant in enumerate(args.variant):
-            runs[f"minisgl {variant}"] = run_lm_eval(
-                "minisgl", f"{mini_args},{variant}", args.tasks, Path(tmp, f"variant{i}"), extra
-            )
-        for bs in filter(None, args.hf_batch_sizes.split(",")):
-            runs[f"hf bs={bs}"] = run_lm_eval(
-                "hf",
-                f"pretrained={hf_dir},dtype=float32",
-                args.tasks,
-                Path(tmp, f"hf{bs}"),
-                extra + ["--batch_size", bs],
-            )
-    base_wall, base_metrics, base_resp = runs["minisgl"]
+        for rep in range(args.repeat):  # interleaved, so a slow spell of the machine hits every config
+            for i, (name, (model, model_args, more)) in enumerate(configs.items()):
+                out = Path(tmp, f"run{rep}-{i}")
+                runs[name].append(run_lm_eval(model, model_args, args.tasks, out, extra + more))
+    base_wall = min(r[0] for r in runs["minisgl"])
+    base_cpu = min(r[1] for r in runs["minisgl"])
+    _, _, base_metrics, base_resp = runs["minisgl"][0]
     summary = {"tasks": args.tasks, "limit": args.limit, "num_fewshot": args.num_fewshot, "runs": {}}
     width = max(map(len, runs)) + 1
-    print(f"{'run':<{width}} {'wall s':>8} {'minisgl speed-up':>17}  metrics")
-    for name, (wall, metrics, resp) in runs.items():
-        entry = {"wall_s": round(wall, 2), "metrics": metrics}
+    print(f"{'run (best of repeats)':<{width}} {'wall s':>8} {'cpu s':>8} {'wall / minisgl':>15}  metrics")
+    for name, reps in runs.items():
+        wall, cpu = min(r[0] for r in reps), min(r[1] for r in reps)
+        metrics, resp = reps[0][2], reps[0][3]
+        entry = {
+            "wall_s": [round(r[0], 2) for r in reps],
+            "cpu_s": [round(r[1], 2) for r in reps],
+            "metrics": metrics,
+            "repeats_identical": all(r[2] == metrics and r[3] == resp for r in reps),
+        }
         if name != "minisgl":
             entry["speedup_of_minisgl"] = round(wall / base_wall, 2)
+            entry["cpu_ratio_to_minisgl"] = round(cpu / base_cpu, 2)
             entry["metrics_equal"] = metrics_match(metrics, base_metrics)
             entry["parity"] = compare(resp, base_resp)
         summary["runs"][name] = entry
         flat = ", ".join(f"{t}.{k}={v:.4g}" for t, m in metrics.items() for k, v in m.items())
         speed = f"{wall / base_wall:.2f}x" if name != "minisgl" else "-"
-        print(f"{name:<{width}} {wall:>8.1f} {speed:>17}  {flat}")
+        print(f"{name:<{width}} {wall:>8.1f} {cpu:>8.1f} {speed:>15}  {flat}")
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))

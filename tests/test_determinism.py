@@ -109,9 +109,9 @@ def test_injected_one_bit_perturbation_is_detected(tiny_model_dir):
         }
     assert all(r.distinct_outputs == 1 for r in compare("g", runs))
     victim = runs["1"]["2/seeded"]
-    flipped = bytearray(victim.logprobs)
+    flipped = bytearray(victim.logprobs[0])  # its one sample (n = 1)
     flipped[5] ^= 1  # low mantissa bit of the first logprob (bytes 4..7 are its float32)
-    runs["1"]["2/seeded"] = dataclasses.replace(victim, logprobs=bytes(flipped))
+    runs["1"]["2/seeded"] = dataclasses.replace(victim, logprobs=(bytes(flipped),))
     reports = {r.name: r for r in compare("g", runs)}
     assert reports["2/seeded"].distinct_outputs == 2 and reports["2/seeded"].distinct_tokens == 1
     assert sum(r.distinct_outputs > 1 for r in reports.values()) == 1

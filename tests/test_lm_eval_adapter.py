@@ -240,6 +240,9 @@ def _lm_eval(exe: str, args: list[str], out: Path) -> dict:
     return json.loads(next(out.rglob("results_*.json")).read_text())
 
 
+# The CLI tests pass deterministic=false: they check the CLI path, not reproducibility (the default,
+# checked by test_default_runs_score_the_same_at_max_num_seqs_4_and_64), which would add ~75 s of CPU
+# to these two tests (measured: 180 s vs 102 s user time together).
 def test_stock_cli_runs_all_local_tasks(tmp_path):
     res = _lm_eval(
         "lm_eval",
@@ -247,7 +250,7 @@ def test_stock_cli_runs_all_local_tasks(tmp_path):
             "--model",
             "minisgl",
             "--model_args",
-            "pretrained=smollm2-135m-instruct,dtype=float32,chunk_size=64",
+            "pretrained=smollm2-135m-instruct,dtype=float32,chunk_size=64,deterministic=false",
             "--tasks",
             "minisgl_mc,minisgl_gen,minisgl_ppl",
             "--limit",
@@ -267,7 +270,7 @@ def test_wrapper_script_with_chat_template_and_multiturn_fewshot(tmp_path):
             "--model",
             "minisgl",
             "--model_args",
-            "pretrained=smollm2-135m-instruct,dtype=bfloat16",
+            "pretrained=smollm2-135m-instruct,dtype=bfloat16,deterministic=false",
             "--tasks",
             "minisgl_gen",
             "--limit",
@@ -296,3 +299,198 @@ def test_max_batch_size_is_the_engines_max_num_seqs(tiny_model_dir):
         assert both.engine.config.max_num_seqs == 7  # the engine's own key wins
     finally:
         both.close()
+
+
+# ------------------------------------------------------------------------------ reasoning models
+# Qwen3's chat template, its thinking logic: earlier assistant turns lose their reasoning, and the
+# generation prompt pre-fills an empty trace when enable_thinking is false.
+QWEN3_TEMPLATE = """{%- for message in messages %}
+{%- if message.role == "assistant" %}
+{%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}
+{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}
+{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- endif %}
+{%- endif %}"""
+# What the scripted model says after the generation prompt: a trace holding the task's stop
+# ("\n\n", the few-shot delimiter) and a wrong number, then the answer.
+REASONING = "<think>Maybe 13\n\n</think>42"
+THINK_TASK = """task: think_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 24
+  do_sample: false
+filter_list:
+  - name: first-number
+    filter:
+      - function: regex
+        regex_pattern: "(-?[0-9]+)"
+      - function: take_first
+metric_list:
+  - metric: exact_match
+"""
+
+
+@pytest.fixture(scope="module")
+def thinker(smollm_dir, tmp_path_factory):
+    """A scripted tiny Llama with a Qwen3-style tokenizer (<think> and </think> single added tokens,
+    Qwen3's template): after the generation prompt it says REASONING, then EOS; after the prompt
+    that pre-fills an empty trace (enable_thinking false) it says the answer alone."""
+    from transformers import AutoTokenizer
+
+    from minisgl_backend.tools.tiny import make_scripted_llama
+
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    tok.add_tokens(["<think>", "</think>"])  # Qwen3's: one token each, not special
+    tok.chat_template = QWEN3_TEMPLATE
+    said = tok.encode(REASONING, add_special_tokens=False)
+    history = [{"role": "user", "content": "x"}]
+    entry = tok.encode(tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True))
+    assert len(set(said)) == len(said) and entry[-1] not in said  # one successor per token
+    script = dict(zip([entry[-1], *said], [*said, tok.eos_token_id]))
+    path = make_scripted_llama(tmp_path_factory.mktemp("scripted-qwen3"), tok, script)
+    with Engine(EngineConfig(model=str(path), num_threads=1, stats_interval_s=0, num_blocks=64)) as eng:
+        yield eng
+
+
+def test_think_end_token_strips_the_reasoning_before_scoring(thinker, tmp_path):
+    """lm-eval's own pipeline (simple_evaluate, a one-question task, answer 42, chat template).
+    Without think_end_token the task's "\\n\\n" stops the engine inside the trace and the regex
+    scores its 13; with it (as a string, or as the token id the hf backend also takes) only EOS
+    stops the engine, the answer is what follows the trace, and it scores 1."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    data = tmp_path / "think.jsonl"
+    data.write_text(json.dumps({"question": "What is 40 + 2?", "answer": "42"}) + "\n")
+    (tmp_path / "think_gen.yaml").write_text(THINK_TASK.format(data=data))
+    tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)  # indexing lm-eval's: 12 s
+
+    def run(**model_kwargs) -> tuple[float, str]:
+        lm = MiniSGLLM(engine=thinker, **model_kwargs)
+        res = simple_evaluate(
+            model=lm, tasks=["think_gen"], task_manager=tasks, apply_chat_template=True, log_samples=True
+        )
+        (sample,) = res["samples"]["think_gen"]
+        return res["results"]["think_gen"]["exact_match,first-number"], sample["resps"][0][0]
+
+    assert run() == (0.0, "<think>Maybe 13")
+    assert run(think_end_token="</think>") == (1.0, "42")
+    end_id = str(thinker.tokenizer.convert_tokens_to_ids("</think>"))
+    assert run(think_end_token=end_id, enable_thinking=True) == (1.0, "42")
+    # enable_thinking=false reaches the template: its pre-filled trace leaves the model the answer.
+    assert run(enable_thinking=False) == (1.0, "</think>42")
+
+
+def test_chat_template_args_and_enable_thinking_reach_the_template(thinker):
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>a</think>b"}]
+    history.append({"role": "user", "content": "Again"})
+
+    def render(**kw) -> str:
+        return MiniSGLLM(engine=thinker, **kw).apply_chat_template(history)
+
+    on, off = render(), render(enable_thinking=False)
+    assert on.endswith("<|im_start|>assistant\n") and "a</think>" not in on  # old traces dropped
+    assert off == on + "<think>\n\n</think>\n\n"
+    assert render(chat_template_args={"enable_thinking": False}) == off
+    assert render(chat_template_args='{"enable_thinking": false}') == off  # key=value model_args give JSON
+    # enable_thinking overrides the same key in chat_template_args (lm-eval's hf rule)
+    assert (
+        render(chat_template_args={"enable_thinking": False}, enable_thinking=True, think_end_token="x") == on
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"enable_thinking": True}, "enable_thinking=True needs think_end_token"),
+        ({"chat_template_args": {"enable_thinking": True}}, "needs think_end_token"),
+        ({"enable_thinking": "yes"}, "enable_thinking must be true or false"),
+        ({"think_end_token": ""}, "think_end_token must be a non-empty string or a token id"),
+        ({"think_end_token": True}, "think_end_token must be"),
+        ({"think_end_token": -1}, "think_end_token must be"),
+        ({"think_end_token": 10**9}, "not a token of the tokenizer"),
+        ({"chat_template_args": "[1, 2]"}, "chat_template_args must be a dict"),
+        ({"chat_template_args": "{oops"}, "chat_template_args must be a dict or its JSON"),
+    ],
+)
+def test_bad_thinking_args_are_config_errors(thinker, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        MiniSGLLM(engine=thinker, **kwargs)
+
+
+def test_enable_thinking_refuses_loglikelihood_tasks(thinker):
+    lm = MiniSGLLM(engine=thinker, enable_thinking=True, think_end_token="</think>")
+    with pytest.raises(ConfigError, match="not compatible with loglikelihood tasks"):
+        lm.loglikelihood(_ll(("a", " b")))
+
+
+def test_a_special_token_marker_is_matched_by_its_id(thinker):
+    """The engine decodes with skip_special_tokens, so a marker that is one special token would never
+    be in the text: it is matched as a token id instead. A plain added token stays a string."""
+    eos = thinker.tokenizer.eos_token  # special
+    assert MiniSGLLM(engine=thinker, think_end_token=eos).think_end_token == thinker.tokenizer.eos_token_id
+    assert MiniSGLLM(engine=thinker, think_end_token="</think>").think_end_token == "</think>"
+
+
+# ------------------------------------------------------------------------ reproducible by default
+def test_deterministic_is_the_default_unless_the_user_sets_it(tiny_model_dir, tmp_path):
+    base = {"pretrained": str(tiny_model_dir), "num_threads": 1, "stats_interval_s": 0}
+    preset = tmp_path / "fast.yaml"
+    preset.write_text("deterministic: false\n")
+    for kwargs, expected in (({}, True), ({"deterministic": False}, False), ({"config": str(preset)}, False)):
+        lm = MiniSGLLM(**base, **kwargs)
+        try:
+            assert lm.engine.config.deterministic is expected, kwargs
+        finally:
+            lm.close()
+
+
+def test_default_runs_score_the_same_at_max_num_seqs_4_and_64(tmp_path_factory, monkeypatch):
+    """The local tasks (loglikelihood, generation, perplexity) through simple_evaluate, on a random
+    model with SmolLM2-135M's widths (2 layers): with the default forward its loglikelihood bits
+    change with the batch on this CPU (with deterministic=false, every one of these multiple-choice
+    docs between these two runs; SmolLM2's own perplexity in the 7th digit); by default every score
+    and every per-request response is the same, bitwise."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from minisgl_backend.tools.tiny import make_random_llama
+
+    path = make_random_llama(tmp_path_factory.mktemp("smol2"), "smol2")
+    monkeypatch.chdir(ROOT)  # the tasks' data paths are relative to the repository
+    tasks = TaskManager(include_path=str(ROOT / "configs" / "tasks"), include_defaults=False)
+    runs = {}
+    for seqs in (4, 64):
+        lm = MiniSGLLM(
+            pretrained=str(path), dtype="float32", num_threads=1, stats_interval_s=0, max_num_seqs=seqs
+        )
+        try:
+            assert lm.engine.config.deterministic is True and lm.engine.config.max_num_seqs == seqs
+            res = simple_evaluate(
+                model=lm,
+                tasks=["minisgl_mc", "minisgl_gen", "minisgl_ppl"],
+                task_manager=tasks,
+                limit=8,
+                log_samples=True,
+            )
+        finally:
+            lm.close()
+        resps = {t: [s["resps"] for s in samples] for t, samples in res["samples"].items()}
+        runs[seqs] = (res["results"], resps)
+    assert sum(len(r) for r in runs[4][1].values()) == 3 * 8
+    assert runs[4] == runs[64]

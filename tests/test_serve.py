@@ -263,6 +263,64 @@ def test_penalties_and_logit_bias_reach_the_engine(server, client):
     assert texts["all"] != texts["bias"]
 
 
+def _choices_by_index(events) -> tuple[dict[int, str], dict[int, str], dict[int, str]]:
+    """Streamed chunks folded per choice index: (text / content, finish_reason, role)."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    roles: dict[int, str] = {}
+    for ev in events:
+        for c in ev["choices"]:
+            part = c["text"] if "text" in c else (c["delta"].get("content") or "")
+            texts[c["index"]] = texts.get(c["index"], "") + part
+            if c["finish_reason"]:
+                assert c["index"] not in finish  # one finish per choice
+                finish[c["index"]] = c["finish_reason"]
+            if "delta" in c and "role" in c["delta"]:
+                roles[c["index"]] = c["delta"]["role"]
+    return texts, finish, roles
+
+
+def test_n_gives_n_choices_per_prompt_on_both_endpoints_streamed_or_not(server, client):
+    """Completions: choice prompt * n + sample, each the engine's sample; chat: n choices, choice 0
+    the n = 1 answer. Streamed chunks carry their choice's index and add up to the whole answer."""
+    eng = _engine(server)
+    prompts = ["Once upon a time", "In a galaxy"]
+    sampling = {"temperature": 0.9, "seed": 5, "max_tokens": 8}
+    ref = eng.generate(prompts, SamplingParams(**sampling, n=3, ignore_eos=True), use_tqdm=False)
+    body = {"model": MODEL, "prompt": prompts, **sampling, "n": 3, "logprobs": 1, "ignore_eos": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    assert [c["index"] for c in whole["choices"]] == list(range(6))
+    assert [c["text"] for c in whole["choices"]] == [s.text for o in ref for s in o.samples]
+    assert all(len(c["logprobs"]["tokens"]) == 8 for c in whole["choices"])
+    assert whole["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in ref)  # each prompt once
+    assert whole["usage"]["completion_tokens"] == 6 * 8
+    with client.stream(
+        "POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ) as r:
+        events = _sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"]
+    texts, finish, _ = _choices_by_index(events[:-2])
+    assert [texts[i] for i in range(6)] == [c["text"] for c in whole["choices"]]
+    assert [finish[i] for i in range(6)] == ["length"] * 6
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **sampling}
+    one = client.post("/v1/chat/completions", json=chat).json()["choices"]
+    two = client.post("/v1/chat/completions", json={**chat, "n": 2}).json()
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert two["choices"][0]["message"] == one[0]["message"]  # sample 0 is the n = 1 answer
+    assert two["choices"][0]["message"]["content"] != two["choices"][1]["message"]["content"]
+    assert two["usage"]["completion_tokens"] == 16
+    with client.stream("POST", "/v1/chat/completions", json={**chat, "n": 2, "stream": True}) as r:
+        events = _sse_events(r.iter_lines())
+    texts, finish, roles = _choices_by_index(events[:-1])
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert [texts[i] for i in (0, 1)] == [c["message"]["content"] for c in two["choices"]]
+    assert [finish[i] for i in (0, 1)] == [c["finish_reason"] for c in two["choices"]]
+    _drained_free(server)
+
+
 # ------------------------------------------------------------------------------------------------ chat
 def test_chat_completion_stream_and_non_stream(server, client):
     msgs = [
@@ -545,7 +603,8 @@ BAD_REQUESTS = [
         400,
         "invalid_sampling_params",
     ),
-    ("n > 1", ("/v1/completions", {"prompt": "x", "n": 2}), 400, "n"),
+    ("n above 128", ("/v1/completions", {"prompt": "x", "n": 129}), 400, "n"),
+    ("n 0", ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}), 400, "n"),
     ("unknown field", ("/v1/completions", {"prompt": "x", "frobnicate": True}), 400, "frobnicate"),
     ("empty stop string", ("/v1/completions", {"prompt": "x", "stop": [""]}), 400, None),
     ("stream not bool", ("/v1/completions", {"prompt": "x", "stream": "yes"}), 400, "stream"),

@@ -15,6 +15,7 @@ from minisgl_backend import (
     Engine,
     EngineConfig,
     EngineDeadError,
+    InvalidSamplingParamsError,
     RequestHandle,
     RequestOutput,
     SamplingParams,
@@ -34,6 +35,7 @@ SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
+    "n",
 )
 
 
@@ -74,6 +76,9 @@ class MiniSGLParams(BaseModel):
     """In [-2, 2], times each token's count in the output, subtracted."""
     logit_bias: dict[int, float] | None = None
     """Token id -> bias in [-100, 100], added to the logit (greedy decoding sees it too)."""
+    n: int = 1
+    """Samples per prompt: n generations (sample i keyed by the seed and i, so each is reproducible),
+    sharing the prompt's KV blocks. Not with streaming."""
     stop: list[str] | None = None
     timeout: float | None = None
     """Seconds to wait for one request; on expiry it is aborted in the engine and TimeoutError raised."""
@@ -185,6 +190,13 @@ def wait_all(engine: Engine, handles: list[RequestHandle], timeout: float | None
                 engine.abort(h.request_id)
 
 
+def check_streamable(params: SamplingParams) -> None:
+    """A LangChain stream is one generation: n > 1 would interleave n of them (OpenAI's client
+    refuses it too)."""
+    if params.n != 1:
+        raise InvalidSamplingParamsError(f"n must be 1 when streaming (one generation), got {params.n}")
+
+
 def stream_sync(engine: Engine, handle: RequestHandle) -> Iterator[StreamDelta]:
     """Deltas of one request; stopping early (break, exception, generator close) aborts it."""
     try:
@@ -231,8 +243,9 @@ async def stream_async(engine: Engine, handle: RequestHandle) -> AsyncIterator[S
 
 
 def usage_of(outs: Sequence[RequestOutput]) -> dict[str, int]:
+    """Each prompt once, the tokens of every sample."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(o.token_ids) for o in outs)
+    completion = sum(len(s.token_ids) for o in outs for s in o.samples)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -39,6 +39,7 @@ from langchain_minisgl._base import (
     MiniSGLParams,
     await_handle,
     check_call_kwargs,
+    check_streamable,
     stream_async,
     stream_sync,
 )
@@ -346,9 +347,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         prepared: dict[str, Any] = {}
         submit = self._submitter(messages, stop, kwargs, prepared)
         out = self.run_sync(kwargs, submit)[0]
-        return ChatResult(
-            generations=[ChatGeneration(message=self._message(out, prepared["prompt"], kwargs))]
-        )
+        return self._chat_result(out, prepared["prompt"], kwargs)
 
     async def _agenerate(
         self,
@@ -360,8 +359,12 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         prepared: dict[str, Any] = {}
         submit = self._submitter(messages, stop, kwargs, prepared)
         out = (await self.run_async(kwargs, submit))[0]
+        return self._chat_result(out, prepared["prompt"], kwargs)
+
+    def _chat_result(self, out: RequestOutput, prompt: ChatPrompt, kwargs: dict[str, Any]) -> ChatResult:
+        """One generation per sample (n); invoke() returns the first, sample 0."""
         return ChatResult(
-            generations=[ChatGeneration(message=self._message(out, prepared["prompt"], kwargs))]
+            generations=[ChatGeneration(message=self._message(s, prompt, kwargs)) for s in out.samples]
         )
 
     def _stream(
@@ -373,6 +376,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         # BaseChatModel.stream fires on_llm_new_token for every chunk yielded here.
         engine, ids, params, prompt = self._prepare(messages, stop, kwargs)
+        check_streamable(params)
         handle = engine.submit(ids, params)
         splitter = ToolCallStreamSplitter(prompt.reply_tool) if prompt.parses_output else None
         thinker = ReasoningStreamSplitter() if self.reasoning else None
@@ -392,6 +396,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         engine, ids, params, prompt = self._prepare(messages, stop, kwargs)
+        check_streamable(params)
         handle = engine.submit(ids, params)
         splitter = ToolCallStreamSplitter(prompt.reply_tool) if prompt.parses_output else None
         thinker = ReasoningStreamSplitter() if self.reasoning else None

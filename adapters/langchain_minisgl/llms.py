@@ -14,6 +14,7 @@ from langchain_minisgl._base import (
     MiniSGLParams,
     await_handle,
     check_call_kwargs,
+    check_streamable,
     stream_async,
     stream_sync,
     usage_of,
@@ -62,8 +63,11 @@ class MiniSGL(MiniSGLParams, BaseLLM):
         return self._result(outs, kwargs)
 
     def _result(self, outs: list, kwargs: dict[str, Any]) -> LLMResult:
-        gens = [
-            [Generation(text=o.text, generation_info={"finish_reason": o.finish_reason, "seed": o.seed})]
+        gens = [  # per prompt, its n samples
+            [
+                Generation(text=s.text, generation_info={"finish_reason": s.finish_reason, "seed": s.seed})
+                for s in o.samples
+            ]
             for o in outs
         ]
         return LLMResult(
@@ -79,8 +83,10 @@ class MiniSGL(MiniSGLParams, BaseLLM):
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
         check_call_kwargs(kwargs)
+        params = self.sampling_params(stop, kwargs)
+        check_streamable(params)
         engine = self.engine_for(kwargs)
-        handle = engine.submit(prompt, self.sampling_params(stop, kwargs))
+        handle = engine.submit(prompt, params)
         for delta in stream_sync(engine, handle):
             # The final delta is posted just before the result: result() returns at once.
             chunk = self._chunk(delta, handle.result() if delta.finished else None, kwargs)
@@ -96,8 +102,10 @@ class MiniSGL(MiniSGLParams, BaseLLM):
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
         check_call_kwargs(kwargs)
+        params = self.sampling_params(stop, kwargs)
+        check_streamable(params)
         engine = self.engine_for(kwargs)
-        handle = engine.submit(prompt, self.sampling_params(stop, kwargs))
+        handle = engine.submit(prompt, params)
         async for delta in stream_async(engine, handle):
             out = await await_handle(engine, handle) if delta.finished else None
             chunk = self._chunk(delta, out, kwargs)

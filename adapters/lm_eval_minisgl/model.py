@@ -9,6 +9,7 @@ batching then replaces hf's padded fixed-size batches.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any
 
@@ -33,6 +34,7 @@ from minisgl_backend import (
     RequestOutput,
     SamplingParams,
 )
+from minisgl_backend.config import load_preset
 
 log = logging.getLogger("lm_eval_minisgl")
 
@@ -53,6 +55,11 @@ ADAPTER_ARGS = {
     "ray_address": "with data_parallel_size > 1: join this Ray cluster (default: start a local one)",
     "replica_timeout_s": "with data_parallel_size > 1: a replica silent this long is declared hung "
     "(ReplicaFailedError; default 120)",
+    "think_end_token": "end of a reasoning trace (a string, or a token id): a generation is scored from "
+    "after its last occurrence, and task stops apply only there (as lm-eval's vllm / hf backends)",
+    "enable_thinking": "passed to the chat template (Qwen3's switch); true needs think_end_token and "
+    "refuses loglikelihood tasks",
+    "chat_template_args": "extra keyword arguments of the chat template (a dict, or its JSON)",
 }
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
 _DEFAULT_SEED = 1234  # lm-eval's own default seed: sampled generations replay run to run
@@ -144,9 +151,20 @@ class MiniSGLLM(TemplateLM):
         data_parallel_size: int = 1,
         ray_address: str | None = None,
         replica_timeout_s: float | None = None,
+        think_end_token: str | int | None = None,
+        enable_thinking: bool | None = None,
+        chat_template_args: dict[str, Any] | str | None = None,
         **engine_args: Any,
     ) -> None:
         super().__init__()
+        # Checked before an engine starts: a bad value fails at once.
+        template_args = _chat_template_args(chat_template_args, enable_thinking)
+        think = _think_end_token(think_end_token)
+        if template_args.get("enable_thinking") is True and think is None:
+            raise ConfigError(
+                "enable_thinking=True needs think_end_token (e.g. think_end_token=</think>): without it "
+                "the reasoning trace would be scored as part of the answer"
+            )
         del batch_size, trust_remote_code  # accepted for CLI compatibility only
         if engine is None:
             args = dict(engine_args)
@@ -158,6 +176,10 @@ class MiniSGLLM(TemplateLM):
                 args["config"] = config
             if "device" not in engine_args and (dev := _resolve_device(device)) is not None:
                 args["device"] = dev
+            if "deterministic" not in args and (config is None or "deterministic" not in load_preset(config)):
+                # Reproducible by default: a score must not depend on batch size, the prefix cache or
+                # what else runs (bitwise logits); deterministic=false trades that for speed.
+                args["deterministic"] = True
             cfg = build_engine_config(args)
             if "seed" not in engine_args and cfg.seed is None:
                 cfg = cfg.replace(seed=_DEFAULT_SEED)
@@ -172,6 +194,14 @@ class MiniSGLLM(TemplateLM):
             raise ConfigError("pass engine settings or an Engine instance, not both")
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.chat_template_args = template_args
+        self.enable_thinking = template_args.get("enable_thinking")
+        self.think_end_token = _as_token_id_if_special(think, self.tokenizer)
+        if isinstance(self.think_end_token, int) and self.think_end_token >= len(self.tokenizer):
+            raise ConfigError(
+                f"think_end_token id {self.think_end_token} is not a token of the tokenizer "
+                f"(ids [0, {len(self.tokenizer)}))"
+            )
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self._max_gen_toks = int(max_gen_toks)
@@ -241,6 +271,7 @@ class MiniSGLLM(TemplateLM):
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=not add_generation_prompt,
+                **self.chat_template_args,
             )
 
         try:
@@ -270,6 +301,15 @@ class MiniSGLLM(TemplateLM):
         return self.engine.generate(prompts, params, use_tqdm=not disable_tqdm)
 
     # ------------------------------------------------------------------ loglikelihood
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        if self.enable_thinking:  # as lm-eval's vllm / hf backends: a score needs no reasoning trace
+            tasks = sorted({req.task_name for req in requests if req.task_name})
+            raise ConfigError(
+                "enable_thinking=True is not compatible with loglikelihood tasks; use it with generative "
+                f"tasks only (triggered by task(s): {', '.join(tasks) or 'unnamed'})"
+            )
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
     def _loglikelihood_tokens(
         self,
         requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
@@ -378,6 +418,10 @@ class MiniSGLLM(TemplateLM):
         stops: list[list[str]] = []
         for context, gen_kwargs in (req.args for req in requests):
             sp, until, max_gen = self._sampling_params(gen_kwargs, eos)
+            if self.think_end_token is not None:
+                # lm-eval's vllm rule: task stops (a few-shot "\n\n") often occur inside the
+                # reasoning, so only EOS stops the engine; the stops cut the answer after it.
+                sp = dataclasses.replace(sp, stop=tuple(s for s in until if s == eos))
             max_ctx = self.max_length - max_gen  # room for the whole budget, as hf reserves it
             if max_ctx <= 0:
                 raise ValueError(
@@ -394,7 +438,65 @@ class MiniSGLLM(TemplateLM):
         results: list[str] = []
         for req, out, until in zip(requests, outs, stops):
             # The engine already cut at the first stop string; this applies hf's exact rule on top.
-            text = postprocess_generated_text(out.text, until, None)
+            text = self._answer(out, until)
             results.append(text)
             self.cache_hook.add_partial("generate_until", req.args, text)
         return results
+
+    def _answer(self, out: RequestOutput, until: list[str]) -> str:
+        """The scored text: after the reasoning trace when think_end_token is set (a string: lm-eval's
+        own split; a token id: after its last occurrence in the tokens, as the hf backend), then cut
+        at the task's stops."""
+        think = self.think_end_token
+        if not isinstance(think, int):
+            return postprocess_generated_text(out.text, until, think)
+        text = out.text
+        if think in out.token_ids:
+            last = len(out.token_ids) - 1 - out.token_ids[::-1].index(think)
+            text = self.tokenizer.decode(out.token_ids[last + 1 :], skip_special_tokens=True).lstrip()
+        return postprocess_generated_text(text, until, None)
+
+
+def _chat_template_args(value: Any, enable_thinking: Any) -> dict[str, Any]:
+    """chat_template_args (a dict, or its JSON as a key=value model_arg gives it) with enable_thinking
+    set over it when given (the hf backend's rule)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"chat_template_args must be a dict or its JSON, got {value!r} ({e})") from None
+    if value is None:
+        value = {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"chat_template_args must be a dict of keyword arguments, got {value!r}")
+    if enable_thinking is not None and not isinstance(enable_thinking, bool):
+        raise ConfigError(f"enable_thinking must be true or false, got {enable_thinking!r}")
+    if "enable_thinking" in value and not isinstance(value["enable_thinking"], bool):
+        raise ConfigError(
+            f"chat_template_args enable_thinking must be true or false, got {value['enable_thinking']!r}"
+        )
+    return {**value, **({} if enable_thinking is None else {"enable_thinking": enable_thinking})}
+
+
+def _think_end_token(value: Any) -> str | int | None:
+    """A non-empty string, or a token id (an int, or digits as the hf backend reads them)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ConfigError(f"think_end_token must be a non-empty string or a token id (int >= 0), got {value!r}")
+
+
+def _as_token_id_if_special(think: str | int | None, tokenizer: Any) -> str | int | None:
+    """A string marker that is one special token becomes its id: the engine decodes with
+    skip_special_tokens, so the string would never appear in the text to split."""
+    if not isinstance(think, str):
+        return think
+    ids = tokenizer.encode(think, add_special_tokens=False)
+    if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) != think:
+        return ids[0]
+    return think

@@ -41,14 +41,13 @@ from minisgl_backend import (
     RequestOutput,
     SamplingParams,
 )
-from minisgl_backend.errors import MissingExtraError
+from minisgl_backend.cluster import connect, import_ray, replica_resources
 
 log = logging.getLogger("lm_eval_minisgl")
 
 _COLLECT_WAIT_S = 1.0  # a replica's collect call returns after at most this long (plus a short batch)
 _COLLECT_BATCH_S = 0.05  # after the first finished request, gather the others finished meanwhile
 DEFAULT_TIMEOUT_S = 120.0  # a replica silent this long (no answer to collect) is declared hung
-_RESOURCE_WAIT_S = 5.0  # how long to wait for free CPUs/GPUs before saying the replicas do not fit
 START_TIMEOUT_S = 900.0  # replicas must have loaded their engine by then (or Ray could not place them)
 
 
@@ -61,14 +60,7 @@ class ReplicaFailedError(EngineDeadError):
 
 
 def _import_ray():
-    try:
-        import ray
-    except ImportError as e:
-        raise MissingExtraError(
-            "data_parallel_size > 1 runs the replicas on Ray, which is not installed: "
-            "pip install 'minisgl[ray]'"
-        ) from e
-    return ray
+    return import_ray("data_parallel_size > 1")
 
 
 # ------------------------------------------------------------------------------------------ routing
@@ -182,11 +174,6 @@ class EngineReplica:
 
 
 # ------------------------------------------------------------------------------------------ the set
-def cpu_share(n: int, cluster_cpus: float, max_node_cpus: float) -> int:
-    """Threads (and Ray CPUs) per replica: an equal share of the cluster, at most one node's CPUs."""
-    return max(1, min(int(cluster_cpus) // n, int(max_node_cpus)))
-
-
 class ReplicaSet:
     """N EngineReplica actors behind the Engine interface the lm-eval adapter uses."""
 
@@ -207,14 +194,9 @@ class ReplicaSet:
         self._failed: ReplicaFailedError | None = None
         self._jobs = itertools.count()
         self.actors: list = []
-        if ray.is_initialized():
+        self._owns_ray = connect(ray, address)
+        if not self._owns_ray:
             log.info("data_parallel_size=%d: using the Ray session already initialised", n)
-        elif address:
-            ray.init(address=address, log_to_driver=False)
-            self._owns_ray = True
-        else:
-            ray.init(num_cpus=_local_cpus(), include_dashboard=False, log_to_driver=False)
-            self._owns_ray = True
         atexit.register(self.close)
         try:
             self._start(config, n, start_timeout_s)
@@ -224,28 +206,7 @@ class ReplicaSet:
 
     def _start(self, config: EngineConfig, n: int, start_timeout_s: float) -> None:
         ray = self._ray
-        nodes = [nd for nd in ray.nodes() if nd.get("Alive")]
-        max_node = max((nd.get("Resources", {}).get("CPU", 0) for nd in nodes), default=1)
-        share = cpu_share(n, ray.cluster_resources().get("CPU", 1), max_node)
-        if config.num_threads is None:
-            config = config.replace(num_threads=share)
-        num_cpus = min(config.num_threads, max(1, int(max_node)))
-        gpus = 1 if config.device.startswith("cuda") else 0
-        if gpus:
-            config = config.replace(device="cuda")  # Ray gives each actor its own GPU as cuda:0
-        deadline = time.monotonic() + _RESOURCE_WAIT_S  # just-killed actors release theirs shortly
-        while True:
-            free = ray.available_resources()
-            fits = free.get("CPU", 0) >= n * num_cpus and free.get("GPU", 0) >= n * gpus
-            if fits or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        if not fits:
-            raise ConfigError(
-                f"data_parallel_size={n} needs {n} x (num_cpus={num_cpus}, num_gpus={gpus}) free in the "
-                f"Ray cluster, which has {free.get('CPU', 0):g} CPUs and {free.get('GPU', 0):g} GPUs "
-                "free: lower data_parallel_size or num_threads, or close the other replicas"
-            )
+        config, num_cpus, gpus = replica_resources(ray, config, n, "data_parallel_size")
         self.config = config
         self.n = n
         actor_cls = ray.remote(EngineReplica)
@@ -414,10 +375,3 @@ def make_engine(
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"replica_timeout_s must be a number > 0, got {replica_timeout_s!r}")
     return ReplicaSet(cfg, n, address=None if ray_address is None else str(ray_address), timeout_s=timeout)
-
-
-def _local_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1

@@ -100,6 +100,11 @@ class GrammarProcessor:
             raise GrammarError(f"cannot compile the output grammar: {self._matcher.get_error()}")
         self._seen = 0
 
+    @property
+    def grammar(self) -> str:
+        """The compiled grammar's source: what another process needs to rebuild this processor."""
+        return self._grammar
+
     def __call__(self, output_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         if len(output_ids) < self._seen:  # a preempted request recomputes: replay from scratch
             self._matcher = llguidance.LLMatcher(self._tok, self._grammar)

@@ -248,7 +248,10 @@ def enable(model: CausalLM) -> None:
     """Switch `model` to the batch-invariant forward (call on the compute thread: builds a table and
     probes the tile sizes of each distinct linear shape)."""
     probed: dict[tuple, tuple[int, ...]] = {}
-    for lin in [mod for mod in model.modules() if type(mod) is nn.Linear]:
+    # The model's Linear would send few-row calls to the native kernel, whose bits differ from
+    # oneDNN's: every linear becomes a TiledLinear, whose calls are all oneDNN calls of probed shapes.
+    linears = [mod for mod in model.modules() if isinstance(mod, nn.Linear)]
+    for lin in [mod for mod in linears if not isinstance(mod, TiledLinear)]:
         key = (tuple(lin.weight.shape), lin.weight.dtype, lin.bias is not None)
         if key not in probed:
             with torch.no_grad():

@@ -1,8 +1,10 @@
 """A Llama-family decoder over a paged KV cache: Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3,
 Gemma 2 and Gemma 3 (text).
 
-Parameter names mirror Hugging Face's so a safetensors state dict loads as is (Phi-3's fused
-projections are split at load: `model/phi3.py`). The only difference from the reference
+Parameter names mirror Hugging Face's, except that every layer holds its q/k/v projections as one
+`qkv_proj` and its gate/up projections as one `gate_up_proj` (Phi-3's own layout; other checkpoints
+are concatenated at load, `fuse_projections`): one matmul instead of three and two, which at decode
+is one weight stream and one call. The only difference from the reference
 implementation is attention: K/V of new tokens are written into the block pool, and every query
 reads its whole context back through its block table. The architectures differ by switches read
 from the config (`ModelSpec`): RoPE variant (`model/rope.py`), sliding-window layers, q/k norm,
@@ -21,6 +23,7 @@ from torch import nn
 from minisgl_backend.errors import ConfigError
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.rope import RopeSpec, Rotary, apply_rotary
 
 if TYPE_CHECKING:
@@ -204,13 +207,55 @@ def _rope_specs(cfg, head_dim: int) -> tuple[RopeSpec, RopeSpec | None]:
     return spec(params), None
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose few-row bf16 CPU calls (decode steps) run the native kernel
+    (`model/cpu_kernels.py`); everything else is F.linear. After quantize_int8() the few-row calls
+    read int8 weights instead (half the bytes), and the rest runs on their dequantized bf16 copy, so
+    prefill and decode use the same quantized weights."""
+
+    qweight: torch.Tensor | None = None  # int8 [out, in], set by quantize_int8
+    qscale: torch.Tensor | None = None  # float32 [out]: weight ~ qweight * qscale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            out = cpu_kernels.linear_int8(x, self.qweight, self.qscale, self.bias)
+            if out is not None:
+                return out
+        return cpu_kernels.linear(x, self.weight, self.bias)
+
+    @torch.no_grad()
+    def quantize_int8(self) -> None:
+        """Symmetric per-output-channel int8 (absmax / 127), the weight-only scheme of gpt-fast; the
+        bf16 weight is replaced by its dequantized value (a new tensor: a tied embedding keeps its own)."""
+        w = self.weight.float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.qweight, self.qscale = q.contiguous(), scale.contiguous()
+        self.weight = nn.Parameter((q.float() * scale[:, None]).to(self.weight.dtype), requires_grad=False)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    gemma = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = cpu_kernels.rms_norm(x, self.weight, self.eps, self.gemma)
+        return self.norm(x) if native is None else native[0]
+
+    def add_and_norm(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + add), x + add): the residual add fused with the norm that reads it."""
+        native = cpu_kernels.rms_norm(x, self.weight, self.eps, self.gemma, add)
+        if native is not None:
+            return native
+        x = x + add
+        return self.norm(x), x
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch expression (the native kernel rounds the same steps)."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -220,7 +265,9 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the stored weight is an offset from 1, and the scale is applied in float32."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    gemma = True
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).to(x.dtype)
@@ -263,10 +310,8 @@ class Attention(nn.Module):
         self.sdpa_scale = spec.attn_scale  # None: SDPA's default 1/sqrt(d)
         self.scale = spec.attn_scale or self.d**-0.5
         self.softcap = spec.attn_softcap
-        self.q_proj = nn.Linear(spec.hidden_size, self.h * self.d, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden_size, self.kvh * self.d, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, self.kvh * self.d, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, spec.hidden_size, bias=False)
+        self.qkv_proj = Linear(spec.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.h * self.d, spec.hidden_size, bias=False)
         if spec.qk_norm:
             self.q_norm = _norm(spec, self.d)
             self.k_norm = _norm(spec, self.d)
@@ -275,14 +320,16 @@ class Attention(nn.Module):
     def qkv(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], n: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Projections of the first n rows of x (the rest is row padding), normed and rotated."""
-        q = self.q_proj(x)[:n].view(n, self.h, self.d)
-        k = self.k_proj(x)[:n].view(n, self.kvh, self.d)
-        v = self.v_proj(x)[:n].view(n, self.kvh, self.d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        """Projections of the first n rows of x (the rest is row padding), normed and rotated: views
+        into one qkv_proj output (rows of stride (h + 2 kvh) d)."""
+        qkv = self.qkv_proj(x)[:n].view(n, self.h + 2 * self.kvh, self.d)
+        v = qkv[:, self.h + self.kvh :]
         cos, sin = rope
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        if self.qk_norm:
+            q, k = self.q_norm(qkv[:, : self.h]), self.k_norm(qkv[:, self.h : self.h + self.kvh])
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        qk = apply_rotary(qkv[:, : self.h + self.kvh], cos, sin)  # q and k heads in one pass
+        return qk[:, : self.h], qk[:, self.h :], v
 
     def forward(
         self,
@@ -299,11 +346,15 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, rope, n)
         kv.write(self.layer_id, batch.slot_mapping, k, v)
 
-        out = torch.empty_like(q)
         b = batch.num_decode
+        out = None if b == n else torch.empty_like(q)
         if b:
             tables, mask = (batch.decode_block_tables, batch.decode_mask) if decode is None else decode
-            out[:b] = self._decode_attention(q[:b], tables, mask, kv)
+            full, pos = batch.decode_block_tables, batch.positions[:b]
+            o = self._decode_attention(q[:b], tables, mask, kv, full, pos)
+            if out is None:  # a decode-only batch: the attention output is the whole output
+                return self.o_proj(o.reshape(n, self.h * self.d))
+            out[:b] = o
         for chunk, mask in zip(batch.prefill_chunks, masks):
             s, e = chunk.start, chunk.start + chunk.length
             qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
@@ -323,13 +374,32 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.h * self.d))
 
     def _decode_attention(
-        self, q: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, kv: KVCache
+        self,
+        q: torch.Tensor,
+        tables: torch.Tensor,
+        mask: torch.Tensor,
+        kv: KVCache,
+        full_tables: torch.Tensor,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """All decode rows at once: each row's context gathered through its block table, padded, masked.
-
-        Plain batched matmuls grouped by KV head: for one query token per row this is several times
-        faster on CPU than SDPA's flash kernel, and it never materialises repeated K/V heads.
+        """All decode rows at once. On CPU the native kernel reads each row's keys in place through
+        `full_tables` (the batch's block tables; the window is applied by position). Otherwise each
+        row's context is gathered through `tables`, padded and masked by `mask` (decode_window):
+        plain batched matmuls grouped by KV head, which for one query token per row are several times
+        faster on CPU than SDPA's flash kernel and never materialise repeated K/V heads.
         """
+        native = cpu_kernels.decode_attention(
+            q,
+            kv.k[self.layer_id],
+            kv.v[self.layer_id],
+            full_tables,
+            positions,
+            self.scale,
+            self.window,
+            self.softcap,
+        )
+        if native is not None:
+            return native
         bsz, group = q.shape[0], self.h // self.kvh
         kc, vc = kv.gather(self.layer_id, tables)  # [B, L, kvh, d]
         qg = q.view(bsz, self.kvh, group, self.d)
@@ -344,13 +414,18 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.hidden_act = spec.hidden_act
         self.act = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        h = cpu_kernels.silu_and_mul(gate_up) if self.hidden_act == "silu" else None
+        if h is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        return self.down_proj(h)
 
 
 # attend(attention module, normed hidden states) -> attention output: the forward pass's attention
@@ -371,12 +446,13 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = _norm(spec, spec.hidden_size)
 
     def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        a = attend(self.self_attn, self.input_layernorm(x))
         if not self.gemma:  # post_attention_layernorm is the MLP's input norm
-            x = x + attend(self.self_attn, self.input_layernorm(x))
-            return x + self.mlp(self.post_attention_layernorm(x))
+            h, x = self.post_attention_layernorm.add_and_norm(x, a)
+            return x + self.mlp(h)
         # Gemma: post_attention_layernorm normalises the attention output; the MLP has its own pair.
-        x = x + self.post_attention_layernorm(attend(self.self_attn, self.input_layernorm(x)))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        h, x = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(a))
+        return x + self.post_feedforward_layernorm(self.mlp(h))
 
 
 def build_rotary(spec: ModelSpec) -> nn.ModuleList:
@@ -398,10 +474,17 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = Decoder(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         # Set by model.batch_invariant.enable(): the deterministic forward pass (None = default path).
         self.batch_invariant: BatchInvariantForward | None = None
         self.tie_weights()
+
+    def quantize_int8(self) -> None:
+        """`weight_dtype: int8`: every linear layer, the LM head included (untied from the embedding,
+        which stays exact), holds int8 weights for decode (see Linear.quantize_int8)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize_int8()
 
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:
@@ -442,11 +525,7 @@ class CausalLM(nn.Module):
         return self.logits(x[batch.logits_index])
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.spec.model_type == "phi3":
-            from minisgl_backend.model.phi3 import split_fused_projections
-
-            state = split_fused_projections(state, self.spec)
-        state = {k: v for k, v in state.items() if "rotary_emb" not in k}
+        state = fuse_projections({k: v for k, v in state.items() if "rotary_emb" not in k})
         self.tie_weights()  # moving off the meta device unties shared parameters
         if self.spec.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -456,3 +535,23 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"checkpoint does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}"
             )
+
+
+def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face's separate q/k/v and gate/up projections concatenated into the model's
+    `qkv_proj` (rows q, k, v) and `gate_up_proj` (rows gate, up): the layout Phi-3 checkpoints
+    already store, in transformers' row order. A layer missing a part is left as it is, so
+    load_state_dict names what is missing."""
+    out = dict(state)
+    for fused, parts in (
+        ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+    ):
+        owner = fused.rpartition(".")[0]
+        for name in [k for k in state if k.endswith(f"{owner}.{parts[0]}.weight")]:
+            base = name[: -len(f"{parts[0]}.weight")]
+            for leaf in ("weight", "bias"):
+                names = [f"{base}{p}.{leaf}" for p in parts]
+                if all(n in out for n in names):
+                    out[f"{base}{fused.rpartition('.')[2]}.{leaf}"] = torch.cat([out.pop(n) for n in names])
+    return out

@@ -125,7 +125,7 @@ class LoadedModel(NamedTuple):
 
 
 def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     model_dir = resolve_model_dir(ref)
     try:
@@ -155,15 +155,22 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
     model = model.to(DTYPES[dtype]).eval()
     # Rebuilt after to_empty/dtype conversion: the rope frequencies are not in the checkpoint and stay fp32.
     model.model.rotary = build_rotary(spec).to(device)
+    tokenizer = load_tokenizer(model_dir)
+    return LoadedModel(model, tokenizer, model_dir, _eos_ids(model_dir, hf_config, tokenizer))
+
+
+def load_tokenizer(model_dir: Path) -> object:
+    """The model's HF tokenizer, as the engine loads it (a server front end loads its own copy)."""
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir)
     except (ImportError, MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - missing or corrupt tokenizer files
         raise ModelLoadError(
             f"cannot load the tokenizer files in {model_dir}: {type(e).__name__}: {e}"
         ) from e
-    return LoadedModel(model, tokenizer, model_dir, _eos_ids(model_dir, hf_config, tokenizer))
 
 
 def _eos_ids(model_dir: Path, hf_config, tokenizer) -> frozenset[int]:

@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from minisgl_backend.model import cpu_kernels
+
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 _REQUIRED = {
     "default": (),
@@ -243,6 +245,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] features of every head of x [N, heads, head_dim]; the rest
     (partial rotary) pass through."""
+    if cpu_kernels.rope_(x, cos, sin):  # in place: x is the fresh output of a projection
+        return x
     dim = cos.shape[-1]
     if dim == x.shape[-1]:
         return x * cos + rotate_half(x) * sin

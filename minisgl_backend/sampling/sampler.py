@@ -42,6 +42,23 @@ def hash_uniform(seeds: np.ndarray, positions: np.ndarray, token_ids: np.ndarray
     return ((h >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
 
 
+_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment
+_MASK64 = (1 << 64) - 1
+
+
+def sample_key(seed: int, index: int) -> int:
+    """The sampling key of sample `index` of a request seeded `seed` (SamplingParams.n): the seed
+    itself for sample 0, so sample 0 of any n is the n = 1 output; for i > 0 the i-th output of
+    SplitMix64 seeded with `seed`, mix64((seed + i * 0x9E3779B97F4A7C15) mod 2**64), a function of
+    (seed, i) only, so sample i does not depend on n, and distinct i give unrelated noise."""
+    if index == 0:
+        return seed
+    z = (seed + index * _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 class SampleRow(NamedTuple):
     params: SamplingParams
     seed: int

@@ -44,7 +44,9 @@ log = logging.getLogger("minisgl")
 # ---- commands: what caller threads ask of the scheduler thread ----
 @dataclass(frozen=True)
 class Add:
-    req: Request
+    """One request: its samples (one Request each, SamplingParams.n of them), one handle."""
+
+    reqs: tuple[Request, ...]
 
 
 @dataclass(frozen=True)
@@ -232,12 +234,14 @@ class SchedulerLoop:
 
     def _dispatch(self, cmd: Command) -> None:
         match cmd:
-            case Add(req):
-                if req.request_id in self._handles:
-                    req.handle._post_error(InvalidRequestError(f"duplicate request_id {req.request_id!r}"))
+            case Add(reqs):
+                head = reqs[0]
+                if head.request_id in self._handles:
+                    head.handle._post_error(InvalidRequestError(f"duplicate request_id {head.request_id!r}"))
                     return
-                self._handles[req.request_id] = req.handle
-                self.scheduler.add(req)
+                self._handles[head.request_id] = head.handle
+                for req in reqs:  # in index order: sample 0 is admitted first and computes the prompt
+                    self.scheduler.add(req)
             case Abort(request_id):
                 self.scheduler.abort(request_id)
             case Drain():
@@ -313,14 +317,29 @@ class SchedulerLoop:
             self.metrics.set("prefix_cache_blocks", sched.prefix.num_blocks)
 
     def _deliver_finished(self, new_tokens: dict[int, list[int]]) -> None:
-        for req in self.scheduler.take_finished():
+        """Post each finished sample's final delta; a request's result once all its samples are
+        done. A sample that failed fails its request: the handle gets the error, the other samples
+        are aborted (they finish in the next pass of this loop, and post nothing)."""
+        while finished := self.scheduler.take_finished():
+            self._deliver(finished, new_tokens)
+
+    def _deliver(self, finished: list[Request], new_tokens: dict[int, list[int]]) -> None:
+        for req in finished:
+            group = req.group
+            group.unfinished -= 1
+            if group.error is None and req.error is not None:
+                group.error = req.error
+                req.handle._post_error(req.error)
+                self.scheduler.abort(req.request_id)
+            elif group.error is None:
+                req.handle._post_delta(req.delta(new_tokens.get(id(req), [])))
+                group.outputs[req.index] = req.output()
+            if group.unfinished:
+                continue
             self._handles.pop(req.request_id, None)
             self.metrics.add("requests_finished")
-            if req.error is not None:
-                req.handle._post_error(req.error)
-                continue
-            req.handle._post_delta(req.delta(new_tokens.get(id(req), [])))
-            req.handle._post_result(req.output())
+            if group.error is None:
+                req.handle._post_result(group.result())
 
     def check_invariants(self) -> dict[str, int]:
         """Scheduler thread: the scheduler's counts plus the iterations in flight."""
@@ -351,8 +370,8 @@ class SchedulerLoop:
             except queue.Empty:
                 break
             match cmd:
-                case Add(req):
-                    req.handle._post_error(err)
+                case Add(reqs):
+                    reqs[0].handle._post_error(err)
                 case Call(_, fut) | Drain(fut, _):
                     fut.set_exception(err)
         for w in self._drain_waiters:

@@ -72,7 +72,9 @@ class PrefixAdmission:
             self.metrics.add("prefix_hits")
             self.metrics.add("prefix_hit_tokens", len(hit) * bs)
         if self.cache is not None:
-            for h in req.block_hashes(bs)[len(hit) : req.cacheable_blocks(bs)]:
+            # Every full prompt block it computes, also those past its own hit limit (a request
+            # scoring prompt logprobs matches none, but its other samples can share them all).
+            for h in req.block_hashes(bs)[len(hit) :]:
                 if self._claims.setdefault(h, req) is req:
                     req.claims.append(h)
 

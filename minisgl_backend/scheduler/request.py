@@ -10,6 +10,7 @@ which runs ahead of results under overlap (`num_computed`, `pending_samples`,
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 
@@ -32,6 +33,25 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class SampleGroup:
+    """The n samples of one request (SamplingParams.n): one Request each, one handle between them.
+    Collects their outputs as they finish and assembles the request's RequestOutput once all have.
+    Scheduler thread only, like its requests."""
+
+    def __init__(self, n: int) -> None:
+        self.outputs: list[RequestOutput | None] = [None] * n
+        self.unfinished = n  # samples not yet finished (delivered or failed)
+        self.error: Exception | None = None  # the first sample's failure fails the whole request
+
+    def result(self) -> RequestOutput:
+        """Sample 0 carrying the others; every sample gets sample 0's prompt logprobs (only sample 0
+        scores the prompt, so the others can share its cached blocks)."""
+        first, *rest = self.outputs
+        assert first is not None and all(o is not None for o in rest)
+        rest = [dataclasses.replace(o, prompt_logprobs=first.prompt_logprobs) for o in rest]  # type: ignore[arg-type]
+        return dataclasses.replace(first, more_samples=tuple(rest)) if rest else first
+
+
 class Request:
     def __init__(
         self,
@@ -42,12 +62,16 @@ class Request:
         eos_ids: frozenset[int],
         tokenizer,
         handle: RequestHandle,
+        index: int = 0,
+        group: SampleGroup | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
-        self.seed = seed
+        self.seed = seed  # this sample's sampling key (sampling.sampler.sample_key)
         self.handle = handle
+        self.index = index  # which of the request's params.n samples this is
+        self.group = group if group is not None else SampleGroup(1)
         self.arrival = time.perf_counter()
         self.token_times: list[float] = []  # commit time of each output token
         self.scheduled_time: float | None = None  # first admission; a re-admission keeps it
@@ -72,7 +96,7 @@ class Request:
         self.detok = IncrementalDetokenizer(tokenizer, params.stop, params.skip_special_tokens)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
-            [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
+            [None] * len(prompt_ids) if params.prompt_logprobs is not None and index == 0 else None
         )
 
     @property
@@ -131,7 +155,7 @@ class Request:
         n = len(self.output_ids)
         lps = self.logprobs[n - len(new_ids) : n] if self.logprobs is not None else None
         text = self.detok.take_delta(finished)
-        return StreamDelta(self.request_id, new_ids, text, finished, self.finish_reason, lps)
+        return StreamDelta(self.request_id, new_ids, text, finished, self.finish_reason, lps, self.index)
 
     def output(self) -> RequestOutput:
         assert self.finish_reason is not None
@@ -152,4 +176,5 @@ class Request:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             num_preemptions=self.num_preemptions,
+            index=self.index,
         )

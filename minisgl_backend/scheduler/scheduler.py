@@ -100,12 +100,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, request_id: str) -> None:
-        """Finish the request with that id, waiting or running; an unknown id is ignored."""
+        """Finish the request with that id (each of its n samples), waiting or running; an unknown
+        id is ignored."""
         for queue_ in (self.waiting, self.running):
-            for req in queue_:
-                if req.request_id == request_id:
-                    self.finish(req, "abort")
-                    return
+            for req in [r for r in queue_ if r.request_id == request_id]:
+                self.finish(req, "abort")
 
     def finish(self, req: Request, reason: FinishReason, error: Exception | None = None) -> None:
         """The one place a request ends: its blocks and row go back behind the fence."""

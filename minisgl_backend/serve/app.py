@@ -1,20 +1,18 @@
-"""The OpenAI-compatible HTTP API over one in-process Engine (FastAPI).
+"""The OpenAI-compatible HTTP API (FastAPI) over a `Backend` (serve/backend.py): one in-process
+Engine, or engine replicas on Ray Serve behind this same app (serve/ray_app.py).
 
-Every request is handed to the engine at once (`Engine.submit` never blocks), so concurrent HTTP
-requests share the continuous batch. Results come back on the engine's threads and are moved to
-the event loop with `call_soon_threadsafe`: a done-callback for whole results, one small pump
-thread per streamed request for deltas. A client that goes away (mid-stream or while waiting for a
-non-streamed result) aborts its requests, so their KV blocks return to the pool.
+Every request is handed to the backend at once (`Engine.submit` never blocks), so concurrent HTTP
+requests share the continuous batch. Results come back as `Stream`s the event loop awaits; a client
+that goes away (mid-stream or while waiting for a non-streamed result) aborts its requests, so their
+KV blocks return to the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import copy
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,7 +24,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minisgl_backend.aio import call_soon, result_future
 from minisgl_backend.chat import (
     ChatPrompt,
     ChatTemplateError,
@@ -36,7 +33,6 @@ from minisgl_backend.chat import (
     render_chat,
 )
 from minisgl_backend.chat.logprobs import TokenText, chat_logprobs
-from minisgl_backend.engine import Engine
 from minisgl_backend.errors import (
     EmptyPromptError,
     EngineDeadError,
@@ -46,7 +42,7 @@ from minisgl_backend.errors import (
     PromptTooLongError,
     QueueFullError,
 )
-from minisgl_backend.handle import RequestHandle
+from minisgl_backend.serve.backend import Backend, ServerShuttingDownError, Stream
 from minisgl_backend.serve.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -101,6 +97,7 @@ ERROR_MAP: list[tuple[type[BaseException], int, str, str]] = [
     (QueueFullError, 503, "server_overloaded", "queue_full"),
     (EngineDeadError, 503, "service_unavailable", "engine_dead"),
     (EngineStalledError, 503, "service_unavailable", "engine_dead"),
+    (ServerShuttingDownError, 503, "service_unavailable", "shutting_down"),
 ]
 
 
@@ -147,79 +144,18 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 # ---------------------------------------------------------------------------------------------- state
 @dataclass
-class FinishedRecord:
-    request_id: str
-    user: str | None
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass
 class ServerState:
-    engine: Engine
+    """What the routes share: the backend and the app's own settings."""
+
+    backend: Backend
     model_name: str
+    tokenizer: Any  # the event loop's own copy (the engine's may be encoding on other threads)
     api_key: str | None = None
-    owns_engine: bool = False
+    owns_backend: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
-    # The newest finished requests (tests and debugging: which were aborted, by `user` tag).
-    finished: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100_000))
-    metrics: Any = None  # serve.metrics.ServeMetrics
-    tokenizer: Any = None  # the event loop's own copy (the engine's may be encoding on other threads)
-
-    # Finished handles, posted by a done-callback on the scheduler thread (one put, no lock, no
-    # syscall) and folded by whoever reads them: the event loop after each request, /metrics.
-    done: Any = field(default_factory=lambda: __import__("queue").SimpleQueue())
-
-    live: dict = field(default_factory=dict)  # request_id -> handle of every unfinished request
-    shutting_down: bool = False
-
-    def begin_shutdown(self) -> None:
-        """Refuse new requests and abort the running ones: streams end with finish_reason "abort"
-        and waiting callers get their (aborted) results, so the server can stop promptly."""
-        self.shutting_down = True
-        for rid in list(self.live):
-            try:
-                self.engine.abort(rid)
-            except EngineDeadError:
-                return
-
-    def collect(self) -> None:
-        """Fold finished requests into `finished` and the Prometheus metrics."""
-        while True:
-            try:
-                handle, user = self.done.get_nowait()
-            except Exception:  # noqa: BLE001 - queue.Empty
-                return
-            try:
-                out = handle.result(0)
-            except BaseException:  # noqa: BLE001 - failed requests carry no output to count
-                continue
-            self.finished.append(
-                FinishedRecord(
-                    out.request_id, user, out.finish_reason, len(out.prompt_token_ids), len(out.token_ids)
-                )
-            )
-            if self.metrics is not None:
-                self.metrics.observe(out)
 
 
-# ---------------------------------------------------------------------------------------------- engine bridge
-def _pump(handle: RequestHandle, tag: int, queue: asyncio.Queue) -> None:
-    """Hand every delta, then the final RequestOutput (or the error), to the event loop queue."""
-    loop = asyncio.get_running_loop()
-
-    def run() -> None:
-        try:
-            for delta in handle:
-                call_soon(loop, queue.put_nowait, (tag, delta))
-            call_soon(loop, queue.put_nowait, (tag, handle.result()))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consuming task
-            call_soon(loop, queue.put_nowait, (tag, e))
-
-    threading.Thread(target=run, name=f"minisgl-serve-{handle.request_id}", daemon=True).start()
-
-
+# ---------------------------------------------------------------------------------------------- streams in
 async def _wait_disconnect(request: Request) -> None:
     """Returns once the client has gone away (the body has been read already)."""
     while True:
@@ -228,11 +164,9 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _results_or_disconnect(
-    state: ServerState, request: Request, handles: list[RequestHandle]
-) -> list[RequestOutput]:
-    """Every handle's result, unless the client goes away first: then the requests are aborted."""
-    futs = [result_future(h) for h in handles]
+async def _results_or_disconnect(request: Request, streams: Sequence[Stream]) -> list[RequestOutput]:
+    """Every stream's result, unless the client goes away first: then the requests are aborted."""
+    futs = [asyncio.ensure_future(s.result()) for s in streams]
     gone = asyncio.ensure_future(_wait_disconnect(request))
     pending = set(futs)
     try:
@@ -246,50 +180,53 @@ async def _results_or_disconnect(
         return [f.result() for f in futs]
     finally:
         gone.cancel()
-        _abort(state, handles)  # no-op for finished ones
-        state.collect()
+        for f in futs:
+            f.cancel()
+        _abort(streams)  # no-op for finished ones
+
+
+class _Merged:
+    """(index, event) of several streams as they come; an error arrives as (index, exception).
+    `close()` is synchronous: it runs in `finally` blocks that a cancelled response may not await in."""
+
+    def __init__(self, streams: Sequence[Stream]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.ensure_future(self._forward(i, s)) for i, s in enumerate(streams)]
+
+    async def _forward(self, i: int, s: Stream) -> None:
+        try:
+            async for ev in s.events():
+                self._queue.put_nowait((i, ev))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            self._queue.put_nowait((i, e))
+
+    async def next(self) -> tuple[int, Any]:
+        return await self._queue.get()
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
 
 
 class ClientGone(Exception):
     pass
 
 
-def _abort(state: ServerState, handles: Sequence[RequestHandle]) -> None:
-    for h in handles:
-        if not h.done():
-            try:
-                state.engine.abort(h.request_id)
-            except EngineDeadError:
-                pass
+def _abort(streams: Sequence[Stream]) -> None:
+    for s in streams:
+        s.abort()
 
 
-def _submit_all(
+async def _submit(
     state: ServerState,
     prompts: Sequence[Any],
     params: Sequence[SamplingParams],
     prefix: str,
     user: str | None,
-) -> list[RequestHandle]:
-    """Submit every prompt, or none: a failure aborts the ones already queued."""
-    if state.shutting_down:
-        raise APIError(503, "the server is shutting down", "service_unavailable", code="shutting_down")
-    handles: list[RequestHandle] = []
-    post, live = state.done.put, state.live
-
-    def finished(h: RequestHandle, u: str | None) -> None:  # on the scheduler thread: keep it tiny
-        live.pop(h.request_id, None)
-        post((h, u))
-
-    try:
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            h = state.engine.submit(p, sp, request_id=f"{prefix}-{i}")
-            live[h.request_id] = h
-            h.add_done_callback(lambda h, u=user: finished(h, u))
-            handles.append(h)
-    except BaseException:
-        _abort(state, handles)
-        raise
-    return handles
+    stream: bool,
+) -> list[Stream]:
+    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    return await state.backend.submit(prompts, params, ids, user, stream)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -329,14 +266,16 @@ def _sampling(
         presence_penalty=float(req.presence_penalty),
         frequency_penalty=float(req.frequency_penalty),
         logit_bias=req.logit_bias_ids,
+        n=req.n,
     )
     params.check_vocab(vocab_size)  # a 400 now rather than a failed request at its first draw
     return params
 
 
 def _usage(outs: Sequence[RequestOutput], drop_generated: bool = False) -> dict[str, int]:
+    """OpenAI's usage: each prompt once, the tokens of every sample (choice)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = 0 if drop_generated else sum(len(o.token_ids) for o in outs)
+    completion = 0 if drop_generated else sum(len(s.token_ids) for o in outs for s in o.samples)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -408,37 +347,34 @@ def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- app
-def create_app(
-    engine: Engine,
+def build_app(
+    backend: Backend,
     model_name: str | None = None,
     api_key: str | None = None,
-    owns_engine: bool = False,
+    owns_backend: bool = False,
     enable_metrics: bool = True,
 ) -> FastAPI:
-    """The API over `engine`. `owns_engine`: close it when the app shuts down (the CLI's case)."""
+    """The API over `backend`. `owns_backend`: close it when the app shuts down (the CLI's case).
+    `app.state.minisgl` is the backend (tests and the runner reach the engine side through it)."""
     from contextlib import asynccontextmanager
 
     state = ServerState(
-        engine=engine,
-        model_name=model_name or str(engine.config.model),
+        backend=backend,
+        model_name=model_name or backend.model_ref,
         api_key=api_key,
-        owns_engine=owns_engine,
-        tokenizer=copy.deepcopy(engine.tokenizer),
+        owns_backend=owns_backend,
+        tokenizer=copy.deepcopy(backend.tokenizer),
     )
-    if enable_metrics:
-        from minisgl_backend.serve.metrics import ServeMetrics
-
-        state.metrics = ServeMetrics(engine, state.model_name)
     token_text = TokenText(state.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        if state.owns_engine:  # uvicorn has stopped accepting and finished (or cancelled) the requests
-            await asyncio.to_thread(engine.close)
+        if state.owns_backend:  # uvicorn has stopped accepting and finished (or cancelled) the requests
+            await asyncio.to_thread(backend.close)
 
     app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.minisgl = state
+    app.state.minisgl = backend
 
     @app.exception_handler(APIError)
     async def _api_error(_req: Request, exc: APIError) -> JSONResponse:
@@ -479,9 +415,10 @@ def create_app(
     # ------------------------------------------------------------------ info endpoints
     @app.get("/health")
     async def health() -> Any:
-        if not engine.is_alive:
+        why = await backend.unhealthy()
+        if why is not None:
             return JSONResponse(
-                error_body("the engine is not running", "service_unavailable", None, "engine_dead"),
+                error_body(why, "service_unavailable", None, "engine_dead"),
                 status_code=503,
             )
         return {"status": "ok"}
@@ -496,8 +433,8 @@ def create_app(
                     "object": "model",
                     "created": state.created,
                     "owned_by": "minisgl",
-                    "root": str(engine.model_dir),
-                    "max_model_len": engine.max_model_len,
+                    "root": backend.model_dir,
+                    "max_model_len": backend.max_model_len,
                 }
             ],
         }
@@ -519,8 +456,8 @@ def create_app(
             "eos_token_id": tok.eos_token_id,
             "bos_token_id": tok.bos_token_id,
             "chat_template": getattr(tok, "chat_template", None),
-            "model_max_length": engine.max_model_len,
-            "vocab_size": engine.vocab_size,
+            "model_max_length": backend.max_model_len,
+            "vocab_size": backend.vocab_size,
             "add_bos_token": getattr(tok, "add_bos_token", None),
         }
 
@@ -539,7 +476,7 @@ def create_app(
             ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         return {
             "count": len(ids),
-            "max_model_len": engine.max_model_len,
+            "max_model_len": backend.max_model_len,
             "tokens": ids,
             "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None,
         }
@@ -547,17 +484,18 @@ def create_app(
     @app.post("/detokenize", dependencies=guarded)
     async def detokenize(body: DetokenizeRequest) -> Any:
         _check_model(state, body.model)
-        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        bad = [t for t in body.tokens if not 0 <= t < backend.vocab_size]
         if bad:
-            raise APIError(400, f"token ids out of range [0, {engine.vocab_size}): {bad[:5]}", param="tokens")
+            raise APIError(
+                400, f"token ids out of range [0, {backend.vocab_size}): {bad[:5]}", param="tokens"
+            )
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
-    if state.metrics is not None:
+    if enable_metrics:
 
         @app.get("/metrics", dependencies=guarded)
         async def metrics() -> Any:
-            state.collect()
-            body, ctype = state.metrics.render()
+            body, ctype = await backend.render_metrics()
             return PlainTextResponse(body, media_type=ctype)
 
     # ------------------------------------------------------------------ completions
@@ -574,10 +512,10 @@ def create_app(
                 body,
                 max(1, body.max_tokens or 0),
                 k,
-                state.engine.vocab_size,
+                backend.vocab_size,
                 prompt_logprobs=k if (body.echo and k is not None) else None,
             )
-            handles = _submit_all(state, prompts, [params] * len(prompts), rid, body.user)
+            streams = await _submit(state, prompts, [params] * len(prompts), rid, body.user, body.stream)
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             raise api_error(e) from e
         echo_text = (
@@ -588,34 +526,33 @@ def create_app(
         model = state.model_name
         if body.stream:
             return StreamingResponse(
-                _stream_completion(state, handles, body, rid, echo_text, drop, token_text),
+                _stream_completion(state, streams, body, rid, echo_text, drop, token_text),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            outs = await _results_or_disconnect(state, request, handles)
+            outs = await _results_or_disconnect(request, streams)
         except ClientGone:
             return PlainTextResponse("", status_code=499)
         except Exception as e:  # noqa: BLE001
             raise api_error(e) from e
         choices = []
         for i, out in enumerate(outs):
-            text = "" if drop else out.text
             prefix = echo_text[i] if echo_text else ""
-            lps = None
-            if k is not None:
-                entries = _prompt_entries(out) if body.echo else []
-                lps = _text_logprobs(
-                    token_text, entries + ([] if drop else _generated_entries(out.logprobs)), 0
-                )[0]
-            choices.append(
-                {
-                    "index": i,
-                    "text": prefix + text,
-                    "finish_reason": "length" if drop else out.finish_reason,
-                    "logprobs": lps,
-                }
-            )
+            for s in out.samples:  # OpenAI's order: the n choices of prompt 0, then of prompt 1, ...
+                lps = None
+                if k is not None:
+                    entries = _prompt_entries(out) if body.echo else []
+                    generated = [] if drop else _generated_entries(s.logprobs)
+                    lps = _text_logprobs(token_text, entries + generated, 0)[0]
+                choices.append(
+                    {
+                        "index": i * body.n + s.index,
+                        "text": prefix + ("" if drop else s.text),
+                        "finish_reason": "length" if drop else s.finish_reason,
+                        "logprobs": lps,
+                    }
+                )
         return {
             "id": rid,
             "object": "text_completion",
@@ -646,54 +583,57 @@ def create_app(
             max_tokens = (
                 body.max_completion_tokens
                 or body.max_tokens
-                or max(1, engine.max_model_len - len(prompt.token_ids))
+                or max(1, backend.max_model_len - len(prompt.token_ids))
             )
             k = (body.top_logprobs or 0) if body.logprobs else None
-            params = _sampling(body, max_tokens, k, engine.vocab_size, prompt.logits_processors)
+            params = _sampling(body, max_tokens, k, backend.vocab_size, prompt.logits_processors)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
-            handles = _submit_all(state, [prompt.token_ids], [params], rid, body.user)
+            streams = await _submit(state, [prompt.token_ids], [params], rid, body.user, body.stream)
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - mapped to a status code
             raise api_error(e) from e
         if body.stream:
             return StreamingResponse(
-                _stream_chat(state, handles[0], body, rid, prompt, token_text),
+                _stream_chat(state, streams[0], body, rid, prompt, token_text),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         try:
-            (out,) = await _results_or_disconnect(state, request, handles)
+            (out,) = await _results_or_disconnect(request, streams)
         except ClientGone:
             return PlainTextResponse("", status_code=499)
         except Exception as e:  # noqa: BLE001
             raise api_error(e) from e
-        content, calls, _invalid = (
-            parse_tool_calls(out.text, prompt.tool_names, prompt.reply_tool)
-            if prompt.parses_output
-            else (out.text, [], [])
-        )
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": content if (content or not calls) else None,
-        }
-        finish = out.finish_reason
-        if calls:
-            message["tool_calls"] = _openai_calls(calls)
-            finish = "tool_calls"
+        choices = []
+        for s in out.samples:  # one choice per sample (n)
+            content, calls, _invalid = (
+                parse_tool_calls(s.text, prompt.tool_names, prompt.reply_tool)
+                if prompt.parses_output
+                else (s.text, [], [])
+            )
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": content if (content or not calls) else None,
+            }
+            finish = s.finish_reason
+            if calls:
+                message["tool_calls"] = _openai_calls(calls)
+                finish = "tool_calls"
+            choices.append(
+                {
+                    "index": s.index,
+                    "message": message,
+                    "finish_reason": finish,
+                    "logprobs": chat_logprobs(token_text, s.logprobs or []) if body.logprobs else None,
+                }
+            )
         return {
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": state.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": finish,
-                    "logprobs": chat_logprobs(token_text, out.logprobs or []) if body.logprobs else None,
-                }
-            ],
+            "choices": choices,
             "usage": _usage([out]),
             "system_fingerprint": None,
         }
@@ -720,14 +660,13 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- streams
 async def _stream_completion(
     state: ServerState,
-    handles: list[RequestHandle],
+    streams: list[Stream],
     body: CompletionRequest,
     rid: str,
     echo_text: list[str] | None,
     drop: bool,
     token_text: TokenText,
 ) -> AsyncIterator[str]:
-    queue: asyncio.Queue = asyncio.Queue()
     created, model = int(time.time()), state.model_name
     outs: dict[int, RequestOutput] = {}
 
@@ -746,8 +685,12 @@ async def _stream_completion(
     # their offsets in the choice's text. With echo, the prompt's logprobs come only with the
     # finished result, so such a choice is held back until then: its echo must come first.
     k = body.logprobs
-    hold: list[list[StreamDelta] | None] = [[] if echo_text and k is not None else None for _ in handles]
-    offset = [0] * len(handles)
+    n = body.n  # choice index = prompt index * n + sample index
+    num_choices = len(streams) * n
+    hold: list[list[StreamDelta] | None] = [
+        [] if echo_text and k is not None else None for _ in range(num_choices)
+    ]
+    offset = [0] * num_choices
 
     def delta_chunk(i: int, delta: StreamDelta) -> str | None:
         lps = None
@@ -757,30 +700,34 @@ async def _stream_completion(
         return chunk(i, text, logprobs=lps) if text or lps else None
 
     try:
-        for i, h in enumerate(handles):
-            _pump(h, i, queue)
+        events = _Merged(streams)
         if echo_text:
             for i, t in enumerate(echo_text):
-                if hold[i] is None:
-                    yield chunk(i, t)
-        while len(outs) < len(handles):
-            i, item = await queue.get()
+                for j in range(n):
+                    if hold[i * n + j] is None:
+                        yield chunk(i * n + j, t)
+        while len(outs) < len(streams):
+            i, item = await events.next()
             if isinstance(item, BaseException):
                 yield _sse_error(item)
                 return
             if isinstance(item, RequestOutput):
                 outs[i] = item
-                if hold[i] is not None:
-                    lps, offset[i] = _text_logprobs(token_text, _prompt_entries(item), 0)
-                    yield chunk(i, echo_text[i], logprobs=lps)
-                    for delta in hold[i]:
-                        if (c := delta_chunk(i, delta)) is not None:
-                            yield c
-                yield chunk(i, "", "length" if drop else item.finish_reason)
-            elif hold[i] is not None:
-                hold[i].append(item)
-            elif (c := delta_chunk(i, item)) is not None:
-                yield c
+                for s in item.samples:
+                    c = i * n + s.index
+                    if hold[c] is not None:
+                        lps, offset[c] = _text_logprobs(token_text, _prompt_entries(item), 0)
+                        yield chunk(c, echo_text[i], logprobs=lps)
+                        for delta in hold[c]:
+                            if (x := delta_chunk(c, delta)) is not None:
+                                yield x
+                    yield chunk(c, "", "length" if drop else s.finish_reason)
+            else:
+                c = i * n + item.index
+                if hold[c] is not None:
+                    hold[c].append(item)
+                elif (x := delta_chunk(c, item)) is not None:
+                    yield x
         if body.include_usage:
             yield _sse(
                 {
@@ -794,23 +741,25 @@ async def _stream_completion(
             )
         yield "data: [DONE]\n\n"
     finally:  # the client went away (the response task was cancelled) or the stream ended
-        _abort(state, handles)
-        state.collect()
+        _abort(streams)
+        events.close()
 
 
 async def _stream_chat(
     state: ServerState,
-    handle: RequestHandle,
+    stream: Stream,
     body: ChatCompletionRequest,
     rid: str,
     prompt: ChatPrompt,
     token_text: TokenText,
 ) -> AsyncIterator[str]:
-    queue: asyncio.Queue = asyncio.Queue()
     created, model = int(time.time()), state.model_name
-    splitter = ToolCallStreamSplitter(prompt.reply_tool) if prompt.parses_output else None
+    # One splitter per choice (sample): each sample's text may hold its own tool call.
+    splitters = [
+        ToolCallStreamSplitter(prompt.reply_tool) if prompt.parses_output else None for _ in range(body.n)
+    ]
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
+    def chunk(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
         return _sse(
             {
                 "id": rid,
@@ -818,38 +767,43 @@ async def _stream_chat(
                 "created": created,
                 "model": model,
                 "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
             }
         )
 
     try:
-        _pump(handle, 0, queue)
-        yield chunk({"role": "assistant", "content": ""})
+        events = _Merged([stream])
+        for i in range(body.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
         while True:
-            _, item = await queue.get()
+            _, item = await events.next()
             if isinstance(item, BaseException):
                 yield _sse_error(item)
                 return
             if isinstance(item, StreamDelta):
+                splitter = splitters[item.index]
                 text = splitter.feed(item.text) if splitter is not None else item.text
                 # Each chunk carries the logprobs of the tokens it came with, as OpenAI streams
                 # them (text held back for a stop string or a tool call still has its logprobs).
                 lps = chat_logprobs(token_text, item.logprobs) if body.logprobs and item.logprobs else None
                 if text or lps:
-                    yield chunk({"content": text}, logprobs=lps)
+                    yield chunk(item.index, {"content": text}, logprobs=lps)
                 continue
             out: RequestOutput = item
-            finish: str = out.finish_reason
-            if splitter is not None:
-                tail, calls, _invalid = splitter.finish(prompt.tool_names)
-                if tail:
-                    yield chunk({"content": tail})
-                if calls:
-                    finish = "tool_calls"
-                    yield chunk(
-                        {"tool_calls": [{**c, "index": j} for j, c in enumerate(_openai_calls(calls))]}
-                    )
-            yield chunk({}, finish)
+            for s in out.samples:
+                finish: str = s.finish_reason
+                splitter = splitters[s.index]
+                if splitter is not None:
+                    tail, calls, _invalid = splitter.finish(prompt.tool_names)
+                    if tail:
+                        yield chunk(s.index, {"content": tail})
+                    if calls:
+                        finish = "tool_calls"
+                        yield chunk(
+                            s.index,
+                            {"tool_calls": [{**c, "index": j} for j, c in enumerate(_openai_calls(calls))]},
+                        )
+                yield chunk(s.index, {}, finish)
             break
         if body.include_usage:
             yield _sse(
@@ -864,5 +818,5 @@ async def _stream_chat(
             )
         yield "data: [DONE]\n\n"
     finally:
-        _abort(state, [handle])
-        state.collect()
+        stream.abort()
+        events.close()

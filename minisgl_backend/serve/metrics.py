@@ -1,5 +1,9 @@
 """Prometheus export of the server (`GET /metrics`), vLLM-style names under `minisgl:`.
 
+With Ray replicas (`serve/ray_app.py`) each replica keeps its own `ServeMetrics`; the ingress
+scrapes them all and `render_replicas` labels every series `replica="<index>"` (no sums: a sum of
+gauges such as KV usage would mean nothing, and Prometheus sums labelled counters on its own).
+
 Nothing here runs on the engine's hot path. Gauges and the prefix-cache counters are read from
 `Engine.metrics()` (the S9 per-thread buffers, folded about once per second) when Prometheus
 scrapes. Per-request counters and histograms are filled from each finished request's
@@ -9,7 +13,7 @@ queue that the event loop and the scrape fold (`ServerState.collect`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -20,7 +24,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from minisgl_backend.types import RequestOutput
 
@@ -183,7 +187,7 @@ class ServeMetrics:
 
     def observe(self, out: RequestOutput) -> None:
         m = self.model_name
-        n = len(out.token_ids)
+        n = sum(len(s.token_ids) for s in out.samples)  # every sample of an n > 1 request
         self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
         self.generation_tokens.labels(m).inc(n)
         self.request_success.labels(m, out.finish_reason).inc()
@@ -200,3 +204,39 @@ class ServeMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _ReplicaCollector:
+    """Every replica's metric families, each sample labelled `replica`, plus `minisgl:replica_up`
+    (0 for a replica that did not answer the scrape, which then contributes no other series)."""
+
+    def __init__(self, per_replica: Sequence[list[Metric] | None], model_name: str) -> None:
+        self._per_replica = per_replica
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for r, families in enumerate(self._per_replica):
+            for fam in families or ():
+                out = merged.get(fam.name)
+                if out is None:
+                    out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                for smp in fam.samples:
+                    out.add_sample(smp.name, {**smp.labels, "replica": str(r)}, smp.value, smp.timestamp)
+        yield from merged.values()
+        up = GaugeMetricFamily(
+            "minisgl:replica_up",
+            "1 if the engine replica answered this scrape, else 0.",
+            labels=["model_name", "replica"],
+        )
+        for r, families in enumerate(self._per_replica):
+            up.add_metric([self._model_name, str(r)], 0.0 if families is None else 1.0)
+        yield up
+
+
+def render_replicas(per_replica: Sequence[list[Metric] | None], model_name: str) -> tuple[bytes, str]:
+    """One exposition of all replicas' families (`ServeMetrics.registry.collect()` of each, None for
+    one that did not answer)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ReplicaCollector(per_replica, model_name))
+    return generate_latest(registry), CONTENT_TYPE_LATEST

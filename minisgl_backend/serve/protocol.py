@@ -1,7 +1,7 @@
 """Request models of the OpenAI-compatible API (pydantic, strict types, unknown fields rejected).
 
 Fields OpenAI defines that the engine cannot honour are accepted only at their neutral value
-(`n: 1`, `best_of: 1`, ...), so a client that relies on them gets a 400 instead of a silently
+(`best_of: 1`, ...), so a client that relies on them gets a 400 instead of a silently
 different answer. `presence_penalty`, `frequency_penalty` and `logit_bias` (JSON's string keys are
 token ids) go to the engine, as do vLLM's extensions `repetition_penalty`, `top_k`, `min_p`,
 `ignore_eos`, `stop_token_ids`, `skip_special_tokens`.
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_LOGPROBS = 20
+MAX_N = 128
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
@@ -45,7 +46,8 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    # OpenAI's own limit; it also bounds what one HTTP request can queue
+    n: int = Field(1, ge=1, le=MAX_N, description="parallel samples of each prompt")
     presence_penalty: float = _finite(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = _finite(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Bias] | None = Field(None, description="token id (a string) -> bias in [-100, 100]")

@@ -32,10 +32,16 @@ def create_app(
     owns_engine: bool = False,
     enable_metrics: bool = True,
 ) -> Any:
+    """The API over one in-process `engine`. `owns_engine`: close it when the app shuts down."""
     _require_extra()
-    from minisgl_backend.serve.app import create_app as _create
+    from minisgl_backend.serve.app import build_app
+    from minisgl_backend.serve.backend import EngineBackend
+    from minisgl_backend.serve.metrics import ServeMetrics
 
-    return _create(engine, model_name, api_key, owns_engine, enable_metrics)
+    name = model_name or str(engine.config.model)
+    metrics = ServeMetrics(engine, name) if enable_metrics else None
+    backend = EngineBackend(engine, metrics, owns_engine=owns_engine)
+    return build_app(backend, name, api_key, owns_backend=owns_engine, enable_metrics=enable_metrics)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -98,7 +104,7 @@ def run_server(
         engine.config.model,
         host,
         bound[1],
-        app.state.minisgl.model_name,
+        model_name or str(engine.config.model),
     )
     server = _server(app, _uvicorn_config(app, log_level=log_level))
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown), then restores the previous handlers and

@@ -202,6 +202,43 @@ def bench_configs(
     return rows
 
 
+# The peers scenario: the workloads of ../shared/peers (and issue "speed"): random-token prompts,
+# greedy, ignore_eos; (requests, prompt tokens, new tokens).
+PEER_WORKLOADS = {
+    "1 x 100 -> 64": (1, 100, 64),
+    "8 x 100 -> 64": (8, 100, 64),
+    "32 x 100 -> 64": (32, 100, 64),
+    "32 x 512 -> 8 (prefill)": (32, 512, 8),
+}
+PEER_VARIANTS = {"default": {}, "deterministic": {"deterministic": True}}
+
+
+def bench_peers(base: EngineConfig, repeat: int = 3) -> dict[str, dict[str, float]]:
+    """Output tok/s of each PEER_VARIANTS config on each PEER_WORKLOADS workload, measured as the
+    peer harness measures vLLM and HF: a warm-up on 2 prompts, then the best of `repeat` full runs
+    (generated tokens / wall time). Rows: workloads; columns: variants, then each non-default
+    variant's cost against the default in percent."""
+    rows: dict[str, dict[str, float]] = {name: {} for name in PEER_WORKLOADS}
+    for variant, overrides in PEER_VARIANTS.items():
+        with Engine(base.replace(**overrides)) as engine:
+            for name, (n, input_len, output_len) in PEER_WORKLOADS.items():
+                prompts = random_prompts(n, input_len, engine.vocab_size)
+                params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+                engine.generate(prompts[:2], params, use_tqdm=False)
+                best = float("inf")
+                for _ in range(repeat):
+                    t0 = time.perf_counter()
+                    outs = engine.generate(prompts, params, use_tqdm=False)
+                    best = min(best, time.perf_counter() - t0)
+                rows[name][variant] = sum(len(o.token_ids) for o in outs) / best
+                print(f"  {variant} {name}: {rows[name][variant]:.1f} tok/s", flush=True)
+    for row in rows.values():
+        for variant in PEER_VARIANTS:
+            if variant != "default":
+                row[f"{variant} cost %"] = 100 * (1 - row[variant] / row["default"])
+    return rows
+
+
 def _prefill_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Prefill work and prefix-cache effect of one run: tokens computed, tokens and requests served
     from the cache, evictions, and the scheduler time spent inserting into the tree."""
@@ -217,21 +254,26 @@ def _prefill_stats(before: dict[str, float], after: dict[str, float]) -> dict[st
     }
 
 
-def format_table(rows: dict[str, dict[str, Any]], extra: Sequence[str] = ()) -> str:
-    cols = [
-        "requests",
-        "wall_s",
-        "req_per_s",
-        "output_tok_per_s",
-        "ttft_ms_mean",
-        "ttft_ms_p50",
-        "ttft_ms_p99",
-        "tpot_ms_mean",
-        "tpot_ms_p50",
-        "tpot_ms_p99",
-        "sched_overlap",
-        *extra,
-    ]
+SERVING_COLUMNS = (
+    "requests",
+    "wall_s",
+    "req_per_s",
+    "output_tok_per_s",
+    "ttft_ms_mean",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_mean",
+    "tpot_ms_p50",
+    "tpot_ms_p99",
+    "sched_overlap",
+)
+
+
+def format_table(
+    rows: dict[str, dict[str, Any]], extra: Sequence[str] = (), columns: Sequence[str] = SERVING_COLUMNS
+) -> str:
+    """One line per row: `columns`, then `extra`."""
+    cols = [*columns, *extra]
     width = max(map(len, rows)) + 2
     widths = [max(17, len(c) + 2) for c in cols]
     lines = ["".ljust(width) + "".join(c.rjust(w) for c, w in zip(cols, widths))]

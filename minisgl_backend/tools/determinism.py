@@ -197,14 +197,18 @@ def _lp_bytes(lps: Sequence[TokenLogprob | None]) -> bytes:
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What is compared of one output: token ids, and the logprobs bit for bit."""
+    """What is compared of one output: token ids, and the logprobs bit for bit, of every sample
+    (one for n = 1)."""
 
-    token_ids: tuple[int, ...]
-    logprobs: bytes
+    token_ids: tuple[tuple[int, ...], ...]
+    logprobs: tuple[bytes, ...]
 
     @classmethod
     def of(cls, out: RequestOutput) -> Fingerprint:
-        return cls(tuple(out.token_ids), _lp_bytes(out.logprobs or []))
+        return cls(
+            tuple(tuple(s.token_ids) for s in out.samples),
+            tuple(_lp_bytes(s.logprobs or []) for s in out.samples),
+        )
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Random-weight Llamas with the embedded model's tokenizer: a tiny one for fast tests and stress
-runs, and models of realistic shape for speed measurements (speed does not depend on weight values).
+runs, and models of realistic shape for speed measurements (speed does not depend on weight values);
+and a tiny "scripted" Llama whose greedy output is a given token chain (`make_scripted_llama`).
 
 Outputs are meaningless text, but every engine path (chunking, preemption, reclaim) runs exactly as
 on a real model. `python -m minisgl_backend.tools.tiny --shape 1b OUT` writes a ~1.2B-parameter Llama for
@@ -27,6 +28,17 @@ SHAPES: dict[str, dict] = {
         num_key_value_heads=2,
         max_position_embeddings=1024,
         initializer_range=0.25,
+    ),
+    # SmolLM2-135M's widths with 2 of its 30 layers: its matmul shapes, so the default forward's
+    # bits depend on the batch as the real model's do (the tiny shape's mostly do not), at ~1/10 the cost.
+    "smol2": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        initializer_range=0.02,
     ),
     "1b": dict(
         hidden_size=2048,
@@ -71,6 +83,48 @@ def make_tiny_llama(out: Path | None = None, seed: int = 0, tokenizer: str | Pat
     return make_random_llama(
         out if out is not None else cache_root() / f"tiny-llama-{seed}", "tiny", seed, tokenizer=tokenizer
     )
+
+
+def make_scripted_llama(out: Path, tokenizer, next_token: dict[int, int]) -> Path:
+    """Write a Llama whose greedy continuation of a token t is next_token[t]: a model that says a
+    script, for tests that need a known output (e.g. a reasoning trace) from the real engine path.
+
+    The next token depends on the current one only: every layer's attention and MLP outputs are zero
+    (o_proj, down_proj), so the last hidden state is the current token's embedding; each scripted
+    token's embedding is its own basis vector, and the LM head row of its successor reads that
+    vector (logit 80 against 0 for every other token). At most hidden_size (64) scripted tokens;
+    `tokenizer` (saved with the model, added tokens and chat template included) fixes the vocabulary.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = SHAPES["tiny"]
+    if len(next_token) > shape["hidden_size"]:
+        raise ValueError(f"at most {shape['hidden_size']} scripted tokens, got {len(next_token)}")
+    vocab = len(tokenizer)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        rms_norm_eps=1e-5,
+        **shape,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        for k, (tok, nxt) in enumerate(next_token.items()):
+            model.model.embed_tokens.weight[tok] = 0.0
+            model.model.embed_tokens.weight[tok, k] = 1.0  # RMS-normed: 8 * e_k
+            model.lm_head.weight[nxt, k] = 10.0
+    out = Path(out)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -243,3 +243,16 @@ def test_profile_describes_the_model(tiny_model_dir):
     p = ChatMiniSGL(model=str(tiny_model_dir), engine_config={"max_model_len": 96}).profile
     assert p["max_input_tokens"] == 96 and p["tool_calling"] and p["structured_output"]
     assert p["image_inputs"] is False and p["reasoning_output"] is False
+
+
+def test_n_gives_n_chat_generations_the_first_being_invokes_answer(chat):
+    from langchain_core.messages import HumanMessage
+
+    res = chat.generate([[HumanMessage("Hi")]], n=2, max_tokens=6, seed=9)
+    gens = res.generations[0]
+    assert len(gens) == 2 and gens[0].message.content != gens[1].message.content
+    assert [g.message.response_metadata["seed"] for g in gens][0] == 9
+    assert chat.invoke("Hi", max_tokens=6, seed=9).content == gens[0].message.content
+    assert chat.invoke("Hi", n=2, max_tokens=6, seed=9).content == gens[0].message.content
+    with pytest.raises(ValueError, match="n must be 1 when streaming"):
+        list(chat.stream("Hi", n=2))

@@ -261,3 +261,20 @@ def test_per_call_model_override_uses_that_models_engine(tiny, tiny_model_dir):
     res = llm.generate(["Hello"], model=str(tiny_model_dir))
     assert res.llm_output["model_name"] == str(tiny_model_dir)
     assert llm._config.replace(model=str(tiny_model_dir)) in langchain_minisgl.running_configs()
+
+
+def test_n_gives_n_generations_per_prompt_each_reproducible(tiny):
+    res = tiny.generate(["Hello", "Once upon"], n=3, temperature=1.0, seed=4, max_tokens=6)
+    assert [len(g) for g in res.generations] == [3, 3]
+    texts = [g.text for g in res.generations[0]]
+    assert len(set(texts)) == 3  # distinct sampling keys
+    # Generation i replays alone with the seed it reports; the first is the n = 1 answer.
+    for g in res.generations[0]:
+        assert tiny.invoke("Hello", temperature=1.0, seed=g.generation_info["seed"], max_tokens=6) == g.text
+    assert tiny.invoke("Hello", temperature=1.0, seed=4, max_tokens=6) == texts[0]
+    assert all(g.generation_info["finish_reason"] == "length" for gs in res.generations for g in gs)
+    assert res.llm_output["token_usage"]["completion_tokens"] == 2 * 3 * 6  # every sample counts
+    with pytest.raises(ValueError, match="n must be 1 when streaming"):
+        list(tiny.stream("Hello", n=2))
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+        tiny.invoke("Hello", n=0)

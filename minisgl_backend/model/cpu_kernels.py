@@ -1,0 +1,248 @@
+"""The CPU decode kernels of csrc/cpu_kernels.cpp, behind torch-shaped functions with a torch fallback.
+
+`linear` and `decode_attention` take and return torch tensors and check what the native code assumes
+(device, dtype, contiguity, shapes); where a check fails, or the extension was not built, or the CPU
+lacks AVX-512, they run the torch expression the kernel replaces, so a caller never branches.
+`MINISGL_CPU_KERNELS=0` turns them off (the torch path everywhere; how the two are compared).
+
+Why the kernels exist (measured on this repository's 2-core Xeon, README "Speed"): a decode step of
+1-4 rows reads every weight once, and oneDNN's bf16 matmul moves ~6 GB/s at those row counts where
+the memory delivers ~18; the attention of one query per sequence otherwise gathers every sequence's
+whole context into a fresh tensor in every layer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:  # built by setup.py when a C++ compiler is present (optional, like minisgl_backend._native)
+    from minisgl_backend import _kernels as _native  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+
+# Rows up to which linear() uses the kernel: beyond, oneDNN's AMX/AVX-512 matmul reuses each weight
+# across more rows than the kernel's 4-row tiles and wins (measured, README "Speed").
+MAX_KERNEL_ROWS = 4
+
+
+def available() -> bool:
+    """True if the native kernels are built, enabled and this CPU runs them (AVX-512 F/BW/DQ/VL)."""
+    return _native is not None and os.environ.get("MINISGL_CPU_KERNELS", "1") != "0" and _native.has_avx512()
+
+
+_ENABLED = available()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for 2-D x; the kernel for a few contiguous bf16 CPU rows.
+
+    The kernel's output for a row depends only on that row and the weights (one dot product per
+    output, in a fixed order), never on how many rows share the call."""
+    m = x.shape[0]
+    if not (
+        _ENABLED
+        and 0 < m <= MAX_KERNEL_ROWS
+        and x.dim() == 2
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+    ):
+        return F.linear(x, weight, bias)
+    x = x.contiguous()
+    n, k = weight.shape
+    out = torch.empty(m, n, dtype=x.dtype)
+    _native.linear_bf16(
+        x.data_ptr(),
+        weight.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor | None:
+    """One query per sequence over its paged K/V, read in place: q [B, h, d]; k_pool/v_pool
+    [num_blocks, block_size, kvh, d]; tables [B, nb] block ids; positions [B] (the query sees keys
+    0..position, or the last `window` of them). Returns [B, h, d], or None where the kernel cannot
+    run (the caller keeps its torch path). IndexError (from the native bounds check) if a position
+    or block id lies outside its table row or the pool."""
+    if not (
+        _ENABLED
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_pool.dtype == q.dtype
+        and v_pool.dtype == q.dtype
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+    ):
+        return None
+    bsz, h, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:  # rows may be strided (views into the qkv output)
+        q = q.contiguous()
+    tables = tables.to(torch.int64).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty(bsz, h, d, dtype=q.dtype)
+    _native.decode_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        tables.data_ptr(),
+        positions.data_ptr(),
+        out.data_ptr(),
+        bsz,
+        h,
+        k_pool.shape[2],
+        d,
+        k_pool.shape[1],
+        k_pool.shape[0],
+        tables.shape[1],
+        scale,
+        softcap or 0.0,
+        window or 0,
+        q.dtype == torch.bfloat16,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _rowwise_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the row-wise kernels run: decided by device and dtype alone, never by layout (a
+    [1, h, d] view is contiguous where a [n, h, d] one is not, and the batch-invariant forward
+    needs every row to take the same path whatever the batch); other layouts are copied first."""
+    first = tensors[0]
+    return (
+        _ENABLED
+        and first.device.type == "cpu"
+        and first.dtype in (torch.float32, torch.bfloat16)
+        and all(t.dtype == first.dtype for t in tensors)
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool, add: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(RMSNorm of s, s) with s = x + add (or x): over the last dim, row by row, rounded as the
+    torch expressions of model/llama.py RMSNorm / GemmaRMSNorm (gemma: the (1 + weight) form).
+    None where the kernel cannot run."""
+    operands = (x, weight) if add is None else (x, weight, add)
+    if not _rowwise_ok(*operands) or (add is not None and add.shape != x.shape):
+        return None
+    x, weight = x.contiguous(), weight.contiguous()
+    add = None if add is None else add.contiguous()
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    total = x if add is None else torch.empty_like(x)
+    _native.rms_norm(
+        x.data_ptr(),
+        0 if add is None else add.data_ptr(),
+        0 if add is None else total.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // dim,
+        dim,
+        eps,
+        gemma,
+        x.dtype == torch.bfloat16,
+        torch.get_num_threads(),
+    )
+    return out, total
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate x [N, heads, head_dim] in place by cos/sin [N, 1, rot] (rot <= head_dim: partial
+    rotary), rounded as model/rope.py apply_rotary. False (x untouched) where the kernel cannot run."""
+    rot = cos.shape[-1]
+    if not (
+        _rowwise_ok(x, cos, sin)
+        and x.dim() == 3
+        and x.stride(-1) == 1
+        and rot % 2 == 0
+        and cos.shape == (x.shape[0], 1, rot)
+        and sin.shape == cos.shape
+    ):
+        return False
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _native.rope(
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        rot,
+        x.stride(0),
+        x.stride(1),
+        x.dtype == torch.bfloat16,
+        torch.get_num_threads(),
+    )
+    return True
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up [..., 2 * I] = [gate | up] (the fused MLP input), rounded as
+    F.silu(gate) * up. None where the kernel cannot run."""
+    if not _rowwise_ok(gate_up) or gate_up.shape[-1] % 2:
+        return None
+    gate_up = gate_up.contiguous()
+    dim = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], dim)
+    _native.silu_and_mul(
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        gate_up.numel() // (2 * dim),
+        dim,
+        gate_up.dtype == torch.bfloat16,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def linear_int8(
+    x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """(x @ qweight^T) * qscale (+ bias) for a few bf16 CPU rows over int8 weights [N, K] with
+    float32 per-output-channel scales [N] (`weight_dtype: int8`). None where the kernel cannot run
+    (the caller runs F.linear on its dequantized bf16 weight)."""
+    m = x.shape[0]
+    if not (
+        _ENABLED
+        and 0 < m <= MAX_KERNEL_ROWS
+        and x.dim() == 2
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and (bias is None or bias.dtype == torch.bfloat16)
+    ):
+        return None
+    x = x.contiguous()
+    n, k = qweight.shape
+    out = torch.empty(m, n, dtype=x.dtype)
+    _native.linear_int8(
+        x.data_ptr(),
+        qweight.data_ptr(),
+        qscale.data_ptr(),
+        0 if bias is None else bias.contiguous().data_ptr(),
+        out.data_ptr(),
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,250 @@
+"""What the HTTP routes run against: a `Backend` that accepts requests and hands back `Stream`s.
+
+The routes in `serve/app.py` never touch an Engine directly, so the same handlers serve one
+in-process engine (`EngineBackend`, `minisgl serve`) or engine replicas on Ray Serve
+(`serve/ray_app.py`, `minisgl serve --replicas N`, whose replicas each run an `EngineBackend`).
+
+An `EngineBackend` keeps the server's books on its engine: the live requests (aborted on shutdown),
+the newest finished ones (`finished`, by `user` tag) and the Prometheus metrics, all folded from a
+queue that a done-callback on the scheduler thread fills (one put, no lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl_backend.aio import call_soon, result_future
+from minisgl_backend.engine import Engine
+from minisgl_backend.errors import EngineDeadError, MiniSGLError
+from minisgl_backend.handle import RequestHandle
+from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
+
+Event = StreamDelta | RequestOutput
+
+
+class ServerShuttingDownError(MiniSGLError, RuntimeError):
+    """The server is stopping and takes no new requests."""
+
+
+@dataclass
+class FinishedRecord:
+    request_id: str
+    user: str | None
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Stream(ABC):
+    """One submitted request, as the routes see it."""
+
+    request_id: str
+
+    @abstractmethod
+    def events(self) -> AsyncIterator[Event]:
+        """Every StreamDelta, then the RequestOutput; raises the request's error instead."""
+
+    @abstractmethod
+    async def result(self) -> RequestOutput:
+        """The RequestOutput (or the request's error)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Stop the request if it still runs (its blocks return to the pool); a no-op otherwise."""
+
+
+class Backend(ABC):
+    """The engine side of the server: what the routes read and call."""
+
+    model_ref: str  # the --model reference (the default served model name)
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # the app deep-copies it: the event loop encodes with its own copy
+
+    @abstractmethod
+    async def submit(
+        self,
+        prompts: Sequence[Any],
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[str],
+        user: str | None,
+        stream: bool,
+    ) -> list[Stream]:
+        """Submit every prompt, or none: a failure aborts the ones already queued and raises the
+        engine's typed error. `stream`: the caller reads `events()` (else only `result()`)."""
+
+    @abstractmethod
+    async def unhealthy(self) -> str | None:
+        """Why the backend cannot serve (for /health's 503), or None while it can."""
+
+    @abstractmethod
+    async def render_metrics(self) -> tuple[bytes, str]:
+        """The Prometheus exposition text and its content type."""
+
+    @abstractmethod
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and abort the running ones (streams end with finish_reason "abort")."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the backend owns (the app calls it at shutdown when it owns the backend)."""
+
+
+# ---------------------------------------------------------------------------------------------- local
+class LocalStream(Stream):
+    """A request of an in-process Engine. Streamed deltas cross to the event loop through one small
+    pump thread per stream (the handle's iterator blocks); a whole result through a done-callback."""
+
+    def __init__(self, engine: Engine, handle: RequestHandle) -> None:
+        self.engine, self.handle, self.request_id = engine, handle, handle.request_id
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """The events in lists of whatever arrived together (one hop per list for a remote reader)."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        handle = self.handle
+
+        def pump() -> None:
+            try:
+                for delta in handle:
+                    call_soon(loop, q.put_nowait, delta)
+                call_soon(loop, q.put_nowait, handle.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised on the loop
+                call_soon(loop, q.put_nowait, e)
+
+        threading.Thread(target=pump, name=f"minisgl-serve-{self.request_id}", daemon=True).start()
+        while True:
+            items = [await q.get()]
+            while not q.empty():
+                items.append(q.get_nowait())
+            for k, item in enumerate(items):
+                if isinstance(item, BaseException):
+                    if k:
+                        yield items[:k]
+                    raise item
+            yield items
+            if isinstance(items[-1], RequestOutput):
+                return
+
+    async def events(self) -> AsyncIterator[Event]:
+        async for items in self.batches():
+            for item in items:
+                yield item
+
+    async def result(self) -> RequestOutput:
+        return await result_future(self.handle)
+
+    def abort(self) -> None:
+        if not self.handle.done():
+            try:
+                self.engine.abort(self.request_id)
+            except EngineDeadError:
+                pass
+
+
+class EngineBackend(Backend):
+    """One in-process Engine. `metrics`: a serve.metrics.ServeMetrics over it, or None."""
+
+    def __init__(self, engine: Engine, metrics: Any = None, owns_engine: bool = False) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.owns_engine = owns_engine
+        self.model_ref = str(engine.config.model)
+        self.model_dir = str(engine.model_dir)
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.tokenizer = engine.tokenizer
+        # The newest finished requests (tests and debugging: which were aborted, by `user` tag).
+        self.finished: collections.deque[FinishedRecord] = collections.deque(maxlen=100_000)
+        # Finished handles, posted by a done-callback on the scheduler thread and folded by whoever
+        # reads them: the event loop after each request, /metrics.
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.live: dict[str, RequestHandle] = {}  # request_id -> handle of every unfinished request
+        self.shutting_down = False
+
+    def submit_now(
+        self,
+        prompts: Sequence[Any],
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[str],
+        user: str | None,
+    ) -> list[LocalStream]:
+        """`submit` without the await (Engine.submit never blocks)."""
+        if self.shutting_down:
+            raise ServerShuttingDownError("the server is shutting down")
+        self.collect()  # what finished since the last request: the queue stays short between scrapes
+        streams: list[LocalStream] = []
+        post, live = self.done.put, self.live
+
+        def finished(h: RequestHandle, u: str | None) -> None:  # on the scheduler thread: keep it tiny
+            live.pop(h.request_id, None)
+            post((h, u))
+
+        try:
+            for p, sp, rid in zip(prompts, params, request_ids):
+                h = self.engine.submit(p, sp, request_id=rid)
+                live[h.request_id] = h
+                h.add_done_callback(lambda h, u=user: finished(h, u))
+                streams.append(LocalStream(self.engine, h))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    async def submit(self, prompts, params, request_ids, user, stream) -> list[Stream]:
+        return list(self.submit_now(prompts, params, request_ids, user))
+
+    def begin_shutdown(self) -> None:
+        self.shutting_down = True
+        for rid in list(self.live):
+            try:
+                self.engine.abort(rid)
+            except EngineDeadError:
+                return
+
+    def collect(self) -> None:
+        """Fold finished requests into `finished` and the Prometheus metrics."""
+        while True:
+            try:
+                handle, user = self.done.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                out = handle.result(0)
+            except BaseException:  # noqa: BLE001 - failed requests carry no output to count
+                continue
+            self.finished.append(
+                FinishedRecord(
+                    out.request_id,
+                    user,
+                    out.finish_reason,
+                    len(out.prompt_token_ids),
+                    sum(len(s.token_ids) for s in out.samples),
+                )
+            )
+            if self.metrics is not None:
+                self.metrics.observe(out)
+
+    async def unhealthy(self) -> str | None:
+        return None if self.engine.is_alive else "the engine is not running"
+
+    def metric_families(self) -> list[Any]:
+        self.collect()
+        return list(self.metrics.registry.collect()) if self.metrics is not None else []
+
+    async def render_metrics(self) -> tuple[bytes, str]:
+        self.collect()
+        return self.metrics.render()
+
+    def close(self) -> None:
+        if self.owns_engine:
+            self.engine.close()

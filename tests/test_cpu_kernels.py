@@ -1,0 +1,268 @@
+"""The native CPU kernels (csrc/cpu_kernels.cpp via minisgl_backend/model/cpu_kernels.py) against the
+torch expressions they replace: fp32 within 1e-6, bf16 within bf16 rounding (bitwise where the kernel
+rounds the same steps), the few-row linear's bits independent of the other rows, and bad block
+tables refused. Skipped (with the reason) where the extension is not built or the CPU lacks AVX-512."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.rope import apply_rotary
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason="minisgl_backend._kernels not built, disabled, or this CPU lacks AVX-512",
+)
+
+
+@pytest.fixture
+def torch_only(monkeypatch):
+    """Run a block with the kernels off: every wrapper takes its torch path."""
+
+    def off():
+        monkeypatch.setattr(cpu_kernels, "_ENABLED", False)
+
+    return off
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 1536), (7, 37), (49, 64), (1, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_float32_reference_and_is_row_independent(n, k, bias):
+    g = _gen()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    for m in range(1, cpu_kernels.MAX_KERNEL_ROWS + 1):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        y = cpu_kernels.linear(x, w, b)
+        ref = x.float() @ w.float().t() + (0 if b is None else b.float())
+        # bf16 output: one rounding of a float32 sum (the ordering differs from the reference's)
+        assert (y.float() - ref).abs().max() <= ref.abs().max() * 2**-7 + 1e-6
+        assert (y.float() - F.linear(x, w, b).float()).abs().max() <= ref.abs().max() * 2**-6 + 1e-6
+        alone = torch.cat([cpu_kernels.linear(x[i : i + 1], w, b) for i in range(m)])
+        assert torch.equal(y, alone), "a row's bits must not depend on the rows beside it"
+
+
+def test_linear_beyond_kernel_rows_and_fp32_is_torch():
+    g = _gen(1)
+    w = torch.randn(64, 96, generator=g).bfloat16()
+    x = torch.randn(cpu_kernels.MAX_KERNEL_ROWS + 1, 96, generator=g).bfloat16()
+    assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+    assert torch.equal(cpu_kernels.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+    # a non-contiguous input gives the bits of its contiguous copy
+    wide = torch.randn(2, 192, generator=g).bfloat16()[:, ::2]
+    assert torch.equal(cpu_kernels.linear(wide, w), cpu_kernels.linear(wide.contiguous(), w))
+
+
+def _attention_case(dtype, seed=0):
+    g = _gen(seed)
+    b, h, kvh, d, bs, pool = 5, 6, 2, 16, 4, 40
+    k = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
+    v = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
+    pos = torch.tensor([0, 3, 7, 12, 18])
+    nb = int(pos.max()) // bs + 1
+    tables = torch.stack([torch.randperm(pool, generator=g)[:nb] for _ in range(b)])
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    return q, k, v, tables, pos, bs
+
+
+def _attention_reference(q, k, v, tables, pos, bs, scale, window, cap):
+    """Float64 attention of each query over its keys, gathered slot by slot."""
+    b, h, d = q.shape
+    group = h // k.shape[2]
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        keys = torch.arange(int(pos[i]) + 1)
+        kk = k[tables[i][keys // bs], keys % bs].double()
+        vv = v[tables[i][keys // bs], keys % bs].double()
+        for head in range(h):
+            s = kk[:, head // group] @ q[i, head].double() * scale
+            if cap:
+                s = torch.tanh(s / cap) * cap
+            if window:
+                s[keys <= pos[i] - window] = float("-inf")
+            out[i, head] = torch.softmax(s, 0) @ vv[:, head // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 30.0)])
+def test_decode_attention_matches_reference(dtype, tol, window, cap):
+    q, k, v, tables, pos, bs = _attention_case(dtype)
+    scale = q.shape[-1] ** -0.5
+    out = cpu_kernels.decode_attention(q, k, v, tables, pos, scale, window, cap)
+    ref = _attention_reference(q, k, v, tables, pos, bs, scale, window, cap)
+    assert out.dtype == dtype
+    assert (out.double() - ref).abs().max() < tol
+    # rows of a wider tensor (as q is a view into the qkv projection): the same bits
+    wide = torch.cat([q.flatten(1), torch.randn(q.shape[0], 7).to(dtype)], dim=1)
+    strided = wide[:, : q[0].numel()].view(q.shape)
+    assert torch.equal(cpu_kernels.decode_attention(strided, k, v, tables, pos, scale, window, cap), out)
+
+
+def test_decode_attention_matches_the_torch_path(torch_only):
+    """The model's own decode attention with and without the kernel (fp32, GQA, paged)."""
+    from minisgl_backend.kvcache.storage import KVCache
+    from minisgl_backend.model.llama import Attention, ModelSpec
+
+    spec = ModelSpec(
+        vocab_size=10,
+        hidden_size=32,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+    )
+    attn = Attention(spec, 0)
+    kv = KVCache(1, 12, 4, 2, 8, torch.float32, "cpu")
+    g = _gen(3)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    q = torch.randn(3, 4, 8, generator=g)
+    pos = torch.tensor([2, 9, 5])
+    tables = torch.tensor([[3, 0, 0], [7, 1, 11], [4, 2, 0]])
+    mask = (torch.arange(12)[None, :] <= pos[:, None])[:, None, None, :]
+    native = attn._decode_attention(q, tables, mask, kv, tables, pos)
+    torch_only()
+    plain = attn._decode_attention(q, tables, mask, kv, tables, pos)
+    assert (native - plain).abs().max() < 1e-6
+
+
+def test_decode_attention_refuses_out_of_range_tables():
+    q, k, v, tables, pos, _ = _attention_case(torch.float32)
+    with pytest.raises(IndexError, match="outside its block table"):
+        cpu_kernels.decode_attention(q, k, v, tables[:, :1], pos, 1.0, None, None)
+    bad = tables.clone()
+    bad[-1, 0] = k.shape[0]  # one past the pool
+    with pytest.raises(IndexError):
+        cpu_kernels.decode_attention(q, k, v, bad, pos, 1.0, None, None)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fused_add(gemma, dtype, torch_only):
+    from minisgl_backend.model.llama import GemmaRMSNorm, RMSNorm
+
+    g = _gen(4)
+    norm = (GemmaRMSNorm if gemma else RMSNorm)(96, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    add = torch.randn(7, 96, generator=g).to(dtype)
+    with torch.inference_mode():
+        h, total = norm.add_and_norm(x, add)
+        alone = norm(x)
+        torch_only()
+        ref_h, ref_total = norm.add_and_norm(x, add)
+        ref_alone = norm(x)
+    assert torch.equal(total, ref_total)  # the same single rounding of x + add
+    tol = 1e-6 if dtype == torch.float32 else 2**-7  # bf16: the sum of squares is ordered differently
+    for got, ref in ((h, ref_h), (alone, ref_alone)):
+        assert ((got.float() - ref.float()).abs() <= tol * (1 + ref.float().abs())).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot", [16, 8])  # 8: partial rotary over half of each head
+def test_rope_matches_apply_rotary(dtype, rot, torch_only):
+    g = _gen(5)
+    qkv = torch.randn(6, 3 * 4 * 16, generator=g).to(dtype)
+    q = qkv[:, : 4 * 16].view(6, 4, 16)  # a strided view, as Attention.qkv makes
+    angles = torch.randn(6, 1, rot, generator=g)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    native = apply_rotary(q.clone(), cos, sin)
+    torch_only()
+    ref = apply_rotary(q.clone(), cos, sin)
+    if dtype == torch.bfloat16:
+        assert torch.equal(native, ref)  # the same three roundings per element
+    else:
+        assert (native - ref).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
+def test_silu_and_mul(dtype, tol):
+    g = _gen(6)
+    gate_up = (torch.randn(5, 2 * 40, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = (F.silu(gate) * up).float()
+    assert ((cpu_kernels.silu_and_mul(gate_up).float() - ref).abs() <= tol * (1 + ref.abs())).all()
+
+
+def test_env_switch_turns_the_kernels_off():
+    code = "from minisgl_backend.model import cpu_kernels as c; print(c.available())"
+    env = {**os.environ, "MINISGL_CPU_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (7, 37), (49, 1536)])
+def test_int8_linear_matches_its_dequantized_weight(n, k):
+    from minisgl_backend.model.llama import Linear
+
+    torch.manual_seed(7)
+    lin = Linear(k, n, bias=True).bfloat16()
+    exact = lin.weight.detach().clone()
+    lin.quantize_int8()
+    assert lin.qweight.dtype == torch.int8 and lin.qscale.shape == (n,)
+    # the dequantized weight is within half a quantisation step (+ bf16 rounding) of the original
+    step = lin.qscale[:, None]
+    assert ((lin.weight.float() - exact.float()).abs() <= step / 2 + exact.float().abs() * 2**-8).all()
+    g = _gen(8)
+    with torch.inference_mode():
+        for m in (1, 3, cpu_kernels.MAX_KERNEL_ROWS, cpu_kernels.MAX_KERNEL_ROWS + 2):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+            got = lin(x).float()
+            assert (got - ref).abs().max() <= ref.abs().max() * 2**-7 + 1e-3
+
+
+def test_int8_config_is_the_bf16_cpu_decode_path():
+    from minisgl_backend import EngineConfig
+    from minisgl_backend.errors import ConfigError
+
+    EngineConfig(dtype="bfloat16", weight_dtype="int8")
+    for bad in ({"dtype": "float32"}, {"dtype": "bfloat16", "deterministic": True}):
+        with pytest.raises(ConfigError, match="weight_dtype: int8"):
+            EngineConfig(weight_dtype="int8", **bad)
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        EngineConfig(dtype="bfloat16", weight_dtype="int4")
+
+
+def test_int8_engine_scores_close_to_bf16_and_frees_every_block(tiny_model_dir):
+    """weight_dtype=int8 on the tiny model: prompt logprobs near the bf16 engine's, greedy decode
+    runs through the int8 kernel, and every block is FREE after drain."""
+    from minisgl_backend import Engine, EngineConfig, SamplingParams
+
+    prompts = [[5, 9, 13, 17, 21, 25, 29, 33], [7, 7, 7, 100, 200, 300]]
+    params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0)
+    runs = {}
+    for wd in (None, "int8"):
+        cfg = EngineConfig(
+            model=str(tiny_model_dir), dtype="bfloat16", weight_dtype=wd, stats_interval_s=0, num_threads=1
+        )
+        with Engine(cfg) as eng:
+            runs[wd] = eng.generate(prompts, params, use_tqdm=False)
+            counts = eng.drain(timeout=60, flush_cache=True)
+            assert counts["FREE"] == eng.num_blocks, counts
+            assert counts["running"] == counts["waiting"] == 0
+    for a, b in zip(runs[None], runs["int8"]):
+        assert len(b.token_ids) == 6
+        deltas = [abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+        assert max(deltas) < 0.25, deltas
