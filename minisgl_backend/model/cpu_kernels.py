@@ -36,22 +36,26 @@ def available() -> bool:
 _ENABLED = available()
 
 
+def _few_bf16_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a linear call is one the few-row kernels take: 1..MAX_KERNEL_ROWS bf16 CPU rows (any
+    layout: they are copied contiguous) and a contiguous bf16 bias or none."""
+    return (
+        _ENABLED
+        and 0 < x.shape[0] <= MAX_KERNEL_ROWS
+        and x.dim() == 2
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for 2-D x; the kernel for a few contiguous bf16 CPU rows.
 
     The kernel's output for a row depends only on that row and the weights (one dot product per
     output, in a fixed order), never on how many rows share the call."""
     m = x.shape[0]
-    if not (
-        _ENABLED
-        and 0 < m <= MAX_KERNEL_ROWS
-        and x.dim() == 2
-        and x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and weight.is_contiguous()
-        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
-    ):
+    if not (_few_bf16_rows(x, bias) and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
         return F.linear(x, weight, bias)
     x = x.contiguous()
     n, k = weight.shape
@@ -222,14 +226,7 @@ def linear_int8(
     float32 per-output-channel scales [N] (`weight_dtype: int8`). None where the kernel cannot run
     (the caller runs F.linear on its dequantized bf16 weight)."""
     m = x.shape[0]
-    if not (
-        _ENABLED
-        and 0 < m <= MAX_KERNEL_ROWS
-        and x.dim() == 2
-        and x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and (bias is None or bias.dtype == torch.bfloat16)
-    ):
+    if not _few_bf16_rows(x, bias):
         return None
     x = x.contiguous()
     n, k = qweight.shape
@@ -238,7 +235,7 @@ def linear_int8(
         x.data_ptr(),
         qweight.data_ptr(),
         qscale.data_ptr(),
-        0 if bias is None else bias.contiguous().data_ptr(),
+        0 if bias is None else bias.data_ptr(),
         out.data_ptr(),
         m,
         n,
