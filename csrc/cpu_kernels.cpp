@@ -1,13 +1,17 @@
-// minisgl_backend._kernels: CPU kernels for the decode step (docs/architecture.md §11d).
+// minisgl_backend._kernels: CPU kernels for the model's forward (docs/architecture.md §11d).
 //
-// - linear_bf16: y = x @ w^T (+ bias) for a few bf16 rows. At 1-8 rows a decode step is a weight
-//   stream: every weight byte is read once per step and used by M rows. oneDNN's bf16 path reaches
-//   ~6 GB/s there on this CPU (measured, README "Speed"); this kernel reads each weight row once for
-//   up to four input rows (float32 FMAs on AVX-512F, see split_bf16) and gets near the memory
-//   bandwidth. Each output is one dot product over K in a fixed order, so its bits depend only on its
-//   input row and weight row: never on M, on the other rows, or on the thread count.
-// - decode_attention: one query token per sequence attending over its paged K/V in place (no gather
-//   of every row's context into a fresh tensor per layer), OpenMP over (sequence, KV head).
+// - linear_amx: y = x @ w^T (+ bias) at any row count on the AMX tile unit, over weights packed once
+//   at load (pack_amx). A row's bits depend only on that row and the weights (see its section), so
+//   the default and the batch-invariant forward share it.
+// - linear_bf16: the same for 1-4 rows on AVX-512 where the CPU has no AMX. At 1-8 rows a decode
+//   step is a weight stream: every weight byte is read once per step and used by M rows. oneDNN's
+//   bf16 path reaches ~6 GB/s there on this CPU (measured, README "Speed"); this kernel reads each
+//   weight row once for up to four input rows (float32 FMAs on AVX-512F, see split_bf16). Each
+//   output is one dot product over K in a fixed order.
+// - linear_int8: linear_bf16's tiles over int8 weights with per-channel scales (weight_dtype: int8).
+// - paged_attention: every query row over its paged K/V in place (no gather of every row's context
+//   into a fresh tensor per layer), OpenMP over (block of rows, KV head); a row's bits do not depend
+//   on the other rows, so it serves decode rows, and in the batch-invariant forward every row.
 // - rms_norm (with the residual add fused), rope, silu_and_mul: one pass per row instead of 2-8
 //   torch ops, each of which costs more in dispatch than in arithmetic at decode sizes.
 //
@@ -26,6 +30,8 @@
 
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace py = pybind11;
 
@@ -171,6 +177,178 @@ void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t 
             const int64_t m = t / tail, n = blocks * 4 + t % tail;
             tail_bf16(xe + m * xs, xo + m * xs, wp + n * K, bp ? bp + n : nullptr, yp + m * N + n, K);
         }
+    }
+}
+
+// ---- AMX bf16 linear over pre-packed weights: any row count ---------------------------------------
+//
+// The tile unit (AMX-BF16, Sapphire Rapids and later) multiplies a 16-row x 32-element bf16 tile of
+// x by a 32 x 16 tile of weights into 16 x 16 float32 sums in one instruction. The weights are
+// packed once at load (pack_amx) into the unit's pair-interleaved layout, in the order the kernel
+// streams them: [N/32][K/32][2 tiles][16 k-pairs][16 outputs x 2], zero-padded to whole tiles, so
+// one 32-output block is one contiguous run of memory.
+//
+// Each output element is the unit's dot product over K in 32-element steps in a fixed order, summed
+// into float32 in the unit; nothing else touches it but the bias add and one rounding to bf16. Its
+// bits therefore depend only on its own input row and weight row: never on the row count, on which
+// tile the row lands in, or on the thread count (measured, tests/test_cpu_kernels.py), which is what
+// the batch-invariant forward needs, at prefill speed.
+
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl")))
+
+constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x's chunk stays in L2
+
+// Linux hands the tile registers to a process only after it asks (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction is SIGILL. Asked once at import.
+bool cpu_has_amx() {
+    __builtin_cpu_init();
+    if (!cpu_has_avx512() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16"))
+        return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// tmm0, tmm1: sums for the block's first ra rows (outputs 0-15, 16-31); tmm2, tmm3: the next rb rows;
+// tmm4, tmm5: those rows of x; tmm6, tmm7: the two weight tiles of one k-step.
+AMX void configure_tiles(int ra, int rb) {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
+    c.rows[0] = c.rows[1] = c.rows[4] = static_cast<uint8_t>(ra);
+    c.rows[2] = c.rows[3] = c.rows[5] = static_cast<uint8_t>(rb ? rb : 1);
+    c.rows[6] = c.rows[7] = 16;
+    // GCC 12 treats the field stores as dead before ldtilecfg (it drops them) unless c escapes.
+    asm volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+
+// 16 float32 to bf16 with round-to-nearest-even (f32_to_bf16, sixteen at a time).
+AMX inline __m256i round_to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+AMX inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// rows x 32 float32 sums (row stride 32) + bias, rounded, into y's columns n0.. (the valid ones).
+AMX void store_sums(const float* sums, int rows, int64_t n0, int64_t N, const uint16_t* bias, uint16_t* y) {
+    const int64_t left = N - n0;
+    const auto lanes = [](int64_t n) { return n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1); };
+    const __mmask16 lo = lanes(left), hi = left > 16 ? lanes(left - 16) : 0;
+    const __m512 b0 = bias ? load_bf16x16(bias + n0, lo) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? load_bf16x16(bias + n0 + 16, hi) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+        __m512 v0 = _mm512_load_ps(sums + r * 32), v1 = _mm512_load_ps(sums + r * 32 + 16);
+        if (bias) {
+            v0 = _mm512_add_ps(v0, b0);
+            v1 = _mm512_add_ps(v1, b1);
+        }
+        uint16_t* yr = y + r * N + n0;
+        _mm256_mask_storeu_epi16(yr, lo, round_to_bf16(v0));
+        _mm256_mask_storeu_epi16(yr + 16, hi, round_to_bf16(v1));
+    }
+}
+
+int64_t packed_amx_elems(int64_t N, int64_t K) { return (N + 31) / 32 * ((K + 31) / 32) * 1024; }
+
+void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads) {
+    const auto* wp = reinterpret_cast<const uint16_t*>(w);
+    auto* op = reinterpret_cast<uint16_t*>(out);
+    const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t nb = 0; nb < NB; ++nb)
+        for (int64_t kb = 0; kb < KB; ++kb)
+            for (int64_t j = 0; j < 2; ++j)
+                for (int64_t pair = 0; pair < 16; ++pair)
+                    for (int64_t n = 0; n < 16; ++n)
+                        for (int64_t e = 0; e < 2; ++e) {
+                            const int64_t row = nb * 32 + j * 16 + n, col = kb * 32 + 2 * pair + e;
+                            op[((((nb * KB + kb) * 2 + j) * 16 + pair) * 16 + n) * 2 + e] =
+                                row < N && col < K ? wp[row * K + col] : 0;
+                        }
+}
+
+// One block of up to 32 rows (x rows xs elements apart) x 32 outputs over the block's packed weights.
+AMX void amx_block(const uint16_t* x, int64_t xs, const uint16_t* wb, int64_t KB, int ra, int rb, float* sums) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rb) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < KB; ++kb) {
+            _tile_loadd(4, x + kb * 32, xs * 2);
+            _tile_loadd(5, x + 16 * xs + kb * 32, xs * 2);
+            _tile_loadd(6, wb + kb * 1024, 64);
+            _tile_loadd(7, wb + kb * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, sums + 16 * 32, 128);
+        _tile_stored(3, sums + 16 * 32 + 16, 128);
+    } else {
+        for (int64_t kb = 0; kb < KB; ++kb) {
+            _tile_loadd(4, x + kb * 32, xs * 2);
+            _tile_loadd(6, wb + kb * 1024, 64);
+            _tile_loadd(7, wb + kb * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, sums, 128);
+    _tile_stored(1, sums + 16, 128);
+}
+
+AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
+                    int threads) {
+    const auto* xp = reinterpret_cast<const uint16_t*>(x);
+    const auto* wp = reinterpret_cast<const uint16_t*>(packed);
+    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
+    auto* yp = reinterpret_cast<uint16_t*>(y);
+    const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32, xs = KB * 32;
+    std::vector<uint16_t> padded;  // x with K zero-padded to whole k-steps, when it is not already
+    if (xs != K) {
+        padded.assign(static_cast<size_t>(M * xs), 0);
+        for (int64_t m = 0; m < M; ++m) std::memcpy(padded.data() + m * xs, xp + m * K, K * 2);
+        xp = padded.data();
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        alignas(64) float sums[32 * 32];
+        int ra_now = -1, rb_now = -1;  // the thread's tile shape (ldtilecfg only when it changes)
+        for (int64_t c0 = 0; c0 < M; c0 += AMX_ROW_CHUNK) {
+            const int64_t c1 = std::min(M, c0 + AMX_ROW_CHUNK);
+            // Static over weight blocks: each thread streams one contiguous slice of the weights,
+            // and a block's weights stay in L1/L2 while every row of the chunk uses them.
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < NB; ++nb)
+                for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+                    const int rows = static_cast<int>(std::min<int64_t>(32, c1 - m0));
+                    const int ra = std::min(16, rows), rb = rows - ra;
+                    if (ra != ra_now || rb != rb_now) {
+                        configure_tiles(ra, rb);
+                        ra_now = ra;
+                        rb_now = rb;
+                    }
+                    amx_block(xp + m0 * xs, xs, wp + nb * KB * 1024, KB, ra, rb, sums);
+                    store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N);
+                }
+        }
+        if (ra_now >= 0) _tile_release();
     }
 }
 
@@ -345,51 +523,192 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
         for (int64_t i = 0; i < d; ++i) store(out, (kvh * g + h) * d + i, acc[h * d + i]);
 }
 
+// The same attention on AVX-512 (head_dim a multiple of 16, up to 256) for a block of up to
+// ATTN_BLOCK query rows that share one block table (rows of one prefill chunk; a decode row is a
+// block of one): each key's K and V rows are loaded and converted once per block and KV head and
+// used by every query row and head of the group.
+//
+// Every query's arithmetic is the same whatever block it is in: its scores are one dot product per
+// key (16-wide FMAs over head_dim, then a fixed reduction), its softmax runs over 16-key tiles
+// aligned to absolute key positions (so which lane a key falls in depends on the key alone), and its
+// output sums the keys in key order. A row's bits thus depend only on its query, its position and
+// the cached keys: not on the other rows of the call, the block sizes, the chunking or whether it is
+// a decode or a prefill row. That is what lets the batch-invariant forward use it for every row.
+constexpr int64_t ATTN_BLOCK = 16;
+
 template <typename T>
-void decode_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables,
-                        uintptr_t positions, uintptr_t out, int64_t batch, const AttnShape& s, int threads) {
+AVX512 inline __m512 load16(const T* p);
+template <>
+AVX512 inline __m512 load16<float>(const float* p) {
+    return _mm512_loadu_ps(p);
+}
+template <>
+AVX512 inline __m512 load16<uint16_t>(const uint16_t* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) split into 2^n (scalef) times 2^f,
+// |f| <= 1/2, from its degree-7 Taylor polynomial (relative error below 1e-8 before rounding).
+AVX512 inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below, exp leaves float32's normal range
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    static constexpr float c[8] = {1.0f,         1.0f,          0.5f,          1.0f / 6.0f,
+                                   1.0f / 24.0f, 1.0f / 120.0f, 1.0f / 720.0f, 1.0f / 5040.0f};
+    __m512 p = _mm512_set1_ps(c[7]);
+    for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+struct AttnScratch {  // per thread, reused across its work items
+    std::vector<float> q, scores, acc;
+    std::vector<int64_t> offsets;
+};
+
+template <typename T>
+AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
+                         const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
+                         AttnScratch& w) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16, row = s.kv_heads * d;
+    int64_t first[ATTN_BLOCK], lo = INT64_MAX, hi = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        first[r] = s.window > 0 ? std::max<int64_t>(0, pos[r] - s.window + 1) : 0;
+        lo = std::min(lo, first[r]);
+        hi = std::max(hi, pos[r]);
+    }
+    const int64_t base = lo / 16 * 16, span = (hi / 16 + 1) * 16 - base;  // whole 16-key tiles
+    w.offsets.resize(static_cast<size_t>(hi - lo + 1));
+    for (int64_t key = lo; key <= hi;) {  // pool offsets block by block: no division per key
+        const int64_t at = table[key / s.block_size] * s.block_size * row;
+        for (int64_t t = key % s.block_size; t < s.block_size && key <= hi; ++t, ++key)
+            w.offsets[key - lo] = at + t * row;
+    }
+    w.q.resize(static_cast<size_t>(rows * g * d));
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < g; ++h)
+            for (int64_t i = 0; i < d; ++i) w.q[(r * g + h) * d + i] = load(q + r * q_stride, (kvh * g + h) * d + i);
+    w.scores.assign(static_cast<size_t>(rows * g * span), 0.0f);
+    w.acc.assign(static_cast<size_t>(rows * g * d), 0.0f);
+    __m512 c16[16];
+    for (int64_t key = lo; key <= hi; ++key) {
+        const T* kp = kpool + w.offsets[key - lo] + kvh * d;
+        for (int64_t c = 0; c < chunks; ++c) c16[c] = load16(kp + c * 16);
+        for (int64_t r = 0; r < rows; ++r) {
+            if (key < first[r] || key > pos[r]) continue;
+            for (int64_t h = 0; h < g; ++h) {
+                const float* qh = w.q.data() + (r * g + h) * d;
+                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qh), c16[0]);
+                for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c * 16), c16[c], dot);
+                float sc = _mm512_reduce_add_ps(dot) * s.scale;
+                if (s.softcap > 0.0f) sc = s.softcap * std::tanh(sc / s.softcap);
+                w.scores[(r * g + h) * span + key - base] = sc;
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t0 = first[r] / 16 * 16, t1 = pos[r] / 16 * 16;
+        const auto lanes = [&](int64_t t) {  // the tile's keys in [first, pos]
+            const int64_t a = std::max<int64_t>(first[r] - t, 0), b = std::min<int64_t>(pos[r] - t, 15);
+            return static_cast<__mmask16>(((1u << (b + 1)) - 1) & ~((1u << a) - 1));
+        };
+        for (int64_t h = 0; h < g; ++h) {
+            float* sh = w.scores.data() + (r * g + h) * span - base;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int64_t t = t0; t <= t1; t += 16) mx = _mm512_mask_max_ps(mx, lanes(t), mx, _mm512_loadu_ps(sh + t));
+            const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t t = t0; t <= t1; t += 16) {
+                const __m512 e = _mm512_maskz_mov_ps(lanes(t), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sh + t), top)));
+                _mm512_storeu_ps(sh + t, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+            for (int64_t t = t0; t <= t1; t += 16) _mm512_storeu_ps(sh + t, _mm512_mul_ps(_mm512_loadu_ps(sh + t), inv));
+        }
+    }
+    for (int64_t key = lo; key <= hi; ++key) {
+        const T* vp = vpool + w.offsets[key - lo] + kvh * d;
+        for (int64_t c = 0; c < chunks; ++c) c16[c] = load16(vp + c * 16);
+        for (int64_t r = 0; r < rows; ++r) {
+            if (key < first[r] || key > pos[r]) continue;
+            for (int64_t h = 0; h < g; ++h) {
+                const __m512 p = _mm512_set1_ps(w.scores[(r * g + h) * span + key - base]);
+                float* ah = w.acc.data() + (r * g + h) * d;
+                for (int64_t c = 0; c < chunks; ++c)
+                    _mm512_storeu_ps(ah + c * 16, _mm512_fmadd_ps(p, c16[c], _mm512_loadu_ps(ah + c * 16)));
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < g; ++h)
+            for (int64_t i = 0; i < d; ++i)
+                store(out + r * s.heads * d, (kvh * g + h) * d + i, w.acc[(r * g + h) * d + i]);
+}
+
+template <typename T>
+void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables,
+                       const int64_t* row_table, const int64_t* positions, uintptr_t out, int64_t n,
+                       const AttnShape& s, int threads) {
     const auto* qp = reinterpret_cast<const T*>(q);
     const auto* kp = reinterpret_cast<const T*>(k);
     const auto* vp = reinterpret_cast<const T*>(v);
     const auto* tp = reinterpret_cast<const int64_t*>(tables);
-    const auto* pp = reinterpret_cast<const int64_t*>(positions);
     auto* op = reinterpret_cast<T*>(out);
     const int64_t per_row = s.heads * s.head_dim;
+    static const bool avx512 = cpu_has_avx512();
+    const bool vector = avx512 && s.head_dim % 16 == 0 && s.head_dim <= 256;
+    // Blocks: runs of up to ATTN_BLOCK consecutive rows on one table (one row each on the scalar path).
+    std::vector<int64_t> starts;
+    for (int64_t r = 0; r < n; ++r)
+        if (!vector || r == 0 || row_table[r] != row_table[r - 1] || r - starts.back() == ATTN_BLOCK) starts.push_back(r);
+    const int64_t blocks = static_cast<int64_t>(starts.size());
+    starts.push_back(n);
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> scores, acc;  // per thread, reused across its (row, head) items
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < batch * s.kv_heads; ++item) {
-            const int64_t b = item / s.kv_heads, kvh = item % s.kv_heads;
-            attend_group<T>(qp + b * q_stride, kp, vp, tp + b * s.table_stride, pp[b], kvh, op + b * per_row, s,
-                            scores, acc);
+        AttnScratch w;
+        std::vector<float> scores, acc;
+        // Dynamic: a long prefill block costs many decode rows.
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < blocks * s.kv_heads; ++item) {
+            const int64_t b = item / s.kv_heads, kvh = item % s.kv_heads, r0 = starts[b];
+            const int64_t* table = tp + row_table[r0] * s.table_stride;
+            if (vector)
+                attend_block<T>(qp + r0 * q_stride, q_stride, starts[b + 1] - r0, kp, vp, table, positions + r0, kvh,
+                                op + r0 * per_row, s, w);
+            else
+                attend_group<T>(qp + r0 * q_stride, kp, vp, table, positions[r0], kvh, op + r0 * per_row, s, scores,
+                                acc);
         }
     }
 }
 
 // Every block a query will read lies inside its table row and the pool: a bad table is an error,
 // never a read out of bounds.
-bool tables_in_bounds(const int64_t* tables, const int64_t* positions, int64_t batch, int64_t stride,
-                      int64_t block_size, int64_t num_blocks) {
-    for (int64_t b = 0; b < batch; ++b) {
-        const int64_t pos = positions[b];
-        if (pos < 0 || pos / block_size >= stride) return false;
+bool tables_in_bounds(const int64_t* tables, const int64_t* row_table, const int64_t* positions, int64_t n,
+                      int64_t num_tables, int64_t stride, int64_t block_size, int64_t num_blocks) {
+    for (int64_t r = 0; r < n; ++r) {
+        const int64_t pos = positions[r], t = row_table[r];
+        if (t < 0 || t >= num_tables || pos < 0 || pos / block_size >= stride) return false;
         for (int64_t i = 0; i <= pos / block_size; ++i) {
-            const int64_t blk = tables[b * stride + i];
+            const int64_t blk = tables[t * stride + i];
             if (blk < 0 || blk >= num_blocks) return false;
         }
     }
     return true;
 }
 
-void decode_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t positions,
-                      uintptr_t out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      int64_t block_size, int64_t num_blocks, int64_t table_stride, double scale, double softcap,
-                      int64_t window, bool bf16, int threads) {
+void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t row_table,
+                     uintptr_t positions, uintptr_t out, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     int64_t block_size, int64_t num_blocks, int64_t num_tables, int64_t table_stride, double scale,
+                     double softcap, int64_t window, bool bf16, int threads) {
     if (heads % kv_heads != 0) throw std::invalid_argument("heads must be a multiple of kv_heads");
-    if (!tables_in_bounds(reinterpret_cast<const int64_t*>(tables), reinterpret_cast<const int64_t*>(positions),
-                          batch, table_stride, block_size, num_blocks))
-        throw std::out_of_range("decode_attention: a position or block id lies outside its block table or the pool");
+    const auto* rt = reinterpret_cast<const int64_t*>(row_table);
+    const auto* pp = reinterpret_cast<const int64_t*>(positions);
+    if (!tables_in_bounds(reinterpret_cast<const int64_t*>(tables), rt, pp, n, num_tables, table_stride, block_size,
+                          num_blocks))
+        throw std::out_of_range("paged_attention: a row's table, position or block id lies outside the tables or the pool");
     const AttnShape s{heads,
                       kv_heads,
                       head_dim,
@@ -399,9 +718,9 @@ void decode_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, u
                       static_cast<float>(softcap),
                       window};
     if (bf16)
-        decode_attention_t<uint16_t>(q, q_stride, k, v, tables, positions, out, batch, s, threads);
+        paged_attention_t<uint16_t>(q, q_stride, k, v, tables, rt, pp, out, n, s, threads);
     else
-        decode_attention_t<float>(q, q_stride, k, v, tables, positions, out, batch, s, threads);
+        paged_attention_t<float>(q, q_stride, k, v, tables, rt, pp, out, n, s, threads);
 }
 
 // ---- row-wise ops: RMSNorm (with the residual add fused) and RoPE -------------------------------
@@ -527,17 +846,26 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("linear_bf16", &linear_bf16, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
           py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
           "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]); contiguous bfloat16; bias 0 = none.");
+    m.def("has_amx", &cpu_has_amx, "True if this CPU runs linear_amx (and the process may use its tiles).");
+    m.def("packed_amx_elems", &packed_amx_elems, py::arg("n"), py::arg("k"), "bf16 elements of pack_amx's output.");
+    m.def("pack_amx", &pack_amx, py::call_guard<py::gil_scoped_release>(), py::arg("w"), py::arg("out"), py::arg("n"),
+          py::arg("k"), py::arg("threads"), "w [n,k] bf16 into linear_amx's tile layout (packed_amx_elems long).");
+    m.def("linear_amx", &linear_amx, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"),
+          py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
+          "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for any m over pack_amx(w); contiguous bfloat16; bias 0 = none.");
     m.def("linear_int8", &linear_int8, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
           py::arg("scale"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
           py::arg("threads"),
           "y[m,n] = (x[m,k] @ w[n,k]^T) * scale[n] (+ bias[n]); x, bias, y bfloat16, w int8, scale float32.");
-    m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>(), py::arg("q"),
-          py::arg("q_row_stride"), py::arg("k"), py::arg("v"), py::arg("tables"), py::arg("positions"), py::arg("out"), py::arg("batch"),
-          py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("block_size"),
-          py::arg("num_blocks"), py::arg("table_stride"), py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("bf16"),
+    m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(), py::arg("q"),
+          py::arg("q_row_stride"), py::arg("k"), py::arg("v"), py::arg("tables"), py::arg("row_table"),
+          py::arg("positions"), py::arg("out"), py::arg("rows"), py::arg("heads"), py::arg("kv_heads"),
+          py::arg("head_dim"), py::arg("block_size"), py::arg("num_blocks"), py::arg("num_tables"),
+          py::arg("table_stride"), py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("bf16"),
           py::arg("threads"),
-          "One query per sequence over its paged K/V: q [b,h,d] (rows q_row_stride apart), out [b,h,d], pools [slots,kvh,d], tables int64 [b,stride], "
-          "positions int64 [b] (the query's position; keys 0..pos, or the last `window`).");
+          "Each query row over its paged K/V: q [rows,h,d] (rows q_row_stride apart), out [rows,h,d], pools "
+          "[slots,kvh,d], tables int64 [num_tables,stride], row_table int64 [rows] (the row's table), positions "
+          "int64 [rows] (the query's position; keys 0..pos, or the last `window`).");
     m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("residual"),
           py::arg("sum_out"), py::arg("weight"), py::arg("out"), py::arg("rows"), py::arg("dim"), py::arg("eps"),
           py::arg("gemma"), py::arg("bf16"), py::arg("threads"),

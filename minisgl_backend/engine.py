@@ -40,8 +40,7 @@ from minisgl_backend.kvcache.block_pool import BlockPool
 from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
 from minisgl_backend.metrics import Metrics, Tracer, install_logging
-from minisgl_backend.model import batch_invariant
-from minisgl_backend.model.loader import DTYPES, LoadedModel, load_model
+from minisgl_backend.model.loader import DTYPES, LoadedModel, load_model, prepare
 from minisgl_backend.sampling.sampler import sample_key
 from minisgl_backend.scheduler.loop import Abort, Add, Drain, SchedulerLoop, StatsLine
 from minisgl_backend.scheduler.request import Request, SampleGroup
@@ -79,10 +78,7 @@ def _load(config: EngineConfig, executor: DualWorkerExecutor) -> tuple[LoadedMod
     """Load the model and size + allocate the KV cache, on the compute thread: heavy torch work runs
     there, the only thread with an OpenMP team (see executor/base.py)."""
     loaded = executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
-    if config.deterministic:
-        executor.run_on_compute(lambda: batch_invariant.enable(loaded.model))
-    if config.weight_dtype == "int8":
-        executor.run_on_compute(loaded.model.quantize_int8)
+    executor.run_on_compute(lambda: prepare(loaded.model, config.weight_dtype, config.deterministic))
     spec, dtype = loaded.model.spec, DTYPES[config.dtype]
     per_block = kv_bytes_per_block(
         spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, dtype

@@ -7,7 +7,7 @@ Builds a KV cache, prefills `batch` random prompts of `context` tokens, then tim
 steps and prints one JSON line (min and median step time, tokens/s). --cpu-time times each step by
 the calling thread's CPU time instead of wall time (with --threads 1 it is robust to other processes
 on a shared machine). --profile adds torch.profiler's table of the ops of 10 steps. Run it with
-MINISGL_CPU_KERNELS=0 for the torch-only path.
+MINISGL_CPU_KERNELS=0 for the torch-only path, MINISGL_AMX=0 for the AVX-512 kernels without AMX.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
-from minisgl_backend.model import batch_invariant, cpu_kernels
+from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.llama import ForwardBatch
-from minisgl_backend.model.loader import load_model
+from minisgl_backend.model.loader import load_model, prepare
 
 BLOCK = 16
 
@@ -43,10 +43,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     model = load_model(a.model, a.dtype, "cpu").model
-    if a.deterministic:
-        batch_invariant.enable(model)
-    if a.int8:
-        model.quantize_int8()
+    prepare(model, "int8" if a.int8 else None, a.deterministic)
     s = model.spec
     per_seq = -(-(a.context + a.steps + 20) // BLOCK)
     kv = KVCache(
@@ -97,6 +94,7 @@ def main() -> None:
                 "int8": a.int8,
                 "threads": torch.get_num_threads(),
                 "cpu_kernels": cpu_kernels.available(),
+                "amx": cpu_kernels.amx_available(),
                 "clock": "thread_cpu" if a.cpu_time else "wall",
                 "step_ms_min": round(best * 1e3, 2),
                 "step_ms_median": round(median * 1e3, 2),

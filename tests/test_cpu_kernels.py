@@ -1,7 +1,8 @@
 """The native CPU kernels (csrc/cpu_kernels.cpp via minisgl_backend/model/cpu_kernels.py) against the
 torch expressions they replace: fp32 within 1e-6, bf16 within bf16 rounding (bitwise where the kernel
-rounds the same steps), the few-row linear's bits independent of the other rows, and bad block
-tables refused. Skipped (with the reason) where the extension is not built or the CPU lacks AVX-512."""
+rounds the same steps), the few-row and AMX linears' bits independent of the other rows, and bad
+block tables refused. Skipped (with the reason) where the extension is not built or the CPU lacks
+AVX-512; the AMX tests also where it lacks AMX-BF16."""
 
 from __future__ import annotations
 
@@ -64,6 +65,65 @@ def test_linear_beyond_kernel_rows_and_fp32_is_torch():
     assert torch.equal(cpu_kernels.linear(wide, w), cpu_kernels.linear(wide.contiguous(), w))
 
 
+needs_amx = pytest.mark.skipif(
+    not cpu_kernels.amx_available(),
+    reason="this CPU has no AMX-BF16 (or MINISGL_AMX=0): pack() packs nothing",
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(576, 576), (960, 1536), (49, 64), (7, 37), (1, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_reference_and_is_row_invariant(n, k, bias):
+    """The AMX kernel: within bf16 rounding of a float32 reference, at row counts across its 16-row
+    tiles, 32-row blocks and 256-row chunks (and K, N that are not whole tiles); a row's bits are
+    the same alone, at any offset in any batch, and at any thread count."""
+    g = _gen(11)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    packed = cpu_kernels.pack(w)
+    x = torch.randn(300, k, generator=g).bfloat16()
+    y = cpu_kernels.linear_packed(x, packed, (n, k), b)
+    ref = x.float() @ w.float().t() + (0 if b is None else b.float())
+    assert (y.float() - ref).abs().max() <= ref.abs().max() * 2**-7 + 1e-6
+    for m, at in ((1, 0), (1, 299), (3, 13), (16, 5), (17, 40), (33, 250), (260, 20)):
+        part = cpu_kernels.linear_packed(x[at : at + m], packed, (n, k), b)
+        assert torch.equal(part, y[at : at + m]), f"rows {at}..{at + m} alone differ from the batch of 300"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels.linear_packed(x, packed, (n, k), b), y), (
+            "bits depend on the thread count"
+        )
+    finally:
+        torch.set_num_threads(threads)
+    # any leading dims, and zero rows
+    assert torch.equal(cpu_kernels.linear_packed(x[:6].view(2, 3, k), packed, (n, k), b), y[:6].view(2, 3, n))
+    assert cpu_kernels.linear_packed(x[:0], packed, (n, k), b).shape == (0, n)
+
+
+@needs_amx
+def test_packed_linear_layer_follows_its_weight():
+    """Linear.pack() is a copy: pack() again after a weight change, and quantize_int8 repacks the
+    dequantized weight itself; fp32 layers do not pack."""
+    from minisgl_backend.model.llama import Linear
+
+    torch.manual_seed(3)
+    lin = Linear(64, 32, bias=False).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    assert lin.pack()
+    with torch.inference_mode():
+        first = lin(x)
+        lin.weight.mul_(2)
+        assert torch.equal(lin(x), first), "the pack is a copy"
+        lin.pack()
+        assert not torch.equal(lin(x), first)
+        lin.quantize_int8()
+        wide = torch.randn(cpu_kernels.MAX_KERNEL_ROWS + 3, 64).bfloat16()  # beyond the int8 kernel's rows
+        assert torch.equal(lin(wide), cpu_kernels.linear_packed(wide, cpu_kernels.pack(lin.weight), (32, 64)))
+    assert not Linear(64, 32).pack()
+
+
 def _attention_case(dtype, seed=0):
     g = _gen(seed)
     b, h, kvh, d, bs, pool = 5, 6, 2, 16, 4, 40
@@ -110,6 +170,37 @@ def test_decode_attention_matches_reference(dtype, tol, window, cap):
     assert torch.equal(cpu_kernels.decode_attention(strided, k, v, tables, pos, scale, window, cap), out)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("window,cap,d", [(None, None, 64), (7, None, 16), (None, 30.0, 16), (None, None, 8)])
+def test_paged_attention_rows_do_not_depend_on_the_call(dtype, tol, window, cap, d):
+    """Rows of prefill chunks (many rows on one table, in blocks) and decode rows (one per table):
+    each row's output has the same bits alone as in any call, and matches the float64 reference.
+    d=8 takes the scalar path, the others the AVX-512 blocks."""
+    g = _gen(21)
+    h, kvh, bs, pool = 6, 2, 4, 64
+    k = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
+    v = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
+    tables = torch.stack([torch.randperm(pool, generator=g)[:12] for _ in range(3)])
+    # 37 rows of a chunk on table 0 at positions 3..39, then decode rows on tables 1 and 2
+    row_table = torch.tensor([0] * 37 + [1, 2])
+    pos = torch.cat([torch.arange(3, 40), torch.tensor([17, 44])])
+    q = torch.randn(39, h, d, generator=g).to(dtype)
+    scale = d**-0.5
+    out = cpu_kernels.paged_attention(q, k, v, tables, row_table, pos, scale, window, cap)
+    for r in (0, 15, 16, 17, 36, 37, 38):
+        alone = cpu_kernels.paged_attention(
+            q[r : r + 1], k, v, tables, row_table[r : r + 1], pos[r : r + 1], scale, window, cap
+        )
+        assert torch.equal(alone, out[r : r + 1]), f"row {r} alone differs from the batched call"
+    # a shifted chunk (rows 5.. of the same chunk first in the call) gives the same bits
+    assert torch.equal(
+        cpu_kernels.paged_attention(q[5:37], k, v, tables, row_table[5:37], pos[5:37], scale, window, cap),
+        out[5:37],
+    )
+    ref = _attention_reference(q, k, v, tables[row_table], pos, bs, scale, window, cap)
+    assert (out.double() - ref).abs().max() < tol
+
+
 def test_decode_attention_matches_the_torch_path(torch_only):
     """The model's own decode attention with and without the kernel (fp32, GQA, paged)."""
     from minisgl_backend.kvcache.storage import KVCache
@@ -148,8 +239,10 @@ def test_decode_attention_matches_the_torch_path(torch_only):
 
 def test_decode_attention_refuses_out_of_range_tables():
     q, k, v, tables, pos, _ = _attention_case(torch.float32)
-    with pytest.raises(IndexError, match="outside its block table"):
+    with pytest.raises(IndexError, match="outside the tables or the pool"):
         cpu_kernels.decode_attention(q, k, v, tables[:, :1], pos, 1.0, None, None)
+    with pytest.raises(IndexError):  # a row naming a table that is not there
+        cpu_kernels.paged_attention(q, k, v, tables, torch.arange(5) + 1, pos, 1.0, None, None)
     bad = tables.clone()
     bad[-1, 0] = k.shape[0]  # one past the pool
     with pytest.raises(IndexError):

@@ -26,6 +26,12 @@ row. The default forward breaks all four on this CPU (measured: README "Determin
 
 Row-wise ops built from torch reductions (RMSNorm, residual adds, SiLU) were measured invariant and
 are shared with the default path. The default path itself is left untouched.
+
+On a CPU with the native kernels (docs/architecture.md §11d) two of these give way to kernels whose
+bits are row-invariant by construction, so they serve the default and this forward alike: a packed
+linear (AMX, `Linear.pack`) stays as it is instead of becoming a TiledLinear, and attention for
+every row runs through `cpu_kernels.paged_attention` instead of `attend`. Which path a model takes
+depends on its device, dtype and shapes only, so every row of every batch takes the same one.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl_backend.kvcache.storage import KVCache
-from minisgl_backend.model.llama import Attention, CausalLM, ForwardBatch
+from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.llama import Attention, CausalLM, ForwardBatch, Linear
 
 ROW_MULTIPLE = 4  # attention's matmul row counts are padded to this (see attend)
 ROW_TILE = 16  # every linear call has this many rows, or one of LARGER_TILES that the probe accepted
@@ -193,6 +200,23 @@ def attend(
     return out.view(bsz, kvh, m, g, d).transpose(1, 2).reshape(bsz, m, h, d)
 
 
+def row_tables(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tables, row_table, positions) for cpu_kernels.paged_attention over every row of the batch:
+    the decode rows' block tables, then one per prefill chunk, zero-padded to one width."""
+    n = batch.input_ids.shape[0]
+    parts = [] if batch.decode_block_tables is None else list(batch.decode_block_tables[: batch.num_decode])
+    row_table = torch.empty(n, dtype=torch.int64)
+    row_table[: batch.num_decode] = torch.arange(batch.num_decode)
+    for chunk in batch.prefill_chunks:
+        row_table[chunk.start : chunk.start + chunk.length] = len(parts)
+        parts.append(chunk.block_table)
+    width = max((t.shape[0] for t in parts), default=1)
+    tables = torch.zeros(max(len(parts), 1), width, dtype=torch.int64)
+    for i, t in enumerate(parts):
+        tables[i, : t.shape[0]] = t
+    return tables, row_table, batch.positions[:n]
+
+
 class BatchInvariantForward:
     """The deterministic forward of one CausalLM (holds its RoPE tables)."""
 
@@ -215,6 +239,10 @@ class BatchInvariantForward:
         q, k, v = attn.qkv(x, rope, n)
         kv.write(attn.layer_id, batch.slot_mapping, k, v)
         scale, window, cap = attn.scale, attn.window, attn.softcap
+        kpool, vpool = kv.k[attn.layer_id], kv.v[attn.layer_id]
+        if cpu_kernels.attention_runs(q, kpool, vpool):  # every row of every call, or none
+            o = cpu_kernels.paged_attention(q, kpool, vpool, *row_tables(batch), scale, window, cap)
+            return attn.o_proj(o.view(n, attn.h * attn.d))
         out = x.new_zeros(x.shape[0], attn.h, attn.d)  # row padding stays zero
         b = batch.num_decode
         if b:
@@ -244,13 +272,18 @@ class BatchInvariantForward:
         return model.logits(x[batch.logits_index])
 
 
+def _row_invariant(lin: nn.Linear) -> bool:
+    return isinstance(lin, Linear) and lin.packed is not None and lin.qweight is None
+
+
 def enable(model: CausalLM) -> None:
     """Switch `model` to the batch-invariant forward (call on the compute thread: builds a table and
     probes the tile sizes of each distinct linear shape)."""
     probed: dict[tuple, tuple[int, ...]] = {}
-    # The model's Linear would send few-row calls to the native kernel, whose bits differ from
-    # oneDNN's: every linear becomes a TiledLinear, whose calls are all oneDNN calls of probed shapes.
-    linears = [mod for mod in model.modules() if isinstance(mod, nn.Linear)]
+    # A packed Linear (AMX kernel at every row count, no int8 path) is row-invariant as it is. Any
+    # other linear would send few-row calls to the AVX-512 kernel, whose bits differ from oneDNN's:
+    # it becomes a TiledLinear, whose calls are all oneDNN calls of probed shapes.
+    linears = [mod for mod in model.modules() if isinstance(mod, nn.Linear) and not _row_invariant(mod)]
     for lin in [mod for mod in linears if not isinstance(mod, TiledLinear)]:
         key = (tuple(lin.weight.shape), lin.weight.dtype, lin.bias is not None)
         if key not in probed:

@@ -34,6 +34,14 @@ def available() -> bool:
 
 
 _ENABLED = available()
+# Asked once: whether the CPU has AMX-BF16 tiles and the kernel granted this process their use.
+# MINISGL_AMX=0 keeps the AVX-512 paths on an AMX machine (how they are measured and tested there).
+_AMX = _ENABLED and os.environ.get("MINISGL_AMX", "1") != "0" and _native.has_amx()
+
+
+def amx_available() -> bool:
+    """True if pack() packs: the AMX tile kernel (linear_packed) runs on this CPU."""
+    return _AMX
 
 
 def _few_bf16_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -73,6 +81,114 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] (bf16, CPU) in the AMX kernel's tile layout, a new tensor of about the same size
+    (zero-padded to 32 x 32 tiles); None where linear_packed cannot run on it (no AMX, other dtype
+    or device). The pack is a copy: a later change to `weight` does not reach it."""
+    if not (_AMX and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
+        return None
+    weight = weight.contiguous()
+    n, k = weight.shape
+    out = torch.empty(_native.packed_amx_elems(n, k), dtype=torch.bfloat16)
+    _native.pack_amx(weight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    return out
+
+
+def linear_packed(
+    x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """F.linear(x, weight, bias) for bf16 CPU x [..., K] over pack(weight) (weight.shape = `shape`),
+    at any row count. A row's output bits depend only on that row and the weight: never on the row
+    count, the other rows or the thread count (the AMX unit sums each output over K in fixed
+    32-element steps), so the default and the batch-invariant forward share it. None where it
+    cannot run (the caller keeps F.linear)."""
+    n, k = shape
+    if not (
+        x.dim() >= 1
+        and x.shape[-1] == k
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+    ):
+        return None
+    m = x.numel() // k if k else 0
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    if m:
+        x = x.contiguous()
+        ptrs = (x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
+        _native.linear_amx(*ptrs, m, n, k, torch.get_num_threads())
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    row_table: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor | None:
+    """Each query row over its paged K/V, read in place: q [N, h, d]; k_pool/v_pool [num_blocks,
+    block_size, kvh, d]; tables [T, nb] block ids; row_table [N] which table a row reads; positions
+    [N] (a row sees keys 0..position of its table, or the last `window` of them; its own K/V must
+    already be in the cache). Returns [N, h, d], or None where the kernel cannot run (the caller
+    keeps its torch path). A row's bits depend only on its query, position and keys, never on the
+    other rows (csrc/cpu_kernels.cpp, attend_block). IndexError (from the native bounds check) if a
+    row's table, position or block id lies outside the tables or the pool."""
+    if not attention_runs(q, k_pool, v_pool):
+        return None
+    n, h, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:  # rows may be strided (views into the qkv output)
+        q = q.contiguous()
+    tables = tables.to(torch.int64).contiguous()
+    row_table = row_table.to(torch.int64).contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty(n, h, d, dtype=q.dtype)
+    if n == 0:
+        return out
+    _native.paged_attention(
+        q.data_ptr(),
+        q.stride(0),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        tables.data_ptr(),
+        row_table.data_ptr(),
+        positions.data_ptr(),
+        out.data_ptr(),
+        n,
+        h,
+        k_pool.shape[2],
+        d,
+        k_pool.shape[1],
+        k_pool.shape[0],
+        tables.shape[0],
+        tables.shape[1],
+        scale,
+        softcap or 0.0,
+        window or 0,
+        q.dtype == torch.bfloat16,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def attention_runs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether paged_attention runs for these operands: decided by device, dtype and pool layout
+    alone (the same for every row of a model), never by the rows themselves."""
+    return (
+        _ENABLED
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_pool.dtype == q.dtype
+        and v_pool.dtype == q.dtype
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+    )
+
+
 def decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -83,49 +199,10 @@ def decode_attention(
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor | None:
-    """One query per sequence over its paged K/V, read in place: q [B, h, d]; k_pool/v_pool
-    [num_blocks, block_size, kvh, d]; tables [B, nb] block ids; positions [B] (the query sees keys
-    0..position, or the last `window` of them). Returns [B, h, d], or None where the kernel cannot
-    run (the caller keeps its torch path). IndexError (from the native bounds check) if a position
-    or block id lies outside its table row or the pool."""
-    if not (
-        _ENABLED
-        and q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and k_pool.dtype == q.dtype
-        and v_pool.dtype == q.dtype
-        and k_pool.is_contiguous()
-        and v_pool.is_contiguous()
-    ):
-        return None
-    bsz, h, d = q.shape
-    if q.stride(2) != 1 or q.stride(1) != d:  # rows may be strided (views into the qkv output)
-        q = q.contiguous()
-    tables = tables.to(torch.int64).contiguous()
-    positions = positions.to(torch.int64).contiguous()
-    out = torch.empty(bsz, h, d, dtype=q.dtype)
-    _native.decode_attention(
-        q.data_ptr(),
-        q.stride(0),
-        k_pool.data_ptr(),
-        v_pool.data_ptr(),
-        tables.data_ptr(),
-        positions.data_ptr(),
-        out.data_ptr(),
-        bsz,
-        h,
-        k_pool.shape[2],
-        d,
-        k_pool.shape[1],
-        k_pool.shape[0],
-        tables.shape[1],
-        scale,
-        softcap or 0.0,
-        window or 0,
-        q.dtype == torch.bfloat16,
-        torch.get_num_threads(),
-    )
-    return out
+    """paged_attention for one query per sequence: row i reads tables[i] (q [B, h, d], tables
+    [B, nb], positions [B])."""
+    rows = torch.arange(q.shape[0])
+    return paged_attention(q, k_pool, v_pool, tables, rows, positions, scale, window, softcap)
 
 
 def _rowwise_ok(*tensors: torch.Tensor) -> bool:

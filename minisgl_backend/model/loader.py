@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from minisgl_backend.errors import ConfigError, MiniSGLError, ModelLoadError, ModelNotFoundError
+from minisgl_backend.model import batch_invariant
 from minisgl_backend.model.llama import CausalLM, ModelSpec, build_rotary
 
 log = logging.getLogger("minisgl")
@@ -157,6 +158,17 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
     model.model.rotary = build_rotary(spec).to(device)
     tokenizer = load_tokenizer(model_dir)
     return LoadedModel(model, tokenizer, model_dir, _eos_ids(model_dir, hf_config, tokenizer))
+
+
+def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> None:
+    """The load-time transforms, in their one valid order: int8 weights (`weight_dtype: int8`; their
+    dequantized copy is what gets packed), AMX packing of the bf16 linears (CausalLM.pack_weights),
+    then the batch-invariant forward (`deterministic`), which keeps packed linears as they are."""
+    if weight_dtype == "int8":
+        model.quantize_int8()
+    model.pack_weights()
+    if deterministic:
+        batch_invariant.enable(model)
 
 
 def load_tokenizer(model_dir: Path) -> object:
