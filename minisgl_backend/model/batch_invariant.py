@@ -52,7 +52,7 @@ LOG2E = 1.4426950408889634
 QUERY_TILE = 256  # prefill queries per attention call: bounds the score matrix, not the result
 
 
-Scratch = dict[tuple, torch.Tensor]
+Scratch = dict  # buffers by (name, shape, dtype), and "rows": row_tables(batch) of this forward
 
 
 def _buffer(scratch: Scratch, key: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -241,7 +241,9 @@ class BatchInvariantForward:
         scale, window, cap = attn.scale, attn.window, attn.softcap
         kpool, vpool = kv.k[attn.layer_id], kv.v[attn.layer_id]
         if cpu_kernels.attention_runs(q, kpool, vpool):  # every row of every call, or none
-            o = cpu_kernels.paged_attention(q, kpool, vpool, *row_tables(batch), scale, window, cap)
+            if "rows" not in scratch:  # the same for every layer of the forward
+                scratch["rows"] = row_tables(batch)
+            o = cpu_kernels.paged_attention(q, kpool, vpool, *scratch["rows"], scale, window, cap)
             return attn.o_proj(o.view(n, attn.h * attn.d))
         out = x.new_zeros(x.shape[0], attn.h, attn.d)  # row padding stays zero
         b = batch.num_decode
