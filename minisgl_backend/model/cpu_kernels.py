@@ -1,14 +1,18 @@
-"""The CPU decode kernels of csrc/cpu_kernels.cpp, behind torch-shaped functions with a torch fallback.
+"""The CPU kernels of csrc/cpu_kernels.cpp, behind torch-shaped functions with a torch fallback.
 
-`linear` and `decode_attention` take and return torch tensors and check what the native code assumes
-(device, dtype, contiguity, shapes); where a check fails, or the extension was not built, or the CPU
-lacks AVX-512, they run the torch expression the kernel replaces, so a caller never branches.
-`MINISGL_CPU_KERNELS=0` turns them off (the torch path everywhere; how the two are compared).
+Each wrapper takes and returns torch tensors and checks what the native code assumes (device,
+dtype, contiguity, shapes). Where a check fails, or the extension was not built, or the CPU lacks
+AVX-512 (AMX for `pack` / `linear_packed`), `linear` runs F.linear itself and the others return
+None (False for `rope_`), so the caller keeps its torch expression. `MINISGL_CPU_KERNELS=0` turns
+them all off (the torch path everywhere; how the two are compared), `MINISGL_AMX=0` only the AMX
+ones.
 
 Why the kernels exist (measured on this repository's 2-core Xeon, README "Speed"): a decode step of
-1-4 rows reads every weight once, and oneDNN's bf16 matmul moves ~6 GB/s at those row counts where
+1-32 rows reads every weight once, and oneDNN's bf16 matmul moves ~6 GB/s at those row counts where
 the memory delivers ~18; the attention of one query per sequence otherwise gathers every sequence's
-whole context into a fresh tensor in every layer.
+whole context into a fresh tensor in every layer. The AMX linear and the paged attention also give
+each row bits that depend on that row alone, which is what the batch-invariant forward needs
+(docs/architecture.md §11d).
 """
 
 from __future__ import annotations
