@@ -197,6 +197,15 @@ void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t 
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl")))
 
 constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x's chunk stays in L2
+// The weight tiles of the k-step this many steps ahead are prefetched: the hardware prefetcher
+// alone left a 270 MB stream of steps 15-25% slower at 1, 8 and 32 rows (measured, README "Speed").
+constexpr int64_t AMX_PREFETCH_STEPS = 2;
+
+// The 2 KB (32 lines) of weight tiles of one k-step into L1; past the block's end it is the next
+// block's start, which the thread reads next (a prefetch never faults).
+AMX inline void prefetch_kstep(const uint16_t* wb) {
+    for (int line = 0; line < 32; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + line * 32), _MM_HINT_T0);
+}
 
 // Linux hands the tile registers to a process only after it asks (ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); without it the first tile instruction is SIGILL. Asked once at import.
@@ -289,6 +298,7 @@ AMX void amx_block(const uint16_t* x, int64_t xs, const uint16_t* wb, int64_t KB
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
             _tile_loadd(4, x + kb * 32, xs * 2);
             _tile_loadd(5, x + 16 * xs + kb * 32, xs * 2);
             _tile_loadd(6, wb + kb * 1024, 64);
@@ -302,6 +312,7 @@ AMX void amx_block(const uint16_t* x, int64_t xs, const uint16_t* wb, int64_t KB
         _tile_stored(3, sums + 16 * 32 + 16, 128);
     } else {
         for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
             _tile_loadd(4, x + kb * 32, xs * 2);
             _tile_loadd(6, wb + kb * 1024, 64);
             _tile_loadd(7, wb + kb * 1024 + 512, 64);
