@@ -679,7 +679,6 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
 #pragma omp parallel num_threads(threads)
     {
         AttnScratch w;
-        std::vector<float> scores, acc;
         // Dynamic: a long prefill block costs many decode rows.
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < blocks * s.kv_heads; ++item) {
@@ -689,8 +688,8 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
                 attend_block<T>(qp + r0 * q_stride, q_stride, starts[b + 1] - r0, kp, vp, table, positions + r0, kvh,
                                 op + r0 * per_row, s, w);
             else
-                attend_group<T>(qp + r0 * q_stride, kp, vp, table, positions[r0], kvh, op + r0 * per_row, s, scores,
-                                acc);
+                attend_group<T>(qp + r0 * q_stride, kp, vp, table, positions[r0], kvh, op + r0 * per_row, s, w.scores,
+                                w.acc);
         }
     }
 }

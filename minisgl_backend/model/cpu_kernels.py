@@ -48,17 +48,19 @@ def amx_available() -> bool:
     return _AMX
 
 
-def _few_bf16_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a linear call is one the few-row kernels take: 1..MAX_KERNEL_ROWS bf16 CPU rows (any
-    layout: they are copied contiguous) and a contiguous bf16 bias or none."""
+def _bf16_cpu_input(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """bf16 CPU rows (any layout: the kernels copy them contiguous) and a contiguous bf16 bias or
+    none: what every native linear takes."""
     return (
-        _ENABLED
-        and 0 < x.shape[0] <= MAX_KERNEL_ROWS
-        and x.dim() == 2
-        and x.dtype == torch.bfloat16
+        x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
     )
+
+
+def _few_bf16_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a linear call is one the few-row kernels take: 1..MAX_KERNEL_ROWS 2-D rows."""
+    return _ENABLED and 0 < x.shape[0] <= MAX_KERNEL_ROWS and x.dim() == 2 and _bf16_cpu_input(x, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,13 +109,7 @@ def linear_packed(
     32-element steps), so the default and the batch-invariant forward share it. None where it
     cannot run (the caller keeps F.linear)."""
     n, k = shape
-    if not (
-        x.dim() >= 1
-        and x.shape[-1] == k
-        and x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
-    ):
+    if not (x.dim() >= 1 and x.shape[-1] == k and _bf16_cpu_input(x, bias)):
         return None
     m = x.numel() // k if k else 0
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
