@@ -1,0 +1,86 @@
+"""Micro-benchmark of one bf16 linear: the AMX kernel against oneDNN and the few-row AVX-512 kernel.
+
+    python scripts/bench_linear.py [--n 3072] [--k 576] [--rows 1 4 8 32 512] [--threads 1]
+    python scripts/bench_linear.py --stream [--threads 2]
+
+Prints one JSON line per row count with GFLOP/s (2 * rows * n * k per call; at one row that is
+also GB/s of weights), best of 5 by the calling thread's CPU time at one thread (robust on a shared
+machine) and by wall time otherwise. --stream instead times one decode step's worth of SmolLM2's
+linears (121 distinct weights, ~270 MB, so they come from L3/memory as in the model) at each row
+count: the figure behind README "Speed"'s weight-stream numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from minisgl_backend.model import cpu_kernels
+
+SMOLLM2_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+SMOLLM2_LAYERS, SMOLLM2_VOCAB = 30, 49152
+
+
+def stream_step(xs: dict, shapes: list, packs: list) -> None:
+    for (n, k), p in zip(shapes, packs):
+        cpu_kernels.linear_packed(xs[k], p, (n, k))
+
+
+def best_of(fn, clock) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        t, reps = clock(), 0
+        while True:
+            fn()
+            reps += 1
+            if clock() - t > 0.1:
+                break
+        best = min(best, (clock() - t) / reps)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=3072)
+    ap.add_argument("--k", type=int, default=576)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32, 512])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--stream", action="store_true")
+    a = ap.parse_args()
+    if not cpu_kernels.amx_available():
+        raise SystemExit("no AMX here (or MINISGL_AMX=0 / MINISGL_CPU_KERNELS=0): nothing to compare")
+    torch.set_num_threads(a.threads)
+    clock = time.thread_time if a.threads == 1 else time.perf_counter
+    g = torch.Generator().manual_seed(0)
+    if a.stream:
+        shapes = SMOLLM2_LAYER * SMOLLM2_LAYERS + [(SMOLLM2_VOCAB, 576)]
+        packs = [cpu_kernels.pack((torch.randn(n, k, generator=g) * 0.05).bfloat16()) for n, k in shapes]
+        for m in a.rows:
+            xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {k for _, k in shapes}}
+            ms = best_of(functools.partial(stream_step, xs, shapes, packs), clock) * 1e3
+            out = {"rows": m, "threads": a.threads, "linears": len(shapes), "step_ms": round(ms, 2)}
+            print(json.dumps(out))
+        return
+    w = (torch.randn(a.n, a.k, generator=g) * 0.05).bfloat16()
+    packed = cpu_kernels.pack(w)
+    for m in a.rows:
+        x = torch.randn(m, a.k, generator=g).bfloat16()
+        fns = {
+            "amx": functools.partial(cpu_kernels.linear_packed, x, packed, (a.n, a.k)),
+            "onednn": functools.partial(F.linear, x, w),
+        }
+        if m <= cpu_kernels.MAX_KERNEL_ROWS:
+            fns["avx512_few_rows"] = functools.partial(cpu_kernels.linear, x, w)
+        flops = 2 * m * a.n * a.k
+        row = {name: round(flops / best_of(fn, clock) / 1e9, 1) for name, fn in fns.items()}
+        print(json.dumps({"n": a.n, "k": a.k, "rows": m, "threads": a.threads, "gflop_per_s": row}))
+
+
+if __name__ == "__main__":
+    main()
