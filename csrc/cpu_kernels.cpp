@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
@@ -238,7 +239,7 @@ AMX void configure_tiles(int ra, int rb) {
 }
 
 // 16 float32 to bf16 with round-to-nearest-even (f32_to_bf16, sixteen at a time).
-AMX inline __m256i round_to_bf16(__m512 v) {
+AVX512 inline __m256i round_to_bf16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
@@ -248,7 +249,7 @@ AMX inline __m256i round_to_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-AMX inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask) {
+AVX512 inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
 
@@ -559,10 +560,11 @@ AVX512 inline __m512 load16<uint16_t>(const uint16_t* p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) split into 2^n (scalef) times 2^f,
-// |f| <= 1/2, from its degree-7 Taylor polynomial (relative error below 1e-8 before rounding).
-AVX512 inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // below, exp leaves float32's normal range
+// exp(x): 2^(x log2 e) split into 2^n (scalef) times 2^f, |f| <= 1/2, from its degree-7 Taylor
+// polynomial (relative error below 1e-8 before rounding). Softmax calls it on scores minus their
+// maximum (x <= 0), SiLU on any x: past 89 it is inf, below -87 it stays at exp(-87).
+AVX512 inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(89.0f));
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
@@ -573,29 +575,60 @@ AVX512 inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+// The fixed reduction order of a score's and a softmax sum's 16 lanes: lane j with lane j+8, then
+// j with j+4, j with j+2, j with j+1. hsum16 applies it across one vector's lanes; vsum16 applies the
+// same tree across 16 vectors, lane by lane, so lane l of vsum16(p) has the bits of hsum16 of the
+// vector whose lanes are p[0..15][l].
+AVX512 inline float hsum16(__m512 v) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+AVX512 inline __m512 vsum16(__m512* p) {
+    for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; ++j) p[j] = _mm512_add_ps(p[j], p[j + w]);
+    return p[0];
+}
+
 struct AttnScratch {  // per thread, reused across its work items
-    std::vector<float> q, scores, acc;
+    std::vector<float> q, scores, acc, kf, vf;
+    std::vector<uint16_t> stage;
     std::vector<int64_t> offsets;
 };
 
-template <typename T>
-AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
-                         const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
-                         AttnScratch& w) {
-    const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16, row = s.kv_heads * d;
-    int64_t first[ATTN_BLOCK], lo = INT64_MAX, hi = 0;
+// Which keys a block reads, and where they lie: first[r] the first key row r sees (its window),
+// keys lo..hi the union of the rows' ranges, w.offsets[key - lo] each key's slot in the pool.
+struct BlockKeys {
+    int64_t first[ATTN_BLOCK], lo, hi;
+};
+
+inline BlockKeys block_keys(const int64_t* table, const int64_t* pos, int64_t rows, const AttnShape& s,
+                            AttnScratch& w) {
+    BlockKeys b{{}, INT64_MAX, 0};
     for (int64_t r = 0; r < rows; ++r) {
-        first[r] = s.window > 0 ? std::max<int64_t>(0, pos[r] - s.window + 1) : 0;
-        lo = std::min(lo, first[r]);
-        hi = std::max(hi, pos[r]);
+        b.first[r] = s.window > 0 ? std::max<int64_t>(0, pos[r] - s.window + 1) : 0;
+        b.lo = std::min(b.lo, b.first[r]);
+        b.hi = std::max(b.hi, pos[r]);
     }
-    const int64_t base = lo / 16 * 16, span = (hi / 16 + 1) * 16 - base;  // whole 16-key tiles
-    w.offsets.resize(static_cast<size_t>(hi - lo + 1));
-    for (int64_t key = lo; key <= hi;) {  // pool offsets block by block: no division per key
+    const int64_t row = s.kv_heads * s.head_dim;
+    w.offsets.resize(static_cast<size_t>(b.hi - b.lo + 1));
+    for (int64_t key = b.lo; key <= b.hi;) {  // pool offsets block by block: no division per key
         const int64_t at = table[key / s.block_size] * s.block_size * row;
-        for (int64_t t = key % s.block_size; t < s.block_size && key <= hi; ++t, ++key)
-            w.offsets[key - lo] = at + t * row;
+        for (int64_t t = key % s.block_size; t < s.block_size && key <= b.hi; ++t, ++key)
+            w.offsets[key - b.lo] = at + t * row;
     }
+    return b;
+}
+
+// One query vector at a time (lanes = 16 dims of head_dim): for blocks of few query vectors (decode).
+template <typename T>
+AVX512 void attend_vectors(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
+                           const int64_t* pos, int64_t kvh, T* out, const AttnShape& s, const BlockKeys& b,
+                           AttnScratch& w) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16;
+    const int64_t lo = b.lo, hi = b.hi, base = lo / 16 * 16, span = (hi / 16 + 1) * 16 - base;  // 16-key tiles
     w.q.resize(static_cast<size_t>(rows * g * d));
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < g; ++h)
@@ -607,22 +640,22 @@ AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kp
         const T* kp = kpool + w.offsets[key - lo] + kvh * d;
         for (int64_t c = 0; c < chunks; ++c) c16[c] = load16(kp + c * 16);
         for (int64_t r = 0; r < rows; ++r) {
-            if (key < first[r] || key > pos[r]) continue;
+            if (key < b.first[r] || key > pos[r]) continue;
             for (int64_t h = 0; h < g; ++h) {
                 const float* qh = w.q.data() + (r * g + h) * d;
                 __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qh), c16[0]);
                 for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c * 16), c16[c], dot);
-                float sc = _mm512_reduce_add_ps(dot) * s.scale;
+                float sc = hsum16(dot) * s.scale;
                 if (s.softcap > 0.0f) sc = s.softcap * std::tanh(sc / s.softcap);
                 w.scores[(r * g + h) * span + key - base] = sc;
             }
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
-        const int64_t t0 = first[r] / 16 * 16, t1 = pos[r] / 16 * 16;
+        const int64_t t0 = b.first[r] / 16 * 16, t1 = pos[r] / 16 * 16;
         const auto lanes = [&](int64_t t) {  // the tile's keys in [first, pos]
-            const int64_t a = std::max<int64_t>(first[r] - t, 0), b = std::min<int64_t>(pos[r] - t, 15);
-            return static_cast<__mmask16>(((1u << (b + 1)) - 1) & ~((1u << a) - 1));
+            const int64_t a = std::max<int64_t>(b.first[r] - t, 0), e = std::min<int64_t>(pos[r] - t, 15);
+            return static_cast<__mmask16>(((1u << (e + 1)) - 1) & ~((1u << a) - 1));
         };
         for (int64_t h = 0; h < g; ++h) {
             float* sh = w.scores.data() + (r * g + h) * span - base;
@@ -631,11 +664,11 @@ AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kp
             const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
             __m512 sum = _mm512_setzero_ps();
             for (int64_t t = t0; t <= t1; t += 16) {
-                const __m512 e = _mm512_maskz_mov_ps(lanes(t), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sh + t), top)));
+                const __m512 e = _mm512_maskz_mov_ps(lanes(t), exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + t), top)));
                 _mm512_storeu_ps(sh + t, e);
-                sum = _mm512_add_ps(sum, e);
+                sum = _mm512_add_ps(sum, e);  // lane j: keys j mod 16, in key order
             }
-            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+            const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_set1_ps(hsum16(sum)));
             for (int64_t t = t0; t <= t1; t += 16) _mm512_storeu_ps(sh + t, _mm512_mul_ps(_mm512_loadu_ps(sh + t), inv));
         }
     }
@@ -643,7 +676,7 @@ AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kp
         const T* vp = vpool + w.offsets[key - lo] + kvh * d;
         for (int64_t c = 0; c < chunks; ++c) c16[c] = load16(vp + c * 16);
         for (int64_t r = 0; r < rows; ++r) {
-            if (key < first[r] || key > pos[r]) continue;
+            if (key < b.first[r] || key > pos[r]) continue;
             for (int64_t h = 0; h < g; ++h) {
                 const __m512 p = _mm512_set1_ps(w.scores[(r * g + h) * span + key - base]);
                 float* ah = w.acc.data() + (r * g + h) * d;
@@ -658,10 +691,204 @@ AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kp
                 store(out + r * s.heads * d, (kvh * g + h) * d + i, w.acc[(r * g + h) * d + i]);
 }
 
+// Scores of 16 query vectors (lanes; qt holds them transposed, [head_dim][16]) against KEYS keys
+// (float32 rows kf[k]): lane l of score k is attend_vectors' dot product of query l and key k, the
+// same multiplies and adds in the same order (lane j of each 16-dim chunk accumulated over chunks,
+// then the hsum16 tree, here vsum16).
+AVX512 inline __m512 lane_dot(const float* qt, const float* kf, int64_t chunks, int j) {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qt + j * 16), _mm512_set1_ps(kf[j]));  // lane j of each chunk
+    for (int64_t c = 1; c < chunks; ++c)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(qt + (c * 16 + j) * 16), _mm512_set1_ps(kf[c * 16 + j]), a);
+    return a;
+}
+
+template <int KEYS>
+AVX512 inline void lane_scores(const float* qt, const float* const* kf, int64_t chunks, __m512* out) {
+    __m512 p[KEYS][16];
+    for (int j = 0; j < 8; ++j)  // vsum16's first level as the partials come: 8 live vectors per key
+        for (int k = 0; k < KEYS; ++k) p[k][j] = _mm512_add_ps(lane_dot(qt, kf[k], chunks, j), lane_dot(qt, kf[k], chunks, j + 8));
+    for (int k = 0; k < KEYS; ++k) {
+        for (int w = 4; w >= 1; w /= 2)
+            for (int j = 0; j < w; ++j) p[k][j] = _mm512_add_ps(p[k][j], p[k][j + w]);
+        out[k] = p[k][0];
+    }
+}
+
+AVX512 inline __mmask16 sees(__m512i first, __m512i last, int64_t key) {  // the lanes whose range holds key
+    const __m512i k = _mm512_set1_epi32(static_cast<int32_t>(key));
+    return static_cast<__mmask16>(_mm512_cmple_epi32_mask(first, k) & _mm512_cmple_epi32_mask(k, last));
+}
+
+// Scores on the tile unit (bf16, head_dim a multiple of 32, AMX): tmm0 the scores of 16 keys (rows)
+// x 16 query vectors, tmm1 the 16 keys' 32 dims of one k-step, tmm2 that k-step's query pairs.
+AMX void configure_score_tiles() {
+    TileConfig c;
+    for (int t = 0; t < 3; ++t) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    asm volatile("" : : "r"(&c) : "memory");  // the field stores must reach memory (configure_tiles)
+    _tile_loadconfig(&c);
+}
+
+AMX void release_tiles() { _tile_release(); }
+
+// The scores of 16 query vectors against keys base..hi, 16-key tiles aligned to absolute positions:
+// sc[key - base][lane]. qb holds the query vectors as the tile unit's B operand: k-step by k-step,
+// 16 pairs x 16 lanes of (dim 2i, dim 2i+1). Each score is the unit's fixed-order dot product of one
+// key row and one query column, whatever the other rows and columns hold (as the packed linear's).
+// A tile whose keys lie in one cache block (block_size a multiple of 16) is read from the pool in
+// place; otherwise its keys in [lo, hi] are staged, the rest zero.
+AMX void amx_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
+                    int64_t hi, const uint32_t* qb, float* sc, uint16_t* stage) {
+    const int64_t d = s.head_dim, row = s.kv_heads * d, bs = s.block_size, base = lo / 16 * 16;
+    for (int64_t t = base; t <= hi; t += 16) {
+        const uint16_t* a = stage;
+        int64_t stride = d * 2;
+        if (bs % 16 == 0) {
+            a = kpool + (table[t / bs] * bs + t % bs) * row + kvh * d;
+            stride = row * 2;
+        } else {
+            for (int64_t j = 0; j < 16; ++j) {
+                const int64_t key = t + j;
+                if (key < lo || key > hi)
+                    std::memset(stage + j * d, 0, d * 2);
+                else
+                    std::memcpy(stage + j * d, kpool + (table[key / bs] * bs + key % bs) * row + kvh * d, d * 2);
+            }
+        }
+        _tile_zero(0);
+        for (int64_t ks = 0; ks < d / 32; ++ks) {
+            _tile_loadd(1, a + ks * 32, stride);
+            _tile_loadd(2, qb + ks * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sc + (t - base) * 16, 64);
+    }
+}
+
+// Many query vectors (a prefill block), or every block on the tile unit: lanes = 16 query vectors
+// (row, head of the group), keys one at a time. Without the tile unit each score, softmax sum and
+// output element is computed by the same operations in the same order as attend_vectors (keys outside
+// a lane's range add exact zeros, which leaves every sum's bits as they are, but for the sign of an
+// exact-zero output), so a row's bits do not depend on which of the two its block took; this one shares
+// every K/V load and conversion among 16 query vectors and needs no horizontal reduction. With the
+// tile unit (`amx`) every block takes this path, its scores from amx_scores.
+template <typename T>
+AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
+                         const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
+                         const BlockKeys& b, bool amx, AttnScratch& w) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16, vectors = rows * g;
+    const int64_t lo = b.lo, keys = b.hi - lo + 1, base = lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base;
+    if (!amx) w.kf.resize(static_cast<size_t>(keys * d));
+    w.vf.resize(static_cast<size_t>(keys * d));
+    for (int64_t j = 0; j < keys; ++j)
+        for (int64_t c = 0; c < chunks; ++c) {
+            if (!amx) _mm512_storeu_ps(w.kf.data() + j * d + c * 16, load16(kpool + w.offsets[j] + kvh * d + c * 16));
+            _mm512_storeu_ps(w.vf.data() + j * d + c * 16, load16(vpool + w.offsets[j] + kvh * d + c * 16));
+        }
+    w.q.resize(static_cast<size_t>(d * 16));
+    w.scores.resize(static_cast<size_t>(span * 16));
+    if (amx) w.stage.resize(static_cast<size_t>(16 * d));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t v0 = 0; v0 < vectors; v0 += 16) {
+        const int64_t n = std::min<int64_t>(16, vectors - v0);
+        const __mmask16 used = static_cast<__mmask16>((1u << n) - 1);
+        alignas(64) int32_t firsts[16], lasts[16];
+        for (int64_t l = 0; l < 16; ++l) {
+            const int64_t r = (v0 + l) / g, h = (v0 + l) % g;
+            firsts[l] = l < n ? static_cast<int32_t>(b.first[r]) : INT32_MAX;  // unused lanes see no key
+            lasts[l] = l < n ? static_cast<int32_t>(pos[r]) : -1;
+            const T* qv = q + r * q_stride + (kvh * g + h) * d;
+            if constexpr (std::is_same_v<T, uint16_t>) {
+                if (amx) {  // as B: pairs (2i, 2i+1) of k-step ks at [ks][i][lane], the raw bf16 bits
+                    auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
+                    for (int64_t i = 0; i < d / 2; ++i)
+                        qb[i * 16 + l] =
+                            l < n ? static_cast<uint32_t>(qv[2 * i]) | static_cast<uint32_t>(qv[2 * i + 1]) << 16 : 0u;
+                    continue;
+                }
+            }
+            for (int64_t i = 0; i < d; ++i) w.q[i * 16 + l] = l < n ? load(qv, i) : 0.0f;
+        }
+        const __m512i first_v = _mm512_load_si512(firsts), last_v = _mm512_load_si512(lasts);
+        float* sc = w.scores.data() - base * 16;  // sc[key * 16 + lane]
+        const __m512 scale = _mm512_set1_ps(s.scale);
+        if constexpr (std::is_same_v<T, uint16_t>) {
+            if (amx) {
+                amx_scores(kpool, table, s, kvh, lo, b.hi, reinterpret_cast<const uint32_t*>(w.q.data()),
+                           w.scores.data(), w.stage.data());
+                for (int64_t key = lo; key <= b.hi; ++key)
+                    _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), scale));
+            }
+        }
+        if (!amx) {
+            int64_t j = 0;
+            for (; j + 2 <= keys; j += 2) {
+                const float* kk[2] = {w.kf.data() + j * d, w.kf.data() + (j + 1) * d};
+                __m512 two[2];
+                lane_scores<2>(w.q.data(), kk, chunks, two);
+                _mm512_storeu_ps(sc + (lo + j) * 16, _mm512_mul_ps(two[0], scale));
+                _mm512_storeu_ps(sc + (lo + j + 1) * 16, _mm512_mul_ps(two[1], scale));
+            }
+            for (; j < keys; ++j) {
+                const float* kk[1] = {w.kf.data() + j * d};
+                __m512 one_key[1];
+                lane_scores<1>(w.q.data(), kk, chunks, one_key);
+                _mm512_storeu_ps(sc + (lo + j) * 16, _mm512_mul_ps(one_key[0], scale));
+            }
+        }
+        if (s.softcap > 0.0f)
+            for (int64_t i = lo * 16; i < (b.hi + 1) * 16; ++i) sc[i] = s.softcap * std::tanh(sc[i] / s.softcap);
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t key = lo; key <= b.hi; ++key)
+            mx = _mm512_mask_max_ps(mx, sees(first_v, last_v, key), mx, _mm512_loadu_ps(sc + key * 16));
+        __m512 part[16];
+        for (auto& p : part) p = _mm512_setzero_ps();
+        for (int64_t key = lo; key <= b.hi; ++key) {
+            const __m512 e = _mm512_maskz_mov_ps(sees(first_v, last_v, key), exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + key * 16), mx)));
+            _mm512_storeu_ps(sc + key * 16, e);
+            part[key & 15] = _mm512_add_ps(part[key & 15], e);  // by absolute key mod 16, as the tiles
+        }
+        const __m512 inv = _mm512_maskz_div_ps(used, one, vsum16(part));
+        for (int64_t key = lo; key <= b.hi; ++key)
+            _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), inv));
+        alignas(64) float tile[16][16];
+        for (int64_t c = 0; c < chunks; ++c) {
+            __m512 acc[16];
+            for (auto& a : acc) a = _mm512_setzero_ps();
+            for (int64_t j = 0; j < keys; ++j) {
+                const __m512 p = _mm512_loadu_ps(sc + (lo + j) * 16);
+                const float* vr = w.vf.data() + j * d + c * 16;
+                for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_set1_ps(vr[i]), acc[i]);
+            }
+            for (int i = 0; i < 16; ++i) _mm512_store_ps(tile[i], acc[i]);
+            for (int64_t l = 0; l < n; ++l) {
+                const int64_t r = (v0 + l) / g, h = (v0 + l) % g;
+                for (int i = 0; i < 16; ++i) store(out + r * s.heads * d, (kvh * g + h) * d + c * 16 + i, tile[i][l]);
+            }
+        }
+    }
+}
+
+// Blocks of at least this many query vectors (rows x heads of the group) take attend_lanes.
+constexpr int64_t LANES_FROM = 8;
+
+template <typename T>
+AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
+                         const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
+                         bool amx, AttnScratch& w) {
+    const BlockKeys b = block_keys(table, pos, rows, s, w);
+    if (amx || rows * (s.heads / s.kv_heads) >= LANES_FROM)
+        attend_lanes<T>(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, b, amx, w);
+    else
+        attend_vectors<T>(q, q_stride, rows, kpool, vpool, pos, kvh, out, s, b, w);
+}
+
 template <typename T>
 void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables,
                        const int64_t* row_table, const int64_t* positions, uintptr_t out, int64_t n,
-                       const AttnShape& s, int threads) {
+                       const AttnShape& s, bool amx, int threads) {
     const auto* qp = reinterpret_cast<const T*>(q);
     const auto* kp = reinterpret_cast<const T*>(k);
     const auto* vp = reinterpret_cast<const T*>(v);
@@ -670,6 +897,9 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
     const int64_t per_row = s.heads * s.head_dim;
     static const bool avx512 = cpu_has_avx512();
     const bool vector = avx512 && s.head_dim % 16 == 0 && s.head_dim <= 256;
+    // The tile unit scores bf16 rows: on a machine that has it, every block of every call (the bits
+    // of a row depend on which scorer ran, so the choice depends on the machine and shape only).
+    const bool tiles = vector && amx && std::is_same_v<T, uint16_t> && s.head_dim % 32 == 0;
     // Blocks: runs of up to ATTN_BLOCK consecutive rows on one table (one row each on the scalar path).
     std::vector<int64_t> starts;
     for (int64_t r = 0; r < n; ++r)
@@ -679,6 +909,7 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
 #pragma omp parallel num_threads(threads)
     {
         AttnScratch w;
+        if (tiles) configure_score_tiles();
         // Dynamic: a long prefill block costs many decode rows.
 #pragma omp for schedule(dynamic)
         for (int64_t item = 0; item < blocks * s.kv_heads; ++item) {
@@ -686,11 +917,12 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
             const int64_t* table = tp + row_table[r0] * s.table_stride;
             if (vector)
                 attend_block<T>(qp + r0 * q_stride, q_stride, starts[b + 1] - r0, kp, vp, table, positions + r0, kvh,
-                                op + r0 * per_row, s, w);
+                                op + r0 * per_row, s, tiles, w);
             else
                 attend_group<T>(qp + r0 * q_stride, kp, vp, table, positions[r0], kvh, op + r0 * per_row, s, w.scores,
                                 w.acc);
         }
+        if (tiles) release_tiles();
     }
 }
 
@@ -712,7 +944,7 @@ bool tables_in_bounds(const int64_t* tables, const int64_t* row_table, const int
 void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t row_table,
                      uintptr_t positions, uintptr_t out, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t num_blocks, int64_t num_tables, int64_t table_stride, double scale,
-                     double softcap, int64_t window, bool bf16, int threads) {
+                     double softcap, int64_t window, bool bf16, bool amx, int threads) {
     if (heads % kv_heads != 0) throw std::invalid_argument("heads must be a multiple of kv_heads");
     const auto* rt = reinterpret_cast<const int64_t*>(row_table);
     const auto* pp = reinterpret_cast<const int64_t*>(positions);
@@ -728,9 +960,9 @@ void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, ui
                       static_cast<float>(softcap),
                       window};
     if (bf16)
-        paged_attention_t<uint16_t>(q, q_stride, k, v, tables, rt, pp, out, n, s, threads);
+        paged_attention_t<uint16_t>(q, q_stride, k, v, tables, rt, pp, out, n, s, amx, threads);
     else
-        paged_attention_t<float>(q, q_stride, k, v, tables, rt, pp, out, n, s, threads);
+        paged_attention_t<float>(q, q_stride, k, v, tables, rt, pp, out, n, s, false, threads);
 }
 
 // ---- row-wise ops: RMSNorm (with the residual add fused) and RoPE -------------------------------
@@ -739,37 +971,101 @@ void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, ui
 // shared by the default and the batch-invariant forward. Roundings follow the torch expressions they
 // replace (model/llama.py RMSNorm / GemmaRMSNorm, model/rope.py apply_rotary) step by step.
 
+// On AVX-512 the three run 16 elements at a time with the same roundings (RoPE and SiLU keep each
+// element's operations; RMSNorm's sum of squares is summed by lanes, then by hsum16's tree: a fixed
+// order, not the scalar one). The scalar loops stay for CPUs without it.
+template <typename T>
+AVX512 inline __m512 load16m(const T* p, __mmask16 m);
+template <>
+AVX512 inline __m512 load16m<float>(const float* p, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, p);
+}
+template <>
+AVX512 inline __m512 load16m<uint16_t>(const uint16_t* p, __mmask16 m) {
+    return load_bf16x16(p, m);
+}
+
+template <typename T>
+AVX512 inline void store16m(T* p, __m512 v, __mmask16 m);
+template <>
+AVX512 inline void store16m<float>(float* p, __m512 v, __mmask16 m) {
+    _mm512_mask_storeu_ps(p, m, v);
+}
+template <>
+AVX512 inline void store16m<uint16_t>(uint16_t* p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, round_to_bf16(v));
+}
+
+template <typename T>
+AVX512 inline __m512 round16(__m512 v) {  // to the dtype and back, as storing and loading it
+    if constexpr (std::is_same_v<T, float>) return v;
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(v)), 16));
+}
+
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1); }
+
+template <typename T>
+void rms_norm_row(T* xr, const T* residual, T* sr, const T* weight, T* out, int64_t dim, float eps, bool gemma) {
+    // x + residual, rounded to the model dtype as torch's add does, is the row normalised and
+    // (sum_out) the new residual stream.
+    float ss = 0.0f;
+    for (int64_t i = 0; i < dim; ++i) {
+        float v = load(xr, i);
+        if (residual) {
+            v += load(residual, i);
+            store(sr, i, v);
+            v = load(sr, i);
+        }
+        ss += v * v;
+    }
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    const T* src = residual ? sr : xr;
+    for (int64_t i = 0; i < dim; ++i) {
+        const float n = load(src, i) * inv;
+        if (gemma) {  // (x * rsqrt) * (1 + w) in float32, rounded once
+            store(out, i, n * (1.0f + load(weight, i)));
+        } else {  // rounded to the dtype, then weight * it in the dtype
+            T nd;
+            store(&nd, 0, n);
+            store(out, i, load(weight, i) * load(&nd, 0));
+        }
+    }
+}
+
+template <typename T>
+AVX512 void rms_norm_row16(T* xr, const T* residual, T* sr, const T* weight, T* out, int64_t dim, float eps,
+                           bool gemma) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 m = first_lanes(dim - i);
+        __m512 v = load16m(xr + i, m);
+        if (residual) {
+            v = round16<T>(_mm512_add_ps(v, load16m(residual + i, m)));
+            store16m(sr + i, v, m);
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(hsum16(ss) / static_cast<float>(dim) + eps));
+    const T* src = residual ? sr : xr;
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 m = first_lanes(dim - i);
+        const __m512 n = _mm512_mul_ps(load16m(src + i, m), inv), w = load16m(weight + i, m);
+        store16m(out + i, gemma ? _mm512_mul_ps(n, _mm512_add_ps(_mm512_set1_ps(1.0f), w)) : _mm512_mul_ps(w, round16<T>(n)), m);
+    }
+}
+
 template <typename T>
 void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim,
                 float eps, bool gemma, int threads) {
+    static const bool avx512 = cpu_has_avx512();
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 32)
     for (int64_t r = 0; r < rows; ++r) {
-        T* xr = x + r * dim;
         T* sr = sum_out ? sum_out + r * dim : nullptr;
-        // x + residual, rounded to the model dtype as torch's add does, is the row normalised and
-        // (sum_out) the new residual stream.
-        float ss = 0.0f;
-        for (int64_t i = 0; i < dim; ++i) {
-            float v = load(xr, i);
-            if (residual) {
-                v += load(residual + r * dim, i);
-                store(sr, i, v);
-                v = load(sr, i);
-            }
-            ss += v * v;
-        }
-        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
-        const T* src = residual ? sr : xr;
-        for (int64_t i = 0; i < dim; ++i) {
-            const float n = load(src, i) * inv;
-            if (gemma) {  // (x * rsqrt) * (1 + w) in float32, rounded once
-                store(out + r * dim, i, n * (1.0f + load(weight, i)));
-            } else {  // rounded to the dtype, then weight * it in the dtype
-                T nd;
-                store(&nd, 0, n);
-                store(out + r * dim, i, load(weight, i) * load(&nd, 0));
-            }
-        }
+        const T* res = residual ? residual + r * dim : nullptr;
+        if (avx512)
+            rms_norm_row16(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
+        else
+            rms_norm_row(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
     }
 }
 
@@ -790,27 +1086,45 @@ void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t sum_out, uintptr_t weig
 // x1*cos - x2*sin and x2*cos + x1*sin, each product and the sum rounded to the dtype as torch's
 // x * cos + rotate_half(x) * sin rounds them.
 template <typename T>
+void rope_head(T* xh, const T* c, const T* s, int64_t half) {
+    for (int64_t i = 0; i < half; ++i) {
+        const float x1 = load(xh, i), x2 = load(xh, i + half);
+        T a, b, c2, d;
+        store(&a, 0, x1 * load(c, i));
+        store(&b, 0, -x2 * load(s, i));
+        store(&c2, 0, x2 * load(c, i + half));
+        store(&d, 0, x1 * load(s, i + half));
+        store(xh, i, load(&a, 0) + load(&b, 0));
+        store(xh, i + half, load(&c2, 0) + load(&d, 0));
+    }
+}
+
+template <typename T>
+AVX512 void rope_head16(T* xh, const T* c, const T* s, int64_t half) {
+    for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 m = first_lanes(half - i);
+        const __m512 x1 = load16m(xh + i, m), x2 = load16m(xh + i + half, m);
+        const __m512 a = round16<T>(_mm512_mul_ps(x1, load16m(c + i, m)));
+        const __m512 b = round16<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load16m(s + i, m)));
+        const __m512 c2 = round16<T>(_mm512_mul_ps(x2, load16m(c + i + half, m)));
+        const __m512 d = round16<T>(_mm512_mul_ps(x1, load16m(s + i + half, m)));
+        store16m(xh + i, _mm512_add_ps(a, b), m);
+        store16m(xh + i + half, _mm512_add_ps(c2, d), m);
+    }
+}
+
+template <typename T>
 void rope_t(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
             int threads) {
-    const int64_t half = rot / 2;
+    static const bool avx512 = cpu_has_avx512();
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 32)
-    for (int64_t r = 0; r < rows; ++r) {
-        const T* c = cos + r * rot;
-        const T* s = sin + r * rot;
+    for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < heads; ++h) {
-            T* xh = x + r * sr + h * sh;
-            for (int64_t i = 0; i < half; ++i) {
-                const float x1 = load(xh, i), x2 = load(xh, i + half);
-                T a, b, c2, d;
-                store(&a, 0, x1 * load(c, i));
-                store(&b, 0, -x2 * load(s, i));
-                store(&c2, 0, x2 * load(c, i + half));
-                store(&d, 0, x1 * load(s, i + half));
-                store(xh, i, load(&a, 0) + load(&b, 0));
-                store(xh, i + half, load(&c2, 0) + load(&d, 0));
-            }
+            if (avx512)
+                rope_head16(x + r * sr + h * sh, cos + r * rot, sin + r * rot, rot / 2);
+            else
+                rope_head(x + r * sr + h * sh, cos + r * rot, sin + r * rot, rot / 2);
         }
-    }
 }
 
 void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr,
@@ -826,17 +1140,36 @@ void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads
 // out[r, i] = silu(gate[r, i]) * up[r, i] with gate_up = [gate | up] per row: torch's
 // F.silu(gate) * up, its silu rounded to the dtype before the product.
 template <typename T>
+void silu_and_mul_row(const T* g, const T* u, T* out, int64_t dim) {
+    for (int64_t i = 0; i < dim; ++i) {
+        const float x = load(g, i);
+        T act;
+        store(&act, 0, x / (1.0f + std::exp(-x)));
+        store(out, i, load(&act, 0) * load(u, i));
+    }
+}
+
+template <typename T>
+AVX512 void silu_and_mul_row16(const T* g, const T* u, T* out, int64_t dim) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < dim; i += 16) {
+        const __mmask16 m = first_lanes(dim - i);
+        const __m512 x = load16m(g + i, m);
+        const __m512 act = round16<T>(_mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+        store16m(out + i, _mm512_mul_ps(act, load16m(u + i, m)), m);
+    }
+}
+
+template <typename T>
 void silu_and_mul_t(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads) {
+    static const bool avx512 = cpu_has_avx512();
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 32)
     for (int64_t r = 0; r < rows; ++r) {
         const T* g = gate_up + r * 2 * dim;
-        const T* u = g + dim;
-        for (int64_t i = 0; i < dim; ++i) {
-            const float x = load(g, i);
-            T act;
-            store(&act, 0, x / (1.0f + std::exp(-x)));
-            store(out + r * dim, i, load(&act, 0) * load(u, i));
-        }
+        if (avx512)
+            silu_and_mul_row16(g, g + dim, out + r * dim, dim);
+        else
+            silu_and_mul_row(g, g + dim, out + r * dim, dim);
     }
 }
 
@@ -872,7 +1205,7 @@ PYBIND11_MODULE(_kernels, m) {
           py::arg("positions"), py::arg("out"), py::arg("rows"), py::arg("heads"), py::arg("kv_heads"),
           py::arg("head_dim"), py::arg("block_size"), py::arg("num_blocks"), py::arg("num_tables"),
           py::arg("table_stride"), py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("bf16"),
-          py::arg("threads"),
+          py::arg("amx"), py::arg("threads"),
           "Each query row over its paged K/V: q [rows,h,d] (rows q_row_stride apart), out [rows,h,d], pools "
           "[slots,kvh,d], tables int64 [num_tables,stride], row_table int64 [rows] (the row's table), positions "
           "int64 [rows] (the query's position; keys 0..pos, or the last `window`).");

@@ -171,32 +171,51 @@ def test_decode_attention_matches_reference(dtype, tol, window, cap):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("window,cap,d", [(None, None, 64), (7, None, 16), (None, 30.0, 16), (None, None, 8)])
-def test_paged_attention_rows_do_not_depend_on_the_call(dtype, tol, window, cap, d):
+@pytest.mark.parametrize(
+    "window,cap,d,bs",
+    [
+        (None, None, 64, 4),
+        (None, None, 64, 16),
+        (7, 30.0, 128, 16),
+        (7, None, 16, 4),
+        (None, 30.0, 16, 4),
+        (None, None, 8, 4),
+    ],
+)
+@pytest.mark.parametrize("tiles", [False, True], ids=["avx512", "amx"])
+def test_paged_attention_rows_do_not_depend_on_the_call(dtype, tol, window, cap, d, bs, tiles):
     """Rows of prefill chunks (many rows on one table, in blocks) and decode rows (one per table):
     each row's output has the same bits alone as in any call, and matches the float64 reference.
-    d=8 takes the scalar path, the others the AVX-512 blocks."""
+    d=8 takes the scalar path, the others the AVX-512 blocks: blocks of few query vectors one
+    vector at a time, larger ones 16 vectors at a time (attend_vectors / attend_lanes), which must
+    agree bit for bit. With `tiles`, bf16 scores of d=64/128 come from the AMX tile unit, read from
+    the pool in place (block size 16) or staged (block size 4)."""
+    if tiles and not cpu_kernels.amx_available():
+        pytest.skip("this CPU has no AMX-BF16 (or MINISGL_AMX=0)")
     g = _gen(21)
-    h, kvh, bs, pool = 6, 2, 4, 64
+    h, kvh, pool = 6, 2, 64
     k = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
     v = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
-    tables = torch.stack([torch.randperm(pool, generator=g)[:12] for _ in range(3)])
+    nb = -(-45 // bs)
+    tables = torch.stack([torch.randperm(pool, generator=g)[:nb] for _ in range(3)])
     # 37 rows of a chunk on table 0 at positions 3..39, then decode rows on tables 1 and 2
     row_table = torch.tensor([0] * 37 + [1, 2])
     pos = torch.cat([torch.arange(3, 40), torch.tensor([17, 44])])
     q = torch.randn(39, h, d, generator=g).to(dtype)
     scale = d**-0.5
-    out = cpu_kernels.paged_attention(q, k, v, tables, row_table, pos, scale, window, cap)
-    for r in (0, 15, 16, 17, 36, 37, 38):
-        alone = cpu_kernels.paged_attention(
-            q[r : r + 1], k, v, tables, row_table[r : r + 1], pos[r : r + 1], scale, window, cap
+
+    def attend(rows: slice) -> torch.Tensor:
+        return cpu_kernels.paged_attention(
+            q[rows], k, v, tables, row_table[rows], pos[rows], scale, window, cap, tiles=tiles
         )
-        assert torch.equal(alone, out[r : r + 1]), f"row {r} alone differs from the batched call"
+
+    out = attend(slice(None))
+    for r in (0, 15, 16, 17, 36, 37, 38):
+        assert torch.equal(attend(slice(r, r + 1)), out[r : r + 1]), (
+            f"row {r} alone differs from the batched call"
+        )
     # a shifted chunk (rows 5.. of the same chunk first in the call) gives the same bits
-    assert torch.equal(
-        cpu_kernels.paged_attention(q[5:37], k, v, tables, row_table[5:37], pos[5:37], scale, window, cap),
-        out[5:37],
-    )
+    assert torch.equal(attend(slice(5, 37)), out[5:37])
     ref = _attention_reference(q, k, v, tables[row_table], pos, bs, scale, window, cap)
     assert (out.double() - ref).abs().max() < tol
 

@@ -130,6 +130,7 @@ def paged_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    tiles: bool | None = None,
 ) -> torch.Tensor | None:
     """Each query row over its paged K/V, read in place: q [N, h, d]; k_pool/v_pool [num_blocks,
     block_size, kvh, d]; tables [T, nb] block ids; row_table [N] which table a row reads; positions
@@ -137,7 +138,9 @@ def paged_attention(
     already be in the cache). Returns [N, h, d], or None where the kernel cannot run (the caller
     keeps its torch path). A row's bits depend only on its query, position and keys, never on the
     other rows (csrc/cpu_kernels.cpp, attend_block). IndexError (from the native bounds check) if a
-    row's table, position or block id lies outside the tables or the pool."""
+    row's table, position or block id lies outside the tables or the pool. tiles: score bf16 rows on
+    the AMX tile unit (None: where amx_available(); False keeps the AVX-512 scorer, whose bits differ,
+    as on a CPU without AMX)."""
     if not attention_runs(q, k_pool, v_pool):
         return None
     n, h, d = q.shape
@@ -170,6 +173,7 @@ def paged_attention(
         softcap or 0.0,
         window or 0,
         q.dtype == torch.bfloat16,
+        _AMX if tiles is None else tiles and _AMX,
         torch.get_num_threads(),
     )
     return out
