@@ -719,6 +719,9 @@ AVX512 inline __mmask16 sees(__m512i first, __m512i last, int64_t key) {  // the
     return static_cast<__mmask16>(_mm512_cmple_epi32_mask(first, k) & _mm512_cmple_epi32_mask(k, last));
 }
 
+// Blocks of at least this many query vectors (rows x heads of the group) take attend_lanes.
+constexpr int64_t LANES_FROM = 8;
+
 // Scores on the tile unit (bf16, head_dim a multiple of 32, AMX): tmm0 the scores of 16 keys (rows)
 // x 16 query vectors, tmm1 the 16 keys' 32 dims of one k-step, tmm2 that k-step's query pairs.
 AMX void configure_score_tiles() {
@@ -780,12 +783,15 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
                          const BlockKeys& b, bool amx, AttnScratch& w) {
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16, vectors = rows * g;
     const int64_t lo = b.lo, keys = b.hi - lo + 1, base = lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base;
+    // Few vectors (decode rows on the tile unit) sum V one vector at a time, as attend_vectors does;
+    // many share float32 copies of K (for lane_scores) and V.
+    const bool few = vectors < LANES_FROM;
     if (!amx) w.kf.resize(static_cast<size_t>(keys * d));
-    w.vf.resize(static_cast<size_t>(keys * d));
-    for (int64_t j = 0; j < keys; ++j)
+    if (!few) w.vf.resize(static_cast<size_t>(keys * d));
+    for (int64_t j = 0; j < keys && !(amx && few); ++j)
         for (int64_t c = 0; c < chunks; ++c) {
             if (!amx) _mm512_storeu_ps(w.kf.data() + j * d + c * 16, load16(kpool + w.offsets[j] + kvh * d + c * 16));
-            _mm512_storeu_ps(w.vf.data() + j * d + c * 16, load16(vpool + w.offsets[j] + kvh * d + c * 16));
+            if (!few) _mm512_storeu_ps(w.vf.data() + j * d + c * 16, load16(vpool + w.offsets[j] + kvh * d + c * 16));
         }
     w.q.resize(static_cast<size_t>(d * 16));
     w.scores.resize(static_cast<size_t>(span * 16));
@@ -853,6 +859,26 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         const __m512 inv = _mm512_maskz_div_ps(used, one, vsum16(part));
         for (int64_t key = lo; key <= b.hi; ++key)
             _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), inv));
+        if (few) {  // lane l's output as attend_vectors sums it: keys in its range, in key order
+            w.acc.assign(static_cast<size_t>(n * d), 0.0f);
+            __m512 c16[16];
+            for (int64_t key = lo; key <= b.hi; ++key) {
+                const T* vp = vpool + w.offsets[key - lo] + kvh * d;
+                for (int64_t c = 0; c < chunks; ++c) c16[c] = load16(vp + c * 16);
+                for (int64_t l = 0; l < n; ++l) {
+                    if (key < firsts[l] || key > lasts[l]) continue;
+                    const __m512 p = _mm512_set1_ps(sc[key * 16 + l]);
+                    float* al = w.acc.data() + l * d;
+                    for (int64_t c = 0; c < chunks; ++c)
+                        _mm512_storeu_ps(al + c * 16, _mm512_fmadd_ps(p, c16[c], _mm512_loadu_ps(al + c * 16)));
+                }
+            }
+            for (int64_t l = 0; l < n; ++l) {
+                const int64_t r = (v0 + l) / g, h = (v0 + l) % g;
+                for (int64_t i = 0; i < d; ++i) store(out + r * s.heads * d, (kvh * g + h) * d + i, w.acc[l * d + i]);
+            }
+            continue;
+        }
         alignas(64) float tile[16][16];
         for (int64_t c = 0; c < chunks; ++c) {
             __m512 acc[16];
@@ -870,9 +896,6 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         }
     }
 }
-
-// Blocks of at least this many query vectors (rows x heads of the group) take attend_lanes.
-constexpr int64_t LANES_FROM = 8;
 
 template <typename T>
 AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
