@@ -12,8 +12,11 @@
 // - paged_attention: every query row over its paged K/V in place (no gather of every row's context
 //   into a fresh tensor per layer), OpenMP over (block of rows, KV head); a row's bits do not depend
 //   on the other rows, so it serves decode rows, and in the batch-invariant forward every row.
+//   Prefill blocks take 16 query vectors per register (attend_lanes); bf16 scores come from the AMX
+//   tile unit where the CPU has it (amx_scores).
 // - rms_norm (with the residual add fused), rope, silu_and_mul: one pass per row instead of 2-8
-//   torch ops, each of which costs more in dispatch than in arithmetic at decode sizes.
+//   torch ops, each of which costs more in dispatch than in arithmetic at decode sizes; 16
+//   elements at a time on AVX-512.
 //
 // Built without torch headers: tensors arrive as data pointers plus shapes checked on the Python side
 // (minisgl_backend/model/cpu_kernels.py). OpenMP is the same libgomp torch loads (one soname, one
@@ -541,11 +544,12 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
 // used by every query row and head of the group.
 //
 // Every query's arithmetic is the same whatever block it is in: its scores are one dot product per
-// key (16-wide FMAs over head_dim, then a fixed reduction), its softmax runs over 16-key tiles
-// aligned to absolute key positions (so which lane a key falls in depends on the key alone), and its
-// output sums the keys in key order. A row's bits thus depend only on its query, its position and
-// the cached keys: not on the other rows of the call, the block sizes, the chunking or whether it is
-// a decode or a prefill row. That is what lets the batch-invariant forward use it for every row.
+// key (16-wide FMAs over head_dim, then a fixed reduction; or the tile unit's, on every block of the
+// machine), its softmax sums by absolute key position mod 16 (so which lane a key falls in depends on
+// the key alone), and its output sums the keys in key order. A row's bits thus depend only on its
+// query, its position and the cached keys: not on the other rows of the call, the block sizes, the
+// chunking, whether it is a decode or a prefill row or which of attend_vectors / attend_lanes ran.
+// That is what lets the batch-invariant forward use it for every row.
 constexpr int64_t ATTN_BLOCK = 16;
 
 template <typename T>

@@ -1,0 +1,121 @@
+"""Micro-benchmark of paged attention: the native kernel on each of its scorers, and SDPA beside it.
+
+    python scripts/bench_attention.py [--threads 1] [--dtype bfloat16]
+
+SmolLM2's attention shape (9 heads, 3 KV heads, head_dim 64, block size 16) over a paged pool with
+shuffled blocks. Prints one JSON line per case, milliseconds per layer, best of 5 (the calling
+thread's CPU time at one thread, wall time otherwise):
+
+- prefill chunks (`start` cached tokens, then `rows` new ones): `paged_attention` with the AMX
+  scorer (where the CPU has it) and the AVX-512 one (`tiles=False`), against SDPA on the context
+  gathered from the pool, as the default forward runs it;
+- decode rows (`batch` rows at `context` keys each): the same two scorers.
+
+The figures behind README "Speed"'s attention numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from minisgl_backend.model import cpu_kernels
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def best_of(fn, clock) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        t, reps = clock(), 0
+        while True:
+            fn()
+            reps += 1
+            if clock() - t > 0.1:
+                break
+        best = min(best, (clock() - t) / reps)
+    return best
+
+
+def pool(blocks: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def sdpa_chunk(q, k, v, table, start, ctx) -> torch.Tensor:
+    kr = k[table].reshape(-1, KV_HEADS, HEAD_DIM)[:ctx].transpose(0, 1)[None]
+    vr = v[table].reshape(-1, KV_HEADS, HEAD_DIM)[:ctx].transpose(0, 1)[None]
+    mask = torch.ones(q.shape[0], ctx, dtype=torch.bool).tril(start) if start else None
+    qr = q.transpose(0, 1)[None]
+    return F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    a = ap.parse_args()
+    if not cpu_kernels.available():
+        raise SystemExit(
+            "the native kernels do not run here (not built, MINISGL_CPU_KERNELS=0 or no AVX-512)"
+        )
+    torch.set_num_threads(a.threads)
+    clock = time.thread_time if a.threads == 1 else time.perf_counter
+    dtype = getattr(torch, a.dtype)
+    g = torch.Generator().manual_seed(0)
+    scale = HEAD_DIM**-0.5
+    scorers = {"avx512": False} | (
+        {"amx": True} if cpu_kernels.amx_available() and a.dtype == "bfloat16" else {}
+    )
+    for start, rows in [(0, 256), (256, 256), (0, 512)]:
+        ctx = start + rows
+        nb = -(-ctx // BLOCK)
+        k, v = pool(nb + 4, dtype, g)
+        table = torch.randperm(nb + 4, generator=g)[:nb]
+        q = torch.randn(rows, HEADS, HEAD_DIM, generator=g).to(dtype)
+        row_table, pos = torch.zeros(rows, dtype=torch.int64), torch.arange(start, ctx)
+        fns = {
+            name: functools.partial(
+                cpu_kernels.paged_attention, q, k, v, table[None], row_table, pos, scale, None, None, tiles=t
+            )
+            for name, t in scorers.items()
+        }
+        fns["sdpa_gathered"] = functools.partial(sdpa_chunk, q, k, v, table, start, ctx)
+        ms = {name: round(best_of(fn, clock) * 1e3, 3) for name, fn in fns.items()}
+        print(json.dumps({"case": "prefill", "start": start, "rows": rows, "threads": a.threads, "ms": ms}))
+    for batch, context in [(1, 160), (8, 160), (32, 160), (32, 512)]:
+        nb = -(-context // BLOCK)
+        k, v = pool(batch * nb + 4, dtype, g)
+        tables = torch.randperm(batch * nb + 4, generator=g)[: batch * nb].view(batch, nb)
+        q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)
+        pos = torch.full((batch,), context - 1)
+        fns = {
+            name: functools.partial(
+                cpu_kernels.paged_attention,
+                q,
+                k,
+                v,
+                tables,
+                torch.arange(batch),
+                pos,
+                scale,
+                None,
+                None,
+                tiles=t,
+            )
+            for name, t in scorers.items()
+        }
+        ms = {name: round(best_of(fn, clock) * 1e3, 3) for name, fn in fns.items()}
+        print(
+            json.dumps({"case": "decode", "batch": batch, "context": context, "threads": a.threads, "ms": ms})
+        )
+
+
+if __name__ == "__main__":
+    main()
