@@ -626,35 +626,16 @@ inline BlockKeys block_keys(const int64_t* table, const int64_t* pos, int64_t ro
     return b;
 }
 
-// One query vector at a time (lanes = 16 dims of head_dim): for blocks of few query vectors (decode).
+// The softmax and the sum over V of rows x g query vectors whose scores lie in w.scores, [vector][span]
+// from key `base` (attend_vectors', or the tile unit's for few vectors): one vector at a time, 16 keys
+// per lane tile, and the keys' V rows once per block.
 template <typename T>
-AVX512 void attend_vectors(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
-                           const int64_t* pos, int64_t kvh, T* out, const AttnShape& s, const BlockKeys& b,
-                           AttnScratch& w) {
+AVX512 void softmax_and_sum(const T* vpool, int64_t rows, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
+                            const BlockKeys& b, AttnScratch& w) {
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16;
-    const int64_t lo = b.lo, hi = b.hi, base = lo / 16 * 16, span = (hi / 16 + 1) * 16 - base;  // 16-key tiles
-    w.q.resize(static_cast<size_t>(rows * g * d));
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t h = 0; h < g; ++h)
-            for (int64_t i = 0; i < d; ++i) w.q[(r * g + h) * d + i] = load(q + r * q_stride, (kvh * g + h) * d + i);
-    w.scores.assign(static_cast<size_t>(rows * g * span), 0.0f);
+    const int64_t lo = b.lo, hi = b.hi, base = lo / 16 * 16, span = (hi / 16 + 1) * 16 - base;
     w.acc.assign(static_cast<size_t>(rows * g * d), 0.0f);
     __m512 c16[16];
-    for (int64_t key = lo; key <= hi; ++key) {
-        const T* kp = kpool + w.offsets[key - lo] + kvh * d;
-        for (int64_t c = 0; c < chunks; ++c) c16[c] = load16(kp + c * 16);
-        for (int64_t r = 0; r < rows; ++r) {
-            if (key < b.first[r] || key > pos[r]) continue;
-            for (int64_t h = 0; h < g; ++h) {
-                const float* qh = w.q.data() + (r * g + h) * d;
-                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qh), c16[0]);
-                for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c * 16), c16[c], dot);
-                float sc = hsum16(dot) * s.scale;
-                if (s.softcap > 0.0f) sc = s.softcap * std::tanh(sc / s.softcap);
-                w.scores[(r * g + h) * span + key - base] = sc;
-            }
-        }
-    }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t t0 = b.first[r] / 16 * 16, t1 = pos[r] / 16 * 16;
         const auto lanes = [&](int64_t t) {  // the tile's keys in [first, pos]
@@ -672,7 +653,7 @@ AVX512 void attend_vectors(const T* q, int64_t q_stride, int64_t rows, const T* 
                 _mm512_storeu_ps(sh + t, e);
                 sum = _mm512_add_ps(sum, e);  // lane j: keys j mod 16, in key order
             }
-            const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_set1_ps(hsum16(sum)));
+            const __m512 inv = _mm512_set1_ps(1.0f / hsum16(sum));
             for (int64_t t = t0; t <= t1; t += 16) _mm512_storeu_ps(sh + t, _mm512_mul_ps(_mm512_loadu_ps(sh + t), inv));
         }
     }
@@ -693,6 +674,38 @@ AVX512 void attend_vectors(const T* q, int64_t q_stride, int64_t rows, const T* 
         for (int64_t h = 0; h < g; ++h)
             for (int64_t i = 0; i < d; ++i)
                 store(out + r * s.heads * d, (kvh * g + h) * d + i, w.acc[(r * g + h) * d + i]);
+}
+
+
+// One query vector at a time (lanes = 16 dims of head_dim): for blocks of few query vectors (decode).
+template <typename T>
+AVX512 void attend_vectors(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
+                           const int64_t* pos, int64_t kvh, T* out, const AttnShape& s, const BlockKeys& b,
+                           AttnScratch& w) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16;
+    const int64_t lo = b.lo, hi = b.hi, base = lo / 16 * 16, span = (hi / 16 + 1) * 16 - base;  // 16-key tiles
+    w.q.resize(static_cast<size_t>(rows * g * d));
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < g; ++h)
+            for (int64_t i = 0; i < d; ++i) w.q[(r * g + h) * d + i] = load(q + r * q_stride, (kvh * g + h) * d + i);
+    w.scores.assign(static_cast<size_t>(rows * g * span), 0.0f);
+    __m512 c16[16];
+    for (int64_t key = lo; key <= hi; ++key) {
+        const T* kp = kpool + w.offsets[key - lo] + kvh * d;
+        for (int64_t c = 0; c < chunks; ++c) c16[c] = load16(kp + c * 16);
+        for (int64_t r = 0; r < rows; ++r) {
+            if (key < b.first[r] || key > pos[r]) continue;
+            for (int64_t h = 0; h < g; ++h) {
+                const float* qh = w.q.data() + (r * g + h) * d;
+                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qh), c16[0]);
+                for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c * 16), c16[c], dot);
+                float sc = hsum16(dot) * s.scale;
+                if (s.softcap > 0.0f) sc = s.softcap * std::tanh(sc / s.softcap);
+                w.scores[(r * g + h) * span + key - base] = sc;
+            }
+        }
+    }
+    softmax_and_sum<T>(vpool, rows, pos, kvh, out, s, b, w);
 }
 
 // Scores of 16 query vectors (lanes; qt holds them transposed, [head_dim][16]) against KEYS keys
@@ -787,8 +800,8 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
                          const BlockKeys& b, bool amx, AttnScratch& w) {
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16, vectors = rows * g;
     const int64_t lo = b.lo, keys = b.hi - lo + 1, base = lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base;
-    // Few vectors (decode rows on the tile unit) sum V one vector at a time, as attend_vectors does;
-    // many share float32 copies of K (for lane_scores) and V.
+    // Few vectors (decode rows on the tile unit) take their scores from the unit and the rest from
+    // attend_vectors' softmax_and_sum; many share float32 copies of K (for lane_scores) and V.
     const bool few = vectors < LANES_FROM;
     if (!amx) w.kf.resize(static_cast<size_t>(keys * d));
     if (!few) w.vf.resize(static_cast<size_t>(keys * d));
@@ -825,6 +838,20 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         float* sc = w.scores.data() - base * 16;  // sc[key * 16 + lane]
         const __m512 scale = _mm512_set1_ps(s.scale);
         if constexpr (std::is_same_v<T, uint16_t>) {
+            if (amx && few) {  // one vector at a time from here on, as attend_vectors: [vector][span]
+                w.kf.resize(static_cast<size_t>(span * 16));
+                amx_scores(kpool, table, s, kvh, lo, b.hi, reinterpret_cast<const uint32_t*>(w.q.data()),
+                           w.kf.data(), w.stage.data());
+                w.scores.assign(static_cast<size_t>(n * span), 0.0f);
+                for (int64_t l = 0; l < n; ++l)
+                    for (int64_t key = std::max<int64_t>(lo, firsts[l]); key <= lasts[l]; ++key) {
+                        float v = w.kf[(key - base) * 16 + l] * s.scale;
+                        if (s.softcap > 0.0f) v = s.softcap * std::tanh(v / s.softcap);
+                        w.scores[l * span + key - base] = v;
+                    }
+                softmax_and_sum<T>(vpool, rows, pos, kvh, out, s, b, w);
+                return;
+            }
             if (amx) {
                 amx_scores(kpool, table, s, kvh, lo, b.hi, reinterpret_cast<const uint32_t*>(w.q.data()),
                            w.scores.data(), w.stage.data());
@@ -863,26 +890,6 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         const __m512 inv = _mm512_maskz_div_ps(used, one, vsum16(part));
         for (int64_t key = lo; key <= b.hi; ++key)
             _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), inv));
-        if (few) {  // lane l's output as attend_vectors sums it: keys in its range, in key order
-            w.acc.assign(static_cast<size_t>(n * d), 0.0f);
-            __m512 c16[16];
-            for (int64_t key = lo; key <= b.hi; ++key) {
-                const T* vp = vpool + w.offsets[key - lo] + kvh * d;
-                for (int64_t c = 0; c < chunks; ++c) c16[c] = load16(vp + c * 16);
-                for (int64_t l = 0; l < n; ++l) {
-                    if (key < firsts[l] || key > lasts[l]) continue;
-                    const __m512 p = _mm512_set1_ps(sc[key * 16 + l]);
-                    float* al = w.acc.data() + l * d;
-                    for (int64_t c = 0; c < chunks; ++c)
-                        _mm512_storeu_ps(al + c * 16, _mm512_fmadd_ps(p, c16[c], _mm512_loadu_ps(al + c * 16)));
-                }
-            }
-            for (int64_t l = 0; l < n; ++l) {
-                const int64_t r = (v0 + l) / g, h = (v0 + l) % g;
-                for (int64_t i = 0; i < d; ++i) store(out + r * s.heads * d, (kvh * g + h) * d + i, w.acc[l * d + i]);
-            }
-            continue;
-        }
         alignas(64) float tile[16][16];
         for (int64_t c = 0; c < chunks; ++c) {
             __m512 acc[16];
