@@ -676,7 +676,6 @@ AVX512 void softmax_and_sum(const T* vpool, int64_t rows, const int64_t* pos, in
                 store(out + r * s.heads * d, (kvh * g + h) * d + i, w.acc[(r * g + h) * d + i]);
 }
 
-
 // One query vector at a time (lanes = 16 dims of head_dim): for blocks of few query vectors (decode).
 template <typename T>
 AVX512 void attend_vectors(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,

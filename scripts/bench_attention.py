@@ -23,24 +23,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench_linear import best_of  # scripts/ is sys.path[0] when run as a script
 
 from minisgl_backend.model import cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-
-
-def best_of(fn, clock) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(5):
-        t, reps = clock(), 0
-        while True:
-            fn()
-            reps += 1
-            if clock() - t > 0.1:
-                break
-        best = min(best, (clock() - t) / reps)
-    return best
 
 
 def pool(blocks: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
