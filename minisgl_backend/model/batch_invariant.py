@@ -264,6 +264,9 @@ class BatchInvariantForward:
         ropes = [
             (cos[batch.positions].to(x.dtype), sin[batch.positions].to(x.dtype)) for cos, sin in self.tables
         ]
+        stack = model.decode_stack(kv)
+        if stack is not None and stack.runs(batch):
+            return model.logits(stack(x, ropes, batch)[batch.logits_index])
         scratch: Scratch = {}
 
         def attend_layer(attn: Attention, h: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from minisgl_backend.errors import ConfigError
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.decode_stack import DecodeStack
 from minisgl_backend.model.rope import RopeSpec, Rotary, apply_rotary
 
 if TYPE_CHECKING:
@@ -495,11 +496,20 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         # Set by model.batch_invariant.enable(): the deterministic forward pass (None = default path).
         self.batch_invariant: BatchInvariantForward | None = None
+        self._stack: tuple[KVCache, DecodeStack | None] | None = None  # decode_stack()'s, for one pool
         self.tie_weights()
+
+    def decode_stack(self, kv: KVCache) -> DecodeStack | None:
+        """The native stack of every layer over `kv` for decode-only batches (model/decode_stack.py),
+        built on first use; None where this model is not one it runs."""
+        if self._stack is None or self._stack[0] is not kv:
+            self._stack = (kv, DecodeStack(self, kv) if DecodeStack.supports(self, kv, Linear) else None)
+        return self._stack[1]
 
     def quantize_int8(self) -> None:
         """`weight_dtype: int8`: every linear layer, the LM head included (untied from the embedding,
         which stays exact), holds int8 weights for decode (see Linear.quantize_int8)."""
+        self._stack = None  # it points into the weights being replaced
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quantize_int8()
@@ -508,6 +518,7 @@ class CausalLM(nn.Module):
         """Pack every linear layer's weight for the AMX kernel (Linear.pack); returns how many took it
         (0 without AMX, or for a model that is not bf16 on the CPU). Costs one more copy of those
         weights in memory: F.linear paths and the tied embedding keep reading the original."""
+        self._stack = None  # it points into the packs being replaced
         return sum(module.pack() for module in self.modules() if isinstance(module, Linear))
 
     def tie_weights(self) -> None:
@@ -532,6 +543,9 @@ class CausalLM(nn.Module):
         m = self.model
         x = self.embed(batch.input_ids)
         ropes = [rotary(batch.positions, x.dtype) for rotary in m.rotary]
+        stack = self.decode_stack(kv)
+        if stack is not None and stack.runs(batch):
+            return self.logits(stack(x, ropes, batch)[batch.logits_index])
         # Masks are built once per window size and shared by every layer with that window.
         masks = {}
         for w in {layer.self_attn.window for layer in m.layers}:

@@ -1,0 +1,161 @@
+"""Every layer of a decode-only batch in one native call (csrc/cpu_kernels.cpp, DecodeStack).
+
+A decode step runs ~11 kernels per layer, and at batch 1-32 on a 2-core CPU the Python around them
+(wrappers, views, module calls, small torch ops) took 10-14 ms of a 20-55 ms SmolLM2 step (measured,
+README "Speed"). For a batch of decode rows only, the stack runs the same kernels on the same
+operands in the same order from one call, so its bits are the layer-by-layer forward's
+(tests/test_decode_stack.py); prefill and mixed batches keep the layer loop.
+
+It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels, a
+Llama-style block (not Gemma's; no q/k norm), SiLU, and every linear packed for the AMX kernel (any
+row count) or, without AMX, batches of up to cpu_kernels.MAX_KERNEL_ROWS rows (the few-row kernel).
+The default and the batch-invariant forward both use it: each passes its own RoPE tables.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.model import cpu_kernels
+
+if TYPE_CHECKING:
+    from minisgl_backend.model.llama import CausalLM, ForwardBatch, Linear
+
+
+class DecodeStack:
+    """The native stack of one model over one KV pool. It holds raw pointers into the model's
+    weights and the pool: build it again after changing either (CausalLM.decode_stack does)."""
+
+    def __init__(self, model: CausalLM, kv: KVCache) -> None:
+        s = model.spec
+        attn = model.model.layers[0].self_attn
+        self.kv = kv
+        self.packed = all(lin.packed is not None for lin in _linears(model))
+        self._keep: list[torch.Tensor] = []  # every tensor the native object points into
+        self._native = cpu_kernels._native.DecodeStack(
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            s.hidden_size,
+            s.intermediate_size,
+            s.rms_norm_eps,
+            attn.scale,
+            attn.softcap or 0.0,
+            kv.block_size,
+            kv.num_blocks,
+            cpu_kernels.amx_available(),
+        )
+        for layer in model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self._native.add_layer(
+                self._linear(a.qkv_proj),
+                self._linear(a.o_proj),
+                self._linear(mlp.gate_up_proj),
+                self._linear(mlp.down_proj),
+                self._ptr(layer.input_layernorm.weight),
+                self._ptr(layer.post_attention_layernorm.weight),
+                self._ptr(kv.k[a.layer_id]),
+                self._ptr(kv.v[a.layer_id]),
+                a.window or 0,
+                a.rope_index,
+            )
+
+    @staticmethod
+    def supports(model: CausalLM, kv: KVCache, linear: type) -> bool:
+        """Whether every layer of `model` is one the stack runs, over this pool (decided by the
+        model and the machine alone: the same for every batch). `linear`: the class whose forward
+        the stack reproduces (model/llama.py's Linear; a subclass, such as the batch-invariant
+        TiledLinear, runs other kernels)."""
+        s = model.spec
+        w = model.lm_head.weight
+        return (
+            cpu_kernels.available()
+            and w.device.type == "cpu"
+            and w.dtype == torch.bfloat16
+            and not s.gemma
+            and not s.qk_norm
+            and s.hidden_act == "silu"
+            and s.head_dim % 16 == 0
+            and s.head_dim <= 256
+            and kv.k[0].dtype == torch.bfloat16
+            and all(kv.k[i].is_contiguous() and kv.v[i].is_contiguous() for i in range(s.num_layers))
+            and all(type(lin) is linear and _native_ready(lin) for lin in _linears(model))
+        )
+
+    def runs(self, batch: ForwardBatch) -> bool:
+        """Whether this batch takes the stack: decode rows only, and a row count every linear's
+        kernel takes."""
+        n = batch.input_ids.shape[0]
+        return (
+            n > 0
+            and batch.num_decode == n
+            and not batch.prefill_chunks
+            and (self.packed or n <= cpu_kernels.MAX_KERNEL_ROWS)
+        )
+
+    def __call__(
+        self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch
+    ) -> torch.Tensor:
+        """The residual stream after the last layer, for x = the embeddings of batch's rows and
+        ropes = (cos, sin) [n, 1, rot] per RoPE of the model, in the model dtype."""
+        n = x.shape[0]
+        x = x.contiguous()
+        mlp_out = torch.empty_like(x)
+        cos = [c.reshape(n, -1).contiguous() for c, _ in ropes]
+        sin = [s.reshape(n, -1).contiguous() for _, s in ropes]
+        tables = batch.decode_block_tables.to(torch.int64).contiguous()
+        positions = batch.positions[:n].to(torch.int64).contiguous()
+        slots = batch.slot_mapping.to(torch.int64).contiguous()
+        self._native.run(
+            x.data_ptr(),
+            mlp_out.data_ptr(),
+            n,
+            positions.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            [c.data_ptr() for c in cos],
+            [s.data_ptr() for s in sin],
+            [c.shape[1] for c in cos],
+            torch.get_num_threads(),
+        )
+        return x + mlp_out
+
+    def _ptr(self, t: torch.Tensor | None) -> int:
+        if t is None:
+            return 0
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _linear(self, lin: Linear):
+        n, k = lin.weight.shape
+        return cpu_kernels._native.StackLinear(
+            self._ptr(lin.weight),
+            self._ptr(lin.packed),
+            self._ptr(lin.bias),
+            self._ptr(lin.qweight),
+            self._ptr(lin.qscale),
+            n,
+            k,
+        )
+
+
+def _linears(model: CausalLM) -> list[Linear]:
+    out = []
+    for layer in model.model.layers:
+        out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    return out
+
+
+def _native_ready(lin: Linear) -> bool:
+    """What the native linears read: contiguous bf16 weight and bias (int8 weights and float32
+    scales where quantized)."""
+    return (
+        lin.weight.dtype == torch.bfloat16
+        and lin.weight.is_contiguous()
+        and (lin.bias is None or (lin.bias.dtype == torch.bfloat16 and lin.bias.is_contiguous()))
+        and (lin.qweight is None or (lin.qweight.is_contiguous() and lin.qscale.dtype == torch.float32))
+    )

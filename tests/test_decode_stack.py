@@ -1,0 +1,145 @@
+"""The native decode stack (model/decode_stack.py) against the layer-by-layer forward it replaces:
+the same logits and the same K/V written, bit for bit, on tiny random-weight bf16 models, for packed
+(AMX), unpacked (few-row kernel), int8 and batch-invariant models; batches it does not take fall
+back to the layer loop. Skipped where the native kernels do not run (no AVX-512 or not built)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl_backend.iteration import PrefillChunk
+from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.model import batch_invariant, cpu_kernels
+from minisgl_backend.model.llama import CausalLM, ForwardBatch, ModelSpec
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason="minisgl_backend._kernels not built, disabled, or this CPU lacks AVX-512",
+)
+
+BLOCK, BLOCKS_PER_SEQ = 16, 4
+CONTEXTS = [5, 17, 30, 9, 23]  # prompt lengths of the sequences that then decode together
+
+
+def _spec(**over) -> ModelSpec:
+    base = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+    )
+    return ModelSpec(**(base | over))
+
+
+def _model(spec: ModelSpec, mode: str) -> CausalLM:
+    torch.manual_seed(0)
+    model = CausalLM(spec)
+    with torch.no_grad():
+        for p in model.parameters():  # norm weights too: away from the all-ones init
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    model = model.to(torch.bfloat16)
+    if mode == "int8":
+        model.quantize_int8()
+    if mode != "unpacked":
+        model.pack_weights()
+    if mode == "deterministic":
+        batch_invariant.enable(model)
+    return model
+
+
+def _prefilled(model: CausalLM, rows: int) -> tuple[KVCache, torch.Tensor]:
+    s = model.spec
+    kv = KVCache(
+        s.num_layers, rows * BLOCKS_PER_SEQ, BLOCK, s.num_kv_heads, s.head_dim, torch.bfloat16, "cpu"
+    )
+    tables = torch.randperm(rows * BLOCKS_PER_SEQ, generator=torch.Generator().manual_seed(1)).view(rows, -1)
+    g = torch.Generator().manual_seed(2)
+    for r in range(rows):
+        n = CONTEXTS[r]
+        pos = torch.arange(n)
+        slots = tables[r][pos // BLOCK] * BLOCK + pos % BLOCK
+        chunk = PrefillChunk(0, n, n, tables[r][: -(-n // BLOCK)])
+        ids = torch.randint(0, s.vocab_size, (n,), generator=g)
+        model(ForwardBatch(ids, pos, slots, 0, None, None, (chunk,), pos[-1:]), kv)
+    return kv, tables
+
+
+def _decode_batch(tables: torch.Tensor, step: int, seed: int) -> ForwardBatch:
+    rows = tables.shape[0]
+    pos = torch.tensor(CONTEXTS[:rows]) + step
+    nb = int(pos.max()) // BLOCK + 1
+    keys = torch.arange(nb * BLOCK)
+    mask = (keys[None, :] <= pos[:, None])[:, None, None, :]
+    slots = tables[torch.arange(rows), pos // BLOCK] * BLOCK + pos % BLOCK
+    ids = torch.randint(0, 96, (rows,), generator=torch.Generator().manual_seed(seed))
+    return ForwardBatch(ids, pos, slots, rows, tables[:, :nb].contiguous(), mask, (), torch.arange(rows))
+
+
+def _copy(kv: KVCache) -> KVCache:
+    twin = KVCache(len(kv.k), kv.num_blocks, kv.block_size, *kv.k[0].shape[2:], kv.k[0].dtype, "cpu")
+    for dst, src in zip(twin.k + twin.v, kv.k + kv.v):
+        dst.copy_(src)
+    return twin
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked", "int8", "deterministic"])
+@pytest.mark.parametrize(
+    "over",
+    [{}, {"qkv_bias": True, "mlp_bias": True, "sliding_window": 6, "sliding_layers": (True, False, True)}],
+    ids=["llama", "bias+window"],
+)
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_decode_stack_has_the_layer_loops_bits(mode, over, rows):
+    if mode in ("packed", "int8", "deterministic") and not cpu_kernels.amx_available():
+        pytest.skip("packing needs AMX-BF16 (absent, or MINISGL_AMX=0): the unpacked case covers this CPU")
+    model = _model(_spec(**over), mode)
+    kv, tables = _prefilled(model, rows)
+    loop_kv = _copy(kv)
+    loop_kv_stack = model.decode_stack(loop_kv)
+    model._stack = (loop_kv, None)  # this pool: the layer loop
+    assert loop_kv_stack is not None
+    for step in range(3):
+        batch = _decode_batch(tables, step, seed=10 + step)
+        stack = model.decode_stack(kv)
+        # Without packs the stack takes only the few-row kernel's row counts.
+        assert stack.runs(batch) == (mode != "unpacked" or rows <= cpu_kernels.MAX_KERNEL_ROWS)
+        native = model(batch, kv)
+        model._stack = (loop_kv, None)
+        plain = model(batch, loop_kv)
+        assert torch.equal(native, plain), f"step {step}: logits differ"
+        for layer in range(model.spec.num_layers):
+            assert torch.equal(kv.k[layer], loop_kv.k[layer]) and torch.equal(kv.v[layer], loop_kv.v[layer])
+
+
+def test_decode_stack_is_skipped_where_it_does_not_run():
+    """Mixed batches keep the layer loop; fp32 and Gemma models get no stack."""
+    if not cpu_kernels.amx_available():
+        pytest.skip("needs AMX-BF16 packing")
+    model = _model(_spec(), "packed")
+    kv, tables = _prefilled(model, 2)
+    decode = _decode_batch(tables, 0, seed=3)
+    chunk = PrefillChunk(2, 1, 1, tables[1][:1])
+    mixed = decode._replace(prefill_chunks=(chunk,), input_ids=torch.tensor([1, 2, 3]))
+    assert model.decode_stack(kv).runs(decode) and not model.decode_stack(kv).runs(mixed)
+    assert _model(_spec(), "packed").float().decode_stack(_copy(kv)) is None
+    assert _model(_spec(gemma=True), "packed").decode_stack(kv) is None
+
+
+def test_decode_stack_refuses_a_slot_outside_the_pool():
+    model = _model(_spec(), "unpacked")
+    kv, tables = _prefilled(model, 1)
+    batch = _decode_batch(tables, 0, seed=4)
+    bad = batch._replace(slot_mapping=torch.tensor([kv.num_blocks * BLOCK]))
+    with pytest.raises(IndexError, match="slot"):
+        model(bad, kv)
