@@ -17,6 +17,7 @@
 // - rms_norm (with the residual add fused), rope, silu_and_mul: one pass per row instead of 2-8
 //   torch ops, each of which costs more in dispatch than in arithmetic at decode sizes; 16
 //   elements at a time on AVX-512.
+// - DecodeStack: every layer of a decode-only batch from one call, over the kernels above.
 //
 // Built without torch headers: tensors arrive as data pointers plus shapes checked on the Python side
 // (minisgl_backend/model/cpu_kernels.py). OpenMP is the same libgomp torch loads (one soname, one
@@ -839,28 +840,66 @@ AMX void amx_scores(const uint16_t* kpool, const int64_t* table, const AttnShape
     }
 }
 
-// Many query vectors (a prefill block), or every block on the tile unit: lanes = 16 query vectors
-// (row, head of the group), keys one at a time. Without the tile unit each score, softmax sum and
-// output element is computed by the same operations in the same order as attend_vectors (keys outside
-// a lane's range add exact zeros, which leaves every sum's bits as they are, but for the sign of an
-// exact-zero output), so a row's bits do not depend on which of the two its block took; this one shares
-// every K/V load and conversion among 16 query vectors and needs no horizontal reduction. With the
-// tile unit (`amx`) every block takes this path, its scores from amx_scores.
+// The query vectors v0..v0+n-1 of a block (lane l: row (v0 + l) / g, head (v0 + l) % g of the
+// group) as the tile unit's B operand: k-step by k-step, 16 pairs x 16 lanes of (dim 2i, dim 2i+1),
+// the raw bf16 bits; lanes past n are zero.
+AVX512 inline void pack_query_pairs(const uint16_t* q, int64_t q_stride, int64_t v0, int64_t n, int64_t kvh,
+                                    const AttnShape& s, uint32_t* qb) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
+    for (int64_t l = 0; l < 16; ++l) {
+        if (l >= n) {
+            for (int64_t i = 0; i < d / 2; ++i) qb[i * 16 + l] = 0u;
+            continue;
+        }
+        const uint16_t* qv = q + (v0 + l) / g * q_stride + (kvh * g + (v0 + l) % g) * d;
+        for (int64_t i = 0; i < d / 2; ++i)
+            qb[i * 16 + l] = static_cast<uint32_t>(qv[2 * i]) | static_cast<uint32_t>(qv[2 * i + 1]) << 16;
+    }
+}
+
+// Few query vectors (decode rows) on the tile unit: their scores from amx_scores, then
+// attend_vectors' softmax and V sum on them, one vector at a time ([vector][span] scores).
+AVX512 void attend_vectors_amx(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* kpool,
+                               const uint16_t* vpool, const int64_t* table, const int64_t* pos, int64_t kvh,
+                               uint16_t* out, const AttnShape& s, const BlockKeys& b, AttnScratch& w) {
+    const int64_t g = s.heads / s.kv_heads, n = rows * g;
+    const int64_t base = b.lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base;
+    w.q.resize(static_cast<size_t>(s.head_dim * 16));
+    w.kf.resize(static_cast<size_t>(span * 16));
+    w.stage.resize(static_cast<size_t>(16 * s.head_dim));
+    auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
+    pack_query_pairs(q, q_stride, 0, n, kvh, s, qb);
+    amx_scores(kpool, table, s, kvh, b.lo, b.hi, qb, w.kf.data(), w.stage.data());  // kf[key - base][lane]
+    w.scores.assign(static_cast<size_t>(n * span), 0.0f);
+    for (int64_t l = 0; l < n; ++l)
+        for (int64_t key = b.first[l / g]; key <= pos[l / g]; ++key) {
+            float v = w.kf[(key - base) * 16 + l] * s.scale;
+            if (s.softcap > 0.0f) v = s.softcap * std::tanh(v / s.softcap);
+            w.scores[l * span + key - base] = v;
+        }
+    softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w);
+}
+
+// Many query vectors (a prefill block): lanes = 16 query vectors (row, head of the group), keys one
+// at a time. Each score, softmax sum and output element is computed by the same operations in the
+// same order as attend_vectors (keys outside a lane's range add exact zeros, which leaves every sum's
+// bits as they are, but for the sign of an exact-zero output), so a row's bits do not depend on which
+// of the two its block took; this one shares every K/V load and conversion among 16 query vectors
+// and needs no horizontal reduction. With the tile unit (`amx`) the scores come from amx_scores, as
+// attend_vectors_amx's do.
 template <typename T>
 AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
                          const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
                          const BlockKeys& b, bool amx, AttnScratch& w) {
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16, vectors = rows * g;
     const int64_t lo = b.lo, keys = b.hi - lo + 1, base = lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base;
-    // Few vectors (decode rows on the tile unit) take their scores from the unit and the rest from
-    // attend_vectors' softmax_and_sum; many share float32 copies of K (for lane_scores) and V.
-    const bool few = vectors < LANES_FROM;
+    // float32 copies of K (for lane_scores, without the tile unit) and V, shared by every lane
     if (!amx) w.kf.resize(static_cast<size_t>(keys * d));
-    if (!few) w.vf.resize(static_cast<size_t>(keys * d));
-    for (int64_t j = 0; j < keys && !(amx && few); ++j)
+    w.vf.resize(static_cast<size_t>(keys * d));
+    for (int64_t j = 0; j < keys; ++j)
         for (int64_t c = 0; c < chunks; ++c) {
             if (!amx) _mm512_storeu_ps(w.kf.data() + j * d + c * 16, load16(kpool + w.offsets[j] + kvh * d + c * 16));
-            if (!few) _mm512_storeu_ps(w.vf.data() + j * d + c * 16, load16(vpool + w.offsets[j] + kvh * d + c * 16));
+            _mm512_storeu_ps(w.vf.data() + j * d + c * 16, load16(vpool + w.offsets[j] + kvh * d + c * 16));
         }
     w.q.resize(static_cast<size_t>(d * 16));
     w.scores.resize(static_cast<size_t>(span * 16));
@@ -871,47 +910,27 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         const __mmask16 used = static_cast<__mmask16>((1u << n) - 1);
         alignas(64) int32_t firsts[16], lasts[16];
         for (int64_t l = 0; l < 16; ++l) {
-            const int64_t r = (v0 + l) / g, h = (v0 + l) % g;
+            const int64_t r = (v0 + l) / g;
             firsts[l] = l < n ? static_cast<int32_t>(b.first[r]) : INT32_MAX;  // unused lanes see no key
             lasts[l] = l < n ? static_cast<int32_t>(pos[r]) : -1;
-            const T* qv = q + r * q_stride + (kvh * g + h) * d;
-            if constexpr (std::is_same_v<T, uint16_t>) {
-                if (amx) {  // as B: pairs (2i, 2i+1) of k-step ks at [ks][i][lane], the raw bf16 bits
-                    auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
-                    for (int64_t i = 0; i < d / 2; ++i)
-                        qb[i * 16 + l] =
-                            l < n ? static_cast<uint32_t>(qv[2 * i]) | static_cast<uint32_t>(qv[2 * i + 1]) << 16 : 0u;
-                    continue;
-                }
-            }
-            for (int64_t i = 0; i < d; ++i) w.q[i * 16 + l] = l < n ? load(qv, i) : 0.0f;
         }
         const __m512i first_v = _mm512_load_si512(firsts), last_v = _mm512_load_si512(lasts);
         float* sc = w.scores.data() - base * 16;  // sc[key * 16 + lane]
         const __m512 scale = _mm512_set1_ps(s.scale);
         if constexpr (std::is_same_v<T, uint16_t>) {
-            if (amx && few) {  // one vector at a time from here on, as attend_vectors: [vector][span]
-                w.kf.resize(static_cast<size_t>(span * 16));
-                amx_scores(kpool, table, s, kvh, lo, b.hi, reinterpret_cast<const uint32_t*>(w.q.data()),
-                           w.kf.data(), w.stage.data());
-                w.scores.assign(static_cast<size_t>(n * span), 0.0f);
-                for (int64_t l = 0; l < n; ++l)
-                    for (int64_t key = std::max<int64_t>(lo, firsts[l]); key <= lasts[l]; ++key) {
-                        float v = w.kf[(key - base) * 16 + l] * s.scale;
-                        if (s.softcap > 0.0f) v = s.softcap * std::tanh(v / s.softcap);
-                        w.scores[l * span + key - base] = v;
-                    }
-                softmax_and_sum<T>(vpool, rows, pos, kvh, out, s, b, w);
-                return;
-            }
             if (amx) {
-                amx_scores(kpool, table, s, kvh, lo, b.hi, reinterpret_cast<const uint32_t*>(w.q.data()),
-                           w.scores.data(), w.stage.data());
+                auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
+                pack_query_pairs(q, q_stride, v0, n, kvh, s, qb);
+                amx_scores(kpool, table, s, kvh, lo, b.hi, qb, w.scores.data(), w.stage.data());
                 for (int64_t key = lo; key <= b.hi; ++key)
                     _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), scale));
             }
         }
         if (!amx) {
+            for (int64_t l = 0; l < 16; ++l) {  // qt: the lanes' query vectors transposed, [d][16]
+                const T* qv = l < n ? q + (v0 + l) / g * q_stride + (kvh * g + (v0 + l) % g) * d : nullptr;
+                for (int64_t i = 0; i < d; ++i) w.q[i * 16 + l] = qv ? load(qv, i) : 0.0f;
+            }
             int64_t j = 0;
             for (; j + 2 <= keys; j += 2) {
                 const float* kk[2] = {w.kf.data() + j * d, w.kf.data() + (j + 1) * d};
@@ -979,11 +998,12 @@ AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kp
                          const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
                          bool amx, AttnScratch& w) {
     const BlockKeys b = block_keys(table, pos, rows, s, w);
-    if (rows * (s.heads / s.kv_heads) < LANES_FROM) prefetch_values(vpool, b, kvh, s, w);
-    if (amx || rows * (s.heads / s.kv_heads) >= LANES_FROM)
-        attend_lanes<T>(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, b, amx, w);
-    else
-        attend_vectors<T>(q, q_stride, rows, kpool, vpool, pos, kvh, out, s, b, w);
+    if (rows * (s.heads / s.kv_heads) >= LANES_FROM)
+        return attend_lanes<T>(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, b, amx, w);
+    prefetch_values(vpool, b, kvh, s, w);
+    if constexpr (std::is_same_v<T, uint16_t>)
+        if (amx) return attend_vectors_amx(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, b, w);
+    attend_vectors<T>(q, q_stride, rows, kpool, vpool, pos, kvh, out, s, b, w);
 }
 
 template <typename T>

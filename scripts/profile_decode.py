@@ -2,12 +2,14 @@
 
     python scripts/profile_decode.py [--dtype bfloat16] [--batch 1] [--context 100] [--steps 40]
                                      [--deterministic] [--int8] [--threads N] [--cpu-time] [--profile]
+                                     [--layer-loop]
 
 Builds a KV cache, prefills `batch` random prompts of `context` tokens, then times `steps` decode
 steps and prints one JSON line (min and median step time, tokens/s). --cpu-time times each step by
 the calling thread's CPU time instead of wall time (with --threads 1 it is robust to other processes
 on a shared machine). --profile adds torch.profiler's table of the ops of 10 steps. Run it with
 MINISGL_CPU_KERNELS=0 for the torch-only path, MINISGL_AMX=0 for the AVX-512 kernels without AMX.
+--layer-loop runs the Python layer loop where the native decode stack would run (model/decode_stack.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.decode_stack import DecodeStack
 from minisgl_backend.model.llama import ForwardBatch
 from minisgl_backend.model.loader import load_model, prepare
 
@@ -39,7 +42,10 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="weight_dtype: int8 (bf16 only)")
     ap.add_argument("--cpu-time", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--layer-loop", action="store_true", help="no native decode stack")
     a = ap.parse_args()
+    if a.layer_loop:
+        DecodeStack.supports = staticmethod(lambda *args: False)
     if a.threads:
         torch.set_num_threads(a.threads)
     model = load_model(a.model, a.dtype, "cpu").model
@@ -95,6 +101,7 @@ def main() -> None:
                 "threads": torch.get_num_threads(),
                 "cpu_kernels": cpu_kernels.available(),
                 "amx": cpu_kernels.amx_available(),
+                "decode_stack": model.decode_stack(kv) is not None,
                 "clock": "thread_cpu" if a.cpu_time else "wall",
                 "step_ms_min": round(best * 1e3, 2),
                 "step_ms_median": round(median * 1e3, 2),
