@@ -32,7 +32,6 @@ class DecodeStack:
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
         s = model.spec
         attn = model.model.layers[0].self_attn
-        self.kv = kv
         self.packed = all(lin.packed is not None for lin in _linears(model))
         self._keep: list[torch.Tensor] = []  # every tensor the native object points into
         self._native = cpu_kernels._native.DecodeStack(
@@ -99,8 +98,9 @@ class DecodeStack:
     def __call__(
         self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch
     ) -> torch.Tensor:
-        """The residual stream after the last layer, for x = the embeddings of batch's rows and
-        ropes = (cos, sin) [n, 1, rot] per RoPE of the model, in the model dtype."""
+        """The residual stream after the last layer, for x = the embeddings of batch's rows (a
+        fresh tensor: the layers overwrite it) and ropes = (cos, sin) [n, 1, rot] per RoPE of the
+        model, in the model dtype."""
         n = x.shape[0]
         x = x.contiguous()
         mlp_out = torch.empty_like(x)
