@@ -1279,7 +1279,7 @@ void silu_and_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, b
 // A decode step calls ~11 of these kernels per layer, each through its Python wrapper and torch's
 // tensor glue: on this 2-core machine that glue was 10-14 ms of a 20-55 ms SmolLM2 step at batch
 // 1-32 (measured, README "Speed"). For a decode-only bf16 batch of a Llama-style layer (pre-norm,
-// fused qkv and gate/up, SiLU; no q/k norm, not Gemma's block) DecodeStack::run calls the same
+// fused qkv and gate/up, SiLU, Qwen3's q/k norm; not Gemma's block) DecodeStack::run calls the same
 // kernels on the same operands, in the same order, with each linear taking the kernel Linear.forward
 // would take at that row count (model/llama.py): its bits are those of the layer-by-layer forward
 // (tests/test_decode_stack.py). Python builds it once per model and KV pool (model/decode_stack.py)
@@ -1291,7 +1291,7 @@ struct StackLinear {
 
 struct StackLayer {
     StackLinear qkv, o, gate_up, down;
-    uintptr_t input_norm, post_norm, kpool, vpool;
+    uintptr_t input_norm, post_norm, q_norm, k_norm, kpool, vpool;  // q/k norm 0: none
     int64_t window, rope;  // window 0: full attention; rope: which of run()'s cos/sin pairs
 };
 
@@ -1319,8 +1319,9 @@ class DecodeStack {
     }
 
     void add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down, uintptr_t input_norm,
-                   uintptr_t post_norm, uintptr_t kpool, uintptr_t vpool, int64_t window, int64_t rope) {
-        layers_.push_back({qkv, o, gate_up, down, input_norm, post_norm, kpool, vpool, window, rope});
+                   uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t kpool, uintptr_t vpool,
+                   int64_t window, int64_t rope) {
+        layers_.push_back({qkv, o, gate_up, down, input_norm, post_norm, q_norm, k_norm, kpool, vpool, window, rope});
     }
 
     // x [n, hidden] (the embeddings; overwritten with the residual stream) and mlp_out [n, hidden]:
@@ -1354,6 +1355,13 @@ class DecodeStack {
             rms_norm_t(xs, i ? mlp : nullptr, i ? xs : nullptr, reinterpret_cast<const uint16_t*>(l.input_norm),
                        normed.data(), n, hidden_, eps_, false, threads);
             stack_linear(l.qkv, normed.data(), qkv.data(), n, threads);
+            for (int64_t r = 0; l.q_norm && r < n; ++r) {  // Qwen3: each head's q and k normed, in place
+                uint16_t *qr = qkv.data() + r * width, *kr = qr + h_ * d_;
+                const auto* qw = reinterpret_cast<const uint16_t*>(l.q_norm);
+                const auto* kw = reinterpret_cast<const uint16_t*>(l.k_norm);
+                rms_norm_t<uint16_t>(qr, nullptr, nullptr, qw, qr, h_, d_, eps_, false, threads);
+                rms_norm_t<uint16_t>(kr, nullptr, nullptr, kw, kr, kvh_, d_, eps_, false, threads);
+            }
             rope_t(qkv.data(), reinterpret_cast<const uint16_t*>(cos[l.rope]), reinterpret_cast<const uint16_t*>(sin[l.rope]),
                    n, h_ + kvh_, rot[l.rope], width, d_, threads);
             auto* kp = reinterpret_cast<uint16_t*>(l.kpool);
@@ -1431,8 +1439,8 @@ PYBIND11_MODULE(_kernels, m) {
              py::arg("eps"), py::arg("scale"), py::arg("softcap"), py::arg("block_size"), py::arg("num_blocks"),
              py::arg("amx"))
         .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
-             py::arg("input_norm"), py::arg("post_norm"), py::arg("kpool"), py::arg("vpool"), py::arg("window"),
-             py::arg("rope"))
+             py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("kpool"),
+             py::arg("vpool"), py::arg("window"), py::arg("rope"))
         .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("mlp_out"),
              py::arg("rows"), py::arg("positions"), py::arg("slots"), py::arg("tables"), py::arg("table_stride"),
              py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("threads"),

@@ -1,6 +1,7 @@
 """The native decode stack (model/decode_stack.py) against the layer-by-layer forward it replaces:
-the same logits and the same K/V written, bit for bit, on tiny random-weight bf16 models, for packed
-(AMX), unpacked (few-row kernel), int8 and batch-invariant models; batches it does not take fall
+the same logits and the same K/V written, bit for bit, on tiny random-weight bf16 models (Llama;
+bias and sliding windows; Qwen3's q/k norm), for packed (AMX), unpacked (few-row kernel), int8 and
+batch-invariant models; batches it does not take fall
 back to the layer loop. Skipped where the native kernels do not run (no AVX-512 or not built)."""
 
 from __future__ import annotations
@@ -96,8 +97,12 @@ def _copy(kv: KVCache) -> KVCache:
 @pytest.mark.parametrize("mode", ["packed", "unpacked", "int8", "deterministic"])
 @pytest.mark.parametrize(
     "over",
-    [{}, {"qkv_bias": True, "mlp_bias": True, "sliding_window": 6, "sliding_layers": (True, False, True)}],
-    ids=["llama", "bias+window"],
+    [
+        {},
+        {"qkv_bias": True, "mlp_bias": True, "sliding_window": 6, "sliding_layers": (True, False, True)},
+        {"qk_norm": True, "model_type": "qwen3"},
+    ],
+    ids=["llama", "bias+window", "qk-norm"],
 )
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_decode_stack_has_the_layer_loops_bits(mode, over, rows):

@@ -7,8 +7,9 @@ operands in the same order from one call, so its bits are the layer-by-layer for
 (tests/test_decode_stack.py); prefill and mixed batches keep the layer loop.
 
 It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels, a
-Llama-style block (not Gemma's; no q/k norm), SiLU, and every linear packed for the AMX kernel (any
-row count) or, without AMX, batches of up to cpu_kernels.MAX_KERNEL_ROWS rows (the few-row kernel).
+Llama-style block (Qwen3's q/k norm included; not Gemma's), SiLU, and every linear packed for the
+AMX kernel (any row count) or, without AMX, batches of up to cpu_kernels.MAX_KERNEL_ROWS rows (the
+few-row kernel).
 The default and the batch-invariant forward both use it: each passes its own RoPE tables.
 """
 
@@ -56,6 +57,8 @@ class DecodeStack:
                 self._linear(mlp.down_proj),
                 self._ptr(layer.input_layernorm.weight),
                 self._ptr(layer.post_attention_layernorm.weight),
+                self._ptr(a.q_norm.weight if a.qk_norm else None),
+                self._ptr(a.k_norm.weight if a.qk_norm else None),
                 self._ptr(kv.k[a.layer_id]),
                 self._ptr(kv.v[a.layer_id]),
                 a.window or 0,
@@ -75,7 +78,6 @@ class DecodeStack:
             and w.device.type == "cpu"
             and w.dtype == torch.bfloat16
             and not s.gemma
-            and not s.qk_norm
             and s.hidden_act == "silu"
             and s.head_dim % 16 == 0
             and s.head_dim <= 256
