@@ -1,6 +1,7 @@
 """Build steps pyproject.toml cannot express. Everything else is declared in pyproject.toml."""
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,13 +13,31 @@ from setuptools.command.build_py import build_py
 # The name sorts after setuptools' "__editable__*.pth", whose import finder must be in place first.
 PTH_NAME = "minisgl-lm-eval.pth"
 PTH_LINE = 'import sys; exec("try:\\n import lm_eval_minisgl._pth_hook\\nexcept Exception:\\n pass")\n'
+# configs/ (engine presets, the determinism grid, the local lm-eval tasks) ships inside the package as
+# minisgl_backend/configs/ (found by minisgl_backend.config.config_dir; a checkout's own files win).
+CONFIGS_SRC = Path(__file__).resolve().parent / "configs"
+CONFIGS_DST = Path("minisgl_backend") / "configs"
+
+
+def _config_files() -> list[Path]:
+    return sorted(
+        p.relative_to(CONFIGS_SRC)
+        for p in CONFIGS_SRC.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".yaml", ".jsonl", ".py")
+    )
 
 
 class BuildPyWithPth(build_py):
-    """Ships PTH_NAME at the top of site-packages, for wheels and editable installs alike."""
+    """Ships PTH_NAME at the top of site-packages, for wheels and editable installs alike, and
+    configs/ as package data (not for an editable install, which reads the checkout's)."""
 
     def run(self) -> None:
         super().run()
+        if not self.editable_mode:
+            for rel in _config_files():
+                dst = Path(self.build_lib) / CONFIGS_DST / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(CONFIGS_SRC / rel, dst)
         # A wheel installs build_lib's top level into site-packages. An editable (PEP 660) build
         # ignores build_lib; what the `install` command targets is the unpacked editable wheel.
         target = Path(
@@ -28,7 +47,12 @@ class BuildPyWithPth(build_py):
         (target / PTH_NAME).write_text(PTH_LINE)
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
-        extra = [] if self.editable_mode else [str(Path(self.build_lib) / PTH_NAME)]
+        extra = (
+            []
+            if self.editable_mode
+            else [str(Path(self.build_lib) / PTH_NAME)]
+            + [str(Path(self.build_lib) / CONFIGS_DST / rel) for rel in _config_files()]
+        )
         return super().get_outputs(include_bytecode) + extra
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,7 +18,29 @@ from minisgl_backend.validation import SEED_LIMIT, Spec, machine_memory_gb, vali
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 REPO_ROOT = Path(__file__).resolve().parents[1]  # source / editable checkout: configs/ lives here
-PRESET_DIR = REPO_ROOT / "configs" / "engine"
+PACKAGE_CONFIGS = "configs"  # a wheel carries a copy of configs/ here, inside the package (setup.py)
+
+
+def checkout_root() -> Path | None:
+    """The repository this package runs from (a source or editable install), None in a wheel install."""
+    return REPO_ROOT if (REPO_ROOT / "pyproject.toml").is_file() else None
+
+
+def package_configs() -> Path:
+    """The configs/ copy shipped as package data (present in a wheel install only)."""
+    return Path(str(importlib.resources.files("minisgl_backend") / PACKAGE_CONFIGS))
+
+
+def config_dir(kind: str) -> Path:
+    """The directory of one kind of shipped config (`engine`, `determinism`, `tasks`): the checkout's
+    configs/KIND where there is one, else the installed package's copy."""
+    root = checkout_root()
+    if root is not None and (root / "configs" / kind).is_dir():
+        return root / "configs" / kind
+    return package_configs() / kind
+
+
+PRESET_DIR = config_dir("engine")  # where bare preset names are looked up (at import time)
 
 
 @dataclass(frozen=True)
@@ -140,15 +163,24 @@ class EngineConfig:
         return self.from_dict({**dataclasses.asdict(self), **changes})
 
 
-def resolve_preset(ref: str | os.PathLike[str]) -> Path:
+def resolve_preset(ref: str | os.PathLike[str], preset_dir: Path | None = None) -> Path:
     """A preset's file: the path as given (relative to the working directory), else relative to the
-    repository, else a bare name under configs/engine/ (`serial` -> configs/engine/serial.yaml)."""
+    repository, else a bare name under configs/engine/ (`serial` -> configs/engine/serial.yaml; the
+    checkout's where there is one, else the installed package's: `config_dir`)."""
     ref = os.fspath(ref)
-    candidates = list(dict.fromkeys([Path(ref), REPO_ROOT / ref, PRESET_DIR / f"{ref}.yaml"]))
+    preset_dir = preset_dir or config_dir("engine")
+    root = checkout_root()
+    candidates = [Path(ref), *([root / ref] if root else []), preset_dir / f"{ref}.yaml"]
+    if ref.startswith("configs/engine/"):  # the repository's spelling, also in a wheel install
+        candidates.append(preset_dir / ref.removeprefix("configs/engine/"))
+    candidates = list(dict.fromkeys(candidates))
     for path in candidates:
         if path.is_file():
             return path
-    raise ConfigError(f"engine config {ref!r} not found (looked at: {', '.join(map(str, candidates))})")
+    names = ", ".join(sorted(p.stem for p in preset_dir.glob("*.yaml"))) or "none"
+    raise ConfigError(
+        f"engine config {ref!r} not found (looked at: {', '.join(map(str, candidates))}; presets: {names})"
+    )
 
 
 def load_preset(ref: str | os.PathLike[str]) -> dict[str, Any]:

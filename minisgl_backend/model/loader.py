@@ -47,11 +47,26 @@ def _alias_path(alias: str) -> Path:
     return path
 
 
+_SAMPLE = 1 << 20  # bytes read at each of the start, middle and end of a GGUF for its cache key
+
+
+def gguf_cache_key(gguf: Path) -> str:
+    """A key for the converted copy of `gguf` that depends on its content, not on where it lies: the
+    file name, its size and a digest of its first, middle and last MiB (a few ms, where hashing the
+    whole file costs a second on a loaded machine). The same model installed in another venv, or
+    reinstalled (new path, new mtime), reuses the cache; a changed file gets a new key."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(f"{gguf.name}:{size}".encode())
+    with gguf.open("rb") as f:
+        for offset in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+            f.seek(offset)
+            digest.update(f.read(_SAMPLE))
+    return digest.hexdigest()[:16]
+
+
 def _convert_gguf(gguf: Path) -> Path:
-    """Dequantise a GGUF file into a cached HF safetensors directory (once per file version)."""
-    st = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / f"{gguf.stem}-{key}"
+    """Dequantise a GGUF file into a cached HF safetensors directory (once per file content)."""
+    target = cache_root() / f"{gguf.stem}-{gguf_cache_key(gguf)}"
     if (target / "config.json").is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
