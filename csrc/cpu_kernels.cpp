@@ -254,6 +254,9 @@ AMX void configure_tiles(int ra, int rb) {
     _tile_loadconfig(&c);
 }
 
+// The first min(n, 16) lanes (n >= 1).
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1); }
+
 // 16 float32 to bf16 with round-to-nearest-even (f32_to_bf16, sixteen at a time).
 AVX512 inline __m256i round_to_bf16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
@@ -377,6 +380,159 @@ AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, 
                 }
         }
         if (ra_now >= 0) _tile_release();
+    }
+}
+
+// ---- AVX512-BF16 linear over pre-packed weights: any row count ------------------------------------
+//
+// Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4/5, Intel Cooper Lake), vdpbf16ps multiplies 16
+// (even, odd) bf16 pairs of one register by 16 pairs of another and adds both products into 16
+// float32 lanes: 32 multiply-adds per instruction. Zen 5 issues two per cycle (measured: 7.0 G/s per
+// core, 450 GFLOPS, against 7.7 G/s of float32 FMAs at half the width), so the float32 split of
+// linear_bf16 would cost half the rate here. pack_dpbf16 lays the weights out once at load in the
+// order the kernel reads them: panels of 64 outputs (the last one 16, 32 or 48), each [K/2 pairs]
+// [outputs][2], so one k-pair of a panel is four 64-byte vectors and a panel is one contiguous run.
+// A k-pair of an input row is one 32-bit broadcast; a 6-row x 64-output tile keeps 24 accumulators
+// in registers.
+//
+// Each output element is one vdpbf16ps chain over K in pair order, started at zero (K blocks spill
+// the chain to float32 memory and reload it unchanged), then the bias add and one rounding to bf16.
+// Its bits therefore depend only on its own input row and weight row: never on the row count, on
+// which tile or chunk the row lands in, or on the thread count (tests/test_cpu_kernels.py), so the
+// default and the batch-invariant forward share it, as they share linear_amx.
+#define DPBF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+bool cpu_has_avx512_bf16() {
+    __builtin_cpu_init();
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+constexpr int DP_ROWS = 6;            // rows per register tile: 6 x 4 accumulators + 4 weights + 1 input
+constexpr int64_t DP_ROW_CHUNK = 96;  // rows per pass over a panel: their K block of x stays in L2
+constexpr int64_t DP_KC = 256;        // k-pairs per block at many rows: a panel's block (64 KB) stays in L2
+// Lines of the panel this many bytes ahead are requested into L1: at one to a few rows a step is a
+// weight stream, and the hardware prefetcher alone leaves it short of the memory's rate.
+constexpr int64_t DP_PREFETCH_BYTES = 1024;
+
+// K is padded to whole pairs (a zero weight; linear_dpbf16 pads x the same way).
+int64_t packed_dpbf16_elems(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * (K + K % 2); }
+
+void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads) {
+    const auto* wp = reinterpret_cast<const uint16_t*>(w);
+    auto* op = reinterpret_cast<uint16_t*>(out);
+    const int64_t np = (N + 15) / 16 * 16, panels = (np + 63) / 64, kp = K + K % 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        const int64_t n0 = p * 64, width = std::min<int64_t>(64, np - n0);
+        uint16_t* panel = op + n0 * kp;
+        for (int64_t pair = 0; pair < kp / 2; ++pair)
+            for (int64_t j = 0; j < width; ++j)
+                for (int64_t e = 0; e < 2; ++e) {
+                    const int64_t n = n0 + j, k = 2 * pair + e;
+                    panel[(pair * width + j) * 2 + e] = n < N && k < K ? wp[n * K + k] : 0;
+                }
+    }
+}
+
+// R rows (x rows xs apart) x V vectors of 16 outputs, k-pairs p0..p1 of the panel, sums in c (row
+// stride 64), started at zero when `first`.
+template <int R, int V>
+DPBF16 void dp_tile(const uint16_t* x, int64_t xs, const uint16_t* panel, int64_t p0, int64_t p1, float* c,
+                    bool first) {
+    __m512 acc[R][V];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(c + r * 64 + v * 16);
+    for (int64_t p = p0; p < p1; ++p) {
+        const uint16_t* wk = panel + p * V * 32;
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v)
+            _mm_prefetch(reinterpret_cast<const char*>(wk) + DP_PREFETCH_BYTES + v * 64, _MM_HINT_T0);
+        __m512bh w[V];
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, x + r * xs + 2 * p, 4);
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], b, w[v]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) _mm512_store_ps(c + r * 64 + v * 16, acc[r][v]);
+}
+
+using DpTile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*, bool);
+
+template <int V>
+constexpr DpTile dp_tile_of(int rows) {
+    switch (rows) {
+        case 1: return dp_tile<1, V>;
+        case 2: return dp_tile<2, V>;
+        case 3: return dp_tile<3, V>;
+        case 4: return dp_tile<4, V>;
+        case 5: return dp_tile<5, V>;
+        default: return dp_tile<6, V>;
+    }
+}
+
+DpTile dp_tile_for(int rows, int vectors) {
+    switch (vectors) {
+        case 1: return dp_tile_of<1>(rows);
+        case 2: return dp_tile_of<2>(rows);
+        case 3: return dp_tile_of<3>(rows);
+        default: return dp_tile_of<4>(rows);
+    }
+}
+
+DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
+                   int threads) {
+    const auto* xp = reinterpret_cast<const uint16_t*>(x);
+    const auto* wp = reinterpret_cast<const uint16_t*>(packed);
+    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
+    auto* yp = reinterpret_cast<uint16_t*>(y);
+    const int64_t np = (N + 15) / 16 * 16, panels = (np + 63) / 64, kp = K + K % 2, pairs = kp / 2;
+    std::vector<uint16_t> padded;  // x with an odd K padded to whole pairs (zeros, as the weights)
+    if (kp != K) {
+        padded.assign(static_cast<size_t>(M * kp), 0);
+        for (int64_t m = 0; m < M; ++m) std::memcpy(padded.data() + m * kp, xp + m * K, K * 2);
+        xp = padded.data();
+    }
+    const int64_t chunks = (M + DP_ROW_CHUNK - 1) / DP_ROW_CHUNK;
+    // One spill of a chain per K block costs nothing at many rows; at a tile or less there is no reuse
+    // of the panel to keep in cache, so the chain runs over the whole of K.
+    const int64_t kc = M <= DP_ROWS ? pairs : DP_KC;
+    // Static over (chunk, panel), chunk-major: at decode sizes (one chunk) each thread streams one
+    // contiguous slice of the weights.
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < chunks * panels; ++item) {
+        alignas(64) float sums[DP_ROW_CHUNK * 64];
+        const int64_t c0 = item / panels * DP_ROW_CHUNK, c1 = std::min(M, c0 + DP_ROW_CHUNK);
+        const int64_t n0 = item % panels * 64, width = std::min<int64_t>(64, np - n0);
+        const int vectors = static_cast<int>(width / 16);
+        const uint16_t* panel = wp + n0 * kp;
+        for (int64_t k0 = 0; k0 < pairs; k0 += kc)
+            for (int64_t r0 = c0; r0 < c1; r0 += DP_ROWS) {
+                const int rows = static_cast<int>(std::min<int64_t>(DP_ROWS, c1 - r0));
+                dp_tile_for(rows, vectors)(xp + r0 * kp, kp, panel, k0, std::min(pairs, k0 + kc),
+                                           sums + (r0 - c0) * 64, k0 == 0);
+            }
+        for (int v = 0; v < vectors; ++v) {
+            const int64_t n = n0 + v * 16;
+            const __mmask16 lanes = first_lanes(N - n);
+            if (!lanes) break;
+            const __m512 b = bp ? load_bf16x16(bp + n, lanes) : _mm512_setzero_ps();
+            for (int64_t r = c0; r < c1; ++r) {
+                __m512 s = _mm512_load_ps(sums + (r - c0) * 64 + v * 16);
+                if (bp) s = _mm512_add_ps(s, b);
+                _mm256_mask_storeu_epi16(yp + r * N + n, lanes, round_to_bf16(s));
+            }
+        }
     }
 }
 
@@ -606,7 +762,6 @@ AVX512 inline __m512 round16(__m512 v) {  // to the dtype and back, as storing a
     else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(v)), 16));
 }
 
-inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1); }
 
 // exp(x): 2^(x log2 e) split into 2^n (scalef) times 2^f, |f| <= 1/2, from its degree-7 Taylor
 // polynomial (relative error below 1e-8 before rounding). Softmax calls it on scores minus their
@@ -1295,14 +1450,20 @@ struct StackLayer {
     int64_t window, rope;  // window 0: full attention; rope: which of run()'s cos/sin pairs
 };
 
-// Linear.forward's choice at m rows: int8 at one row where packed (at up to 4 where not), the tile
-// unit where packed, else the few-row AVX-512 kernel (the builder never lets m exceed 4 there).
-void stack_linear(const StackLinear& l, const uint16_t* x, uint16_t* y, int64_t m, int threads) {
+// What StackLinear::packed holds (cpu_kernels.pack_kind()).
+enum PackKind : int { PACK_NONE = 0, PACK_AMX = 1, PACK_DPBF16 = 2 };
+
+// Linear.forward's choice at m rows: int8 at one row where packed (at up to 4 where not), the packed
+// kernel (AMX tiles or AVX512-BF16 panels) where packed, else the few-row AVX-512 kernel (the builder
+// never lets m exceed 4 there).
+void stack_linear(const StackLinear& l, int pack_kind, const uint16_t* x, uint16_t* y, int64_t m, int threads) {
     const auto xp = reinterpret_cast<uintptr_t>(x), yp = reinterpret_cast<uintptr_t>(y);
     if (l.qweight && (!l.packed || m == 1) && m <= 4)
         linear_int8(xp, l.qweight, l.qscale, l.bias, yp, m, l.n, l.k, threads);
-    else if (l.packed)
+    else if (l.packed && pack_kind == PACK_AMX)
         linear_amx(xp, l.packed, l.bias, yp, m, l.n, l.k, threads);
+    else if (l.packed && pack_kind == PACK_DPBF16)
+        linear_dpbf16(xp, l.packed, l.bias, yp, m, l.n, l.k, threads);
     else
         linear_bf16(xp, l.weight, l.bias, yp, m, l.n, l.k, threads);
 }
@@ -1310,10 +1471,10 @@ void stack_linear(const StackLinear& l, const uint16_t* x, uint16_t* y, int64_t 
 class DecodeStack {
   public:
     DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
-                double scale, double softcap, int64_t block_size, int64_t num_blocks, bool amx)
+                double scale, double softcap, int64_t block_size, int64_t num_blocks, bool amx, int pack_kind)
         : h_(heads), kvh_(kv_heads), d_(head_dim), hidden_(hidden), inter_(intermediate), eps_(static_cast<float>(eps)),
           scale_(static_cast<float>(scale)), softcap_(static_cast<float>(softcap)), bs_(block_size),
-          blocks_(num_blocks), amx_(amx) {
+          blocks_(num_blocks), amx_(amx), pack_kind_(pack_kind) {
         if (heads % kv_heads != 0 || head_dim % 16 != 0 || head_dim > 256)
             throw std::invalid_argument("DecodeStack: heads must be a multiple of kv_heads, head_dim of 16 (<= 256)");
     }
@@ -1354,7 +1515,7 @@ class DecodeStack {
             // The previous layer's `x + mlp(h)` fused into this layer's input norm (as add_and_norm).
             rms_norm_t(xs, i ? mlp : nullptr, i ? xs : nullptr, reinterpret_cast<const uint16_t*>(l.input_norm),
                        normed.data(), n, hidden_, eps_, false, threads);
-            stack_linear(l.qkv, normed.data(), qkv.data(), n, threads);
+            stack_linear(l.qkv, pack_kind_, normed.data(), qkv.data(), n, threads);
             for (int64_t r = 0; l.q_norm && r < n; ++r) {  // Qwen3: each head's q and k normed, in place
                 uint16_t *qr = qkv.data() + r * width, *kr = qr + h_ * d_;
                 const auto* qw = reinterpret_cast<const uint16_t*>(l.q_norm);
@@ -1375,12 +1536,12 @@ class DecodeStack {
             paged_attention_t<uint16_t>(reinterpret_cast<uintptr_t>(qkv.data()), width, l.kpool, l.vpool, tables,
                                         row_table.data(), pos, reinterpret_cast<uintptr_t>(attn.data()), n, ls, amx_,
                                         threads);
-            stack_linear(l.o, attn.data(), attn_out.data(), n, threads);
+            stack_linear(l.o, pack_kind_, attn.data(), attn_out.data(), n, threads);
             rms_norm_t(xs, attn_out.data(), xs, reinterpret_cast<const uint16_t*>(l.post_norm), normed.data(), n, hidden_,
                        eps_, false, threads);
-            stack_linear(l.gate_up, normed.data(), gate_up.data(), n, threads);
+            stack_linear(l.gate_up, pack_kind_, normed.data(), gate_up.data(), n, threads);
             silu_and_mul_t(gate_up.data(), act.data(), n, inter_, threads);
-            stack_linear(l.down, act.data(), mlp, n, threads);
+            stack_linear(l.down, pack_kind_, act.data(), mlp, n, threads);
         }
     }
 
@@ -1389,6 +1550,7 @@ class DecodeStack {
     float eps_, scale_, softcap_;
     int64_t bs_, blocks_;
     bool amx_;
+    int pack_kind_;
     std::vector<StackLayer> layers_;
 };
 
@@ -1407,6 +1569,15 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("linear_amx", &linear_amx, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"),
           py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
           "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for any m over pack_amx(w); contiguous bfloat16; bias 0 = none.");
+    m.def("has_avx512_bf16", &cpu_has_avx512_bf16, "True if this CPU runs linear_dpbf16 (AVX512-BF16).");
+    m.def("packed_dpbf16_elems", &packed_dpbf16_elems, py::arg("n"), py::arg("k"),
+          "bf16 elements of pack_dpbf16's output (0: K odd, not packable).");
+    m.def("pack_dpbf16", &pack_dpbf16, py::call_guard<py::gil_scoped_release>(), py::arg("w"), py::arg("out"),
+          py::arg("n"), py::arg("k"), py::arg("threads"), "w [n,k] bf16 into linear_dpbf16's panel layout.");
+    m.def("linear_dpbf16", &linear_dpbf16, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
+          py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
+          py::arg("threads"),
+          "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for any m over pack_dpbf16(w); contiguous bfloat16.");
     m.def("linear_int8", &linear_int8, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
           py::arg("scale"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
           py::arg("threads"),
@@ -1434,10 +1605,11 @@ PYBIND11_MODULE(_kernels, m) {
         .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t>(), py::arg("weight"),
              py::arg("packed"), py::arg("bias"), py::arg("qweight"), py::arg("qscale"), py::arg("n"), py::arg("k"));
     py::class_<DecodeStack>(m, "DecodeStack")
-        .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t, bool>(),
+        .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t, bool,
+                      int>(),
              py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"),
              py::arg("eps"), py::arg("scale"), py::arg("softcap"), py::arg("block_size"), py::arg("num_blocks"),
-             py::arg("amx"))
+             py::arg("amx"), py::arg("pack_kind"))
         .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
              py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("kpool"),
              py::arg("vpool"), py::arg("window"), py::arg("rope"))

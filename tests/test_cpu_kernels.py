@@ -65,19 +65,27 @@ def test_linear_beyond_kernel_rows_and_fp32_is_torch():
     assert torch.equal(cpu_kernels.linear(wide, w), cpu_kernels.linear(wide.contiguous(), w))
 
 
-needs_amx = pytest.mark.skipif(
-    not cpu_kernels.amx_available(),
-    reason="this CPU has no AMX-BF16 (or MINISGL_AMX=0): pack() packs nothing",
-)
+# The kernel families that pack (AMX tiles, AVX512-BF16 panels) and this machine runs: each is tested.
+PACKING = [f for f in ("amx", "avx512bf16") if cpu_kernels.runs_family(f)]
 
 
-@needs_amx
-@pytest.mark.parametrize("n,k", [(576, 576), (960, 1536), (49, 64), (7, 37), (1, 33)])
+NO_PACKING = pytest.param(None, marks=pytest.mark.skip(reason="this CPU has neither AMX nor AVX512-BF16"))
+
+
+@pytest.fixture(params=PACKING or [NO_PACKING])
+def packing(request):
+    """A packing kernel family, for the block."""
+    with cpu_kernels.family_override(request.param):
+        yield request.param
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (960, 1536), (49, 64), (7, 37), (1, 33), (100, 2)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_reference_and_is_row_invariant(n, k, bias):
-    """The AMX kernel: within bf16 rounding of a float32 reference, at row counts across its 16-row
-    tiles, 32-row blocks and 256-row chunks (and K, N that are not whole tiles); a row's bits are
-    the same alone, at any offset in any batch, and at any thread count."""
+def test_packed_linear_matches_reference_and_is_row_invariant(packing, n, k, bias):
+    """The packed kernels: within bf16 rounding of a float32 reference, at row counts across their
+    tiles (AMX: 16-row tiles, 32-row blocks, 256-row chunks; AVX512-BF16: 6-row tiles, 96-row
+    chunks, K blocks beyond 6 rows) and K, N that are not whole tiles or pairs; a row's bits are the
+    same alone, at any offset in any batch, and at any thread count."""
     g = _gen(11)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
@@ -102,8 +110,7 @@ def test_packed_linear_matches_reference_and_is_row_invariant(n, k, bias):
     assert cpu_kernels.linear_packed(x[:0], packed, (n, k), b).shape == (0, n)
 
 
-@needs_amx
-def test_packed_linear_layer_follows_its_weight():
+def test_packed_linear_layer_follows_its_weight(packing):
     """Linear.pack() is a copy: pack() again after a weight change, and quantize_int8 repacks the
     dequantized weight itself; fp32 layers do not pack."""
     from minisgl_backend.model.llama import Linear

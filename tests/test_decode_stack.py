@@ -1,8 +1,9 @@
 """The native decode stack (model/decode_stack.py) against the layer-by-layer forward it replaces:
 the same logits and the same K/V written, bit for bit, on tiny random-weight bf16 models (Llama;
-bias and sliding windows; Qwen3's q/k norm), for packed (AMX), unpacked (few-row kernel), int8 and
-batch-invariant models; batches it does not take fall
-back to the layer loop. Skipped where the native kernels do not run (no AVX-512 or not built)."""
+bias and sliding windows; Qwen3's q/k norm), for packed (AMX or AVX512-BF16), unpacked (few-row
+kernel), int8 and batch-invariant models, under every native kernel family this machine runs;
+batches it does not take fall back to the layer loop. Skipped where the native kernels do not run
+(no AVX-512 or not built)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 BLOCK, BLOCKS_PER_SEQ = 16, 4
+NATIVE_FAMILIES = [f for f in cpu_kernels.FAMILIES if f != "torch" and cpu_kernels.runs_family(f)]
+
+
+@pytest.fixture(autouse=True, params=NATIVE_FAMILIES)
+def family(request):
+    """Every test under each native kernel family this machine runs (packing, the stack's linears
+    and attention scorer follow it)."""
+    with cpu_kernels.family_override(request.param):
+        yield request.param
+
+
 CONTEXTS = [5, 17, 30, 9, 23]  # prompt lengths of the sequences that then decode together
 
 
@@ -106,8 +118,8 @@ def _copy(kv: KVCache) -> KVCache:
 )
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_decode_stack_has_the_layer_loops_bits(mode, over, rows):
-    if mode in ("packed", "int8", "deterministic") and not cpu_kernels.amx_available():
-        pytest.skip("packing needs AMX-BF16 (absent, or MINISGL_AMX=0): the unpacked case covers this CPU")
+    if mode in ("packed", "int8", "deterministic") and not cpu_kernels.packs():
+        pytest.skip("this kernel family packs nothing: the unpacked case covers it")
     model = _model(_spec(**over), mode)
     kv, tables = _prefilled(model, rows)
     loop_kv = _copy(kv)
@@ -129,8 +141,8 @@ def test_decode_stack_has_the_layer_loops_bits(mode, over, rows):
 
 def test_decode_stack_is_skipped_where_it_does_not_run():
     """Mixed batches keep the layer loop; fp32 and Gemma models get no stack."""
-    if not cpu_kernels.amx_available():
-        pytest.skip("needs AMX-BF16 packing")
+    if not cpu_kernels.packs():
+        pytest.skip("this kernel family packs nothing")
     model = _model(_spec(), "packed")
     kv, tables = _prefilled(model, 2)
     decode = _decode_batch(tables, 0, seed=3)

@@ -1,11 +1,11 @@
 """The CPU kernels of csrc/cpu_kernels.cpp, behind torch-shaped functions with a torch fallback.
 
 Each wrapper takes and returns torch tensors and checks what the native code assumes (device,
-dtype, contiguity, shapes). Where a check fails, or the extension was not built, or the CPU lacks
-AVX-512 (AMX for `pack` / `linear_packed`), `linear` runs F.linear itself and the others return
-None (False for `rope_`), so the caller keeps its torch expression. `MINISGL_CPU_KERNELS=0` turns
-them all off (the torch path everywhere; how the two are compared), `MINISGL_AMX=0` only the AMX
-ones.
+dtype, contiguity, shapes). Where a check fails, or the extension was not built, or the process's
+kernel family (FAMILIES below: amx, avx512bf16, avx512, torch) lacks the kernel, `linear` runs
+F.linear itself and the others return None (False for `rope_`), so the caller keeps its torch
+expression. `MINISGL_KERNELS=<family>` caps the family (`MINISGL_CPU_KERNELS=0`: torch everywhere,
+how the two are compared; `MINISGL_AMX=0`: no AMX).
 
 Why the kernels exist (measured on this repository's 2-core Xeon, README "Speed"): a decode step of
 1-32 rows reads every weight once, and oneDNN's bf16 matmul moves ~6 GB/s at those row counts where
@@ -17,7 +17,9 @@ each row bits that depend on that row alone, which is what the batch-invariant f
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,20 +34,88 @@ except ImportError:  # pragma: no cover - depends on the build
 MAX_KERNEL_ROWS = 4
 
 
+# The kernel families, fastest first. A CPU runs every family from the best it supports down:
+#   amx         bf16 linears and attention scores on the AMX tile unit (Sapphire Rapids and later)
+#   avx512bf16  bf16 linears on vdpbf16ps (AMD Zen 4/5, Cooper Lake); the rest as avx512
+#   avx512      AVX-512 F/BW/DQ/VL: few-row linears, paged attention, row-wise ops; F.linear beyond
+#   torch       torch's own ops everywhere
+# MINISGL_KERNELS=<family> caps the family at a lower one (how each is measured and tested on a
+# machine that runs a higher one); MINISGL_AMX=0 caps it at avx512bf16 and MINISGL_CPU_KERNELS=0
+# at torch, as before.
+FAMILIES = ("amx", "avx512bf16", "avx512", "torch")
+
+
+def machine_family() -> str:
+    """The best kernel family this CPU and build run, whatever the environment asks."""
+    if _native is None or not _native.has_avx512():
+        return "torch"
+    if _native.has_amx():
+        return "amx"
+    return "avx512bf16" if _native.has_avx512_bf16() else "avx512"
+
+
+def _chosen_family() -> str:
+    cap = os.environ.get("MINISGL_KERNELS", "").strip().lower() or FAMILIES[0]
+    if cap not in FAMILIES:
+        raise ValueError(f"MINISGL_KERNELS={cap!r} is not a kernel family; valid: {', '.join(FAMILIES)}")
+    if os.environ.get("MINISGL_CPU_KERNELS", "1") == "0":
+        cap = "torch"
+    elif os.environ.get("MINISGL_AMX", "1") == "0":
+        cap = max(cap, "avx512bf16", key=FAMILIES.index)
+    return max(cap, machine_family(), key=FAMILIES.index)
+
+
+def _state(name: str) -> tuple[str, bool, bool, str | None]:
+    """(family, any native kernel, AMX tiles, which packed linear pack()/linear_packed() run)."""
+    return name, name != "torch", name == "amx", {"amx": "amx", "avx512bf16": "dpbf16"}.get(name)
+
+
+_FAMILY, _ENABLED, _AMX, _PACKS = _state(_chosen_family())
+
+
+def runs_family(name: str) -> bool:
+    """Whether this machine and build run kernel family `name` (it or a higher one is supported)."""
+    return FAMILIES.index(name) >= FAMILIES.index(machine_family())
+
+
+@contextlib.contextmanager
+def family_override(name: str) -> Iterator[None]:
+    """Run the block as if the process had started with MINISGL_KERNELS=`name` (tests and benchmarks
+    compare families in one process). Weights packed before or inside the block keep their layout:
+    pack them inside it, and build a DecodeStack there too."""
+    global _FAMILY, _ENABLED, _AMX, _PACKS
+    if name not in FAMILIES or not runs_family(name):
+        raise ValueError(f"kernel family {name!r} does not run here; these do: {', '.join(_runnable())}")
+    saved = _FAMILY
+    _FAMILY, _ENABLED, _AMX, _PACKS = _state(name)
+    try:
+        yield
+    finally:
+        _FAMILY, _ENABLED, _AMX, _PACKS = _state(saved)
+
+
+def _runnable() -> list[str]:
+    return [f for f in FAMILIES if runs_family(f)]
+
+
+def family() -> str:
+    """The kernel family this process runs (one of FAMILIES)."""
+    return _FAMILY
+
+
 def available() -> bool:
     """True if the native kernels are built, enabled and this CPU runs them (AVX-512 F/BW/DQ/VL)."""
-    return _native is not None and os.environ.get("MINISGL_CPU_KERNELS", "1") != "0" and _native.has_avx512()
-
-
-_ENABLED = available()
-# Asked once: whether the CPU has AMX-BF16 tiles and the kernel granted this process their use.
-# MINISGL_AMX=0 keeps the AVX-512 paths on an AMX machine (how they are measured and tested there).
-_AMX = _ENABLED and os.environ.get("MINISGL_AMX", "1") != "0" and _native.has_amx()
+    return _ENABLED
 
 
 def amx_available() -> bool:
-    """True if pack() packs: the AMX tile kernel (linear_packed) runs on this CPU."""
+    """True if this process runs the AMX tile kernels (linear and attention scores)."""
     return _AMX
+
+
+def packs() -> bool:
+    """True if pack() packs: a packed linear (AMX, or AVX512-BF16 without it) runs at any row count."""
+    return _PACKS is not None
 
 
 def _bf16_cpu_input(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -88,15 +158,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] (bf16, CPU) in the AMX kernel's tile layout, a new tensor of about the same size
-    (zero-padded to 32 x 32 tiles); None where linear_packed cannot run on it (no AMX, other dtype
-    or device). The pack is a copy: a later change to `weight` does not reach it."""
-    if not (_AMX and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
+    """weight [N, K] (bf16, CPU) in the packed linear's layout (AMX tiles, or AVX512-BF16 panels),
+    a new tensor of about the same size (zero-padded to whole tiles); None where linear_packed
+    cannot run on it (neither family, other dtype or device). The pack is a copy: a later change
+    to `weight` does not reach it."""
+    if not (_PACKS and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
         return None
     weight = weight.contiguous()
     n, k = weight.shape
-    out = torch.empty(_native.packed_amx_elems(n, k), dtype=torch.bfloat16)
-    _native.pack_amx(weight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    elems = _native.packed_amx_elems(n, k) if _PACKS == "amx" else _native.packed_dpbf16_elems(n, k)
+    out = torch.empty(elems, dtype=torch.bfloat16)
+    pack_fn = _native.pack_amx if _PACKS == "amx" else _native.pack_dpbf16
+    pack_fn(weight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
     return out
 
 
@@ -105,8 +178,8 @@ def linear_packed(
 ) -> torch.Tensor | None:
     """F.linear(x, weight, bias) for bf16 CPU x [..., K] over pack(weight) (weight.shape = `shape`),
     at any row count. A row's output bits depend only on that row and the weight: never on the row
-    count, the other rows or the thread count (the AMX unit sums each output over K in fixed
-    32-element steps), so the default and the batch-invariant forward share it. None where it
+    count, the other rows or the thread count (each output is one chain of the unit's dot products
+    over K in a fixed order), so the default and the batch-invariant forward share it. None where it
     cannot run (the caller keeps F.linear)."""
     n, k = shape
     if not (x.dim() >= 1 and x.shape[-1] == k and _bf16_cpu_input(x, bias)):
@@ -116,8 +189,14 @@ def linear_packed(
     if m:
         x = x.contiguous()
         ptrs = (x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
-        _native.linear_amx(*ptrs, m, n, k, torch.get_num_threads())
+        run = _native.linear_amx if _PACKS == "amx" else _native.linear_dpbf16
+        run(*ptrs, m, n, k, torch.get_num_threads())
     return out
+
+
+def pack_kind() -> int:
+    """What DecodeStack's packed linears are: 0 none, 1 AMX tiles, 2 AVX512-BF16 panels."""
+    return {None: 0, "amx": 1, "dpbf16": 2}[_PACKS]
 
 
 def paged_attention(

@@ -8,8 +8,8 @@ operands in the same order from one call, so its bits are the layer-by-layer for
 
 It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels, a
 Llama-style block (Qwen3's q/k norm included; not Gemma's), SiLU, and every linear packed for the
-AMX kernel (any row count) or, without AMX, batches of up to cpu_kernels.MAX_KERNEL_ROWS rows (the
-few-row kernel).
+packed kernel (AMX or AVX512-BF16: any row count) or, where neither runs, batches of up to
+cpu_kernels.MAX_KERNEL_ROWS rows (the few-row kernel).
 The default and the batch-invariant forward both use it: each passes its own RoPE tables.
 """
 
@@ -47,6 +47,7 @@ class DecodeStack:
             kv.block_size,
             kv.num_blocks,
             cpu_kernels.amx_available(),
+            cpu_kernels.pack_kind(),
         )
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp

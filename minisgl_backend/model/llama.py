@@ -210,19 +210,20 @@ def _rope_specs(cfg, head_dim: int) -> tuple[RopeSpec, RopeSpec | None]:
 
 class Linear(nn.Linear):
     """nn.Linear over the native CPU kernels (`model/cpu_kernels.py`). After pack() (the engine calls
-    it on a bf16 CPU model), every bf16 call runs the AMX tile kernel on a packed copy of the weight,
-    at any row count; without AMX, few-row bf16 calls (decode steps) run the AVX-512 kernel and the
-    rest F.linear. After quantize_int8() the few-row calls (one row where packed) read int8 weights
-    instead (half the bytes), and the rest runs on their dequantized bf16 copy, so prefill and
-    decode use the same quantized weights."""
+    it on a bf16 CPU model), every bf16 call runs the packed kernel (AMX tiles, or AVX512-BF16 panels
+    where there is no AMX) on a packed copy of the weight, at any row count; where neither runs,
+    few-row bf16 calls (decode steps) run the AVX-512 kernel and the rest F.linear. After
+    quantize_int8() the few-row calls (one row where packed) read int8 weights instead (half the
+    bytes), and the rest runs on their dequantized bf16 copy, so prefill and decode use the same
+    quantized weights."""
 
     qweight: torch.Tensor | None = None  # int8 [out, in], set by quantize_int8
     qscale: torch.Tensor | None = None  # float32 [out]: weight ~ qweight * qscale[:, None]
-    packed: torch.Tensor | None = None  # the weight in the AMX kernel's tile layout, set by pack
+    packed: torch.Tensor | None = None  # the weight in the packed kernel's layout, set by pack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # With AMX the int8 kernel wins only at one row (measured: 2-4 rows run ~1.7x faster on the
-        # tile unit over the dequantized bf16 weight than on the int8 FMA kernel).
+        # Where packed, the int8 kernel wins only at one row (measured with AMX: 2-4 rows run ~1.7x
+        # faster on the tile unit over the dequantized bf16 weight than on the int8 FMA kernel).
         if self.qweight is not None and (self.packed is None or x.shape[0] == 1):
             out = cpu_kernels.linear_int8(x, self.qweight, self.qscale, self.bias)
             if out is not None:
@@ -235,8 +236,8 @@ class Linear(nn.Linear):
 
     @torch.no_grad()
     def pack(self) -> bool:
-        """Pack the current weight for the AMX kernel (a copy: call again after changing the weight).
-        False where the kernel cannot run (no AMX, not bf16 on the CPU)."""
+        """Pack the current weight for the packed kernel (a copy: call again after changing the
+        weight). False where it cannot run (neither AMX nor AVX512-BF16, not bf16 on the CPU)."""
         self.packed = cpu_kernels.pack(self.weight)
         return self.packed is not None
 
@@ -515,9 +516,10 @@ class CausalLM(nn.Module):
                 module.quantize_int8()
 
     def pack_weights(self) -> int:
-        """Pack every linear layer's weight for the AMX kernel (Linear.pack); returns how many took it
-        (0 without AMX, or for a model that is not bf16 on the CPU). Costs one more copy of those
-        weights in memory: F.linear paths and the tied embedding keep reading the original."""
+        """Pack every linear layer's weight for the packed kernel (Linear.pack); returns how many took
+        it (0 without AMX or AVX512-BF16, or for a model that is not bf16 on the CPU). Costs one
+        more copy of those weights in memory: F.linear paths and the tied embedding keep reading
+        the original."""
         self._stack = None  # it points into the packs being replaced
         return sum(module.pack() for module in self.modules() if isinstance(module, Linear))
 
