@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 from minisgl_backend.errors import ReentrantCallError
@@ -29,6 +29,7 @@ class RequestHandle:
         self._deltas: queue.SimpleQueue[StreamDelta | BaseException] = queue.SimpleQueue()
         self._engine_threads: frozenset[threading.Thread] = frozenset()  # set by the engine
         self._consumed = False  # the final delta (or the error) was taken by an iterator
+        self._wakeup: Callable[[], None] | None = None  # see set_wakeup
 
     def _not_reentrant(self, what: str) -> None:
         current = threading.current_thread()
@@ -73,9 +74,44 @@ class RequestHandle:
             if self._consumed:
                 return
 
+    def set_wakeup(self, fn: Callable[[], None]) -> None:
+        """`fn()` runs on the scheduler thread after each delta or error is posted (keep it tiny: a
+        `call_soon_threadsafe`). With `take_ready` it lets an event loop read deltas without a
+        thread blocked in the iterator. Set it before the first `take_ready`."""
+        self._wakeup = fn
+
+    def take_ready(self) -> list[StreamDelta]:
+        """The deltas posted and not yet taken, without blocking (the iterator's bookkeeping: once the
+        last final delta is taken, `consumed` is true). Raises the request's error when it is next."""
+        out: list[StreamDelta] = []
+        while not self._consumed:
+            try:
+                item = self._deltas.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, BaseException):
+                self._consumed = True
+                if out:  # hand over what came before the error; the next call raises it
+                    return out
+                raise item
+            if item.finished:
+                self._unfinished -= 1
+                self._consumed = self._unfinished == 0
+            out.append(item)
+        if not out and self._consumed and self._future.done() and self._future.exception() is not None:
+            raise self._future.exception()  # type: ignore[misc]
+        return out
+
+    @property
+    def consumed(self) -> bool:
+        """Whether the last final delta (or the error) has been taken."""
+        return self._consumed
+
     # --- posted by the scheduler thread ---
     def _post_delta(self, delta: StreamDelta) -> None:
         self._deltas.put(delta)
+        if self._wakeup is not None:
+            self._wakeup()
 
     def _post_result(self, out: RequestOutput) -> None:
         self._future.set_result(out)
@@ -84,3 +120,5 @@ class RequestHandle:
         if not self._future.done():
             self._deltas.put(err)
             self._future.set_exception(err)
+            if self._wakeup is not None:
+                self._wakeup()

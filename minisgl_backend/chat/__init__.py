@@ -2,7 +2,7 @@
 rendering with tools (`template`), the tool-call prompt and parser (`tools`) and grammar-constrained
 decoding (`grammar`, llguidance)."""
 
-from minisgl_backend.chat.grammar import GrammarError, GrammarProcessor, tool_call_grammar
+from minisgl_backend.chat.grammar import GrammarError, GrammarProcessor, guide_grammar, tool_call_grammar
 from minisgl_backend.chat.template import (
     ChatPrompt,
     ChatTemplateError,
@@ -16,6 +16,7 @@ from minisgl_backend.chat.tools import (
     ToolCallStreamSplitter,
     new_call_id,
     parse_tool_calls,
+    partial_tool_call,
     reply_arguments,
     tool_system_prompt,
 )
@@ -27,8 +28,10 @@ __all__ = [
     "GrammarProcessor",
     "ToolCallStreamSplitter",
     "forced_tools",
+    "guide_grammar",
     "new_call_id",
     "parse_tool_calls",
+    "partial_tool_call",
     "render_chat",
     "reply_arguments",
     "response_tool",

@@ -34,7 +34,35 @@ _tok_lock = threading.Lock()
 
 
 class GrammarError(ValueError):
-    """llguidance cannot compile the grammar built from a schema."""
+    """llguidance cannot compile the grammar built from a schema, or cannot follow it (its limits)."""
+
+
+def _why(matcher: llguidance.LLMatcher) -> str:
+    """llguidance's error, first line only (the rest is a dump of the parser's state)."""
+    return matcher.get_error().strip().split("\n", 1)[0][:300]
+
+
+def guide_grammar(kind: str, value: Any) -> str:
+    """An llguidance grammar for a constraint on the whole output (vLLM's guided_* fields): `regex`
+    (the output matches it), `choice` (it is one of the strings), `grammar` (Lark source, llguidance's
+    dialect), `json` (a JSON schema, compact JSON), `json_object` (any JSON object)."""
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+        )
+    if kind == "grammar":
+        return llguidance.LLMatcher.grammar_from_lark(value)
+    if kind in ("json", "json_object"):
+        schema = value if kind == "json" else {"type": "object"}
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_COMPACT)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise GrammarError(
+                f"cannot compile the JSON schema: {str(e).strip().split(chr(10))[0][:300]}"
+            ) from None
+    raise GrammarError(f"unknown constraint kind {kind!r}")
 
 
 def _ll_tokenizer(hf_tokenizer: Any) -> llguidance.LLTokenizer:
@@ -97,7 +125,12 @@ class GrammarProcessor:
         self._grammar = grammar
         self._matcher = llguidance.LLMatcher(self._tok, grammar)
         if self._matcher.is_error():
-            raise GrammarError(f"cannot compile the output grammar: {self._matcher.get_error()}")
+            raise GrammarError(f"cannot compile the output grammar: {_why(self._matcher)}")
+        # The first token's mask, now: a grammar that compiles but exceeds llguidance's limits (a
+        # recursive $ref chain, a huge counted repetition) fails here, before the request is queued.
+        self._first: bytes | None = self._matcher.compute_bitmask()
+        if self._matcher.is_error():
+            raise GrammarError(f"the output grammar exceeds the parser's limits: {_why(self._matcher)}")
         self._seen = 0
 
     @property
@@ -113,10 +146,13 @@ class GrammarProcessor:
             self._matcher.consume_tokens(list(output_ids[self._seen :]))
             self._seen = len(output_ids)
         if self._matcher.is_error():
-            raise GrammarError(f"output left the grammar: {self._matcher.get_error()}")
-        bits = np.unpackbits(
-            np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
-        )
+            raise GrammarError(f"output left the grammar: {_why(self._matcher)}")
+        mask, self._first = (self._first, None) if self._seen == 0 and self._first else (None, None)
+        if mask is None:
+            mask = self._matcher.compute_bitmask()
+            if self._matcher.is_error():
+                raise GrammarError(f"the output grammar exceeds the parser's limits: {_why(self._matcher)}")
+        bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
         allowed = torch.from_numpy(bits[: logits.shape[-1]].astype(bool))
         if allowed.shape[0] < logits.shape[-1]:  # padded model vocab beyond the tokenizer's: never valid
             allowed = torch.cat([allowed, torch.zeros(logits.shape[-1] - allowed.shape[0], dtype=torch.bool)])

@@ -11,6 +11,7 @@ such a forced call too (of a tool made from the format; its arguments are the re
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 import weakref
@@ -18,10 +19,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2 import TemplateError
+
 from minisgl_backend.chat.grammar import GrammarProcessor, tool_call_grammar
 from minisgl_backend.chat.tools import call_text, tool_system_prompt
 
 _native_tools: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+JSON_OBJECT_TOOL = "json_object"
+JSON_OBJECT_PARAMS = {"type": "object", "additionalProperties": True}
 _native_lock = threading.Lock()
 
 
@@ -84,8 +89,8 @@ def response_tool(fmt: dict[str, Any], taken: Sequence[str] = ()) -> dict[str, A
     """
     kind = fmt.get("type")
     if kind == "json_object":
-        name, description = "json_object", "Reply to the user with a JSON object as the arguments."
-        params: dict[str, Any] = {"type": "object", "additionalProperties": True}
+        name, description = JSON_OBJECT_TOOL, "Reply to the user with a JSON object as the arguments."
+        params: dict[str, Any] = dict(JSON_OBJECT_PARAMS)
     elif kind == "json_schema":
         spec = fmt.get("json_schema") or {}
         params = dict(spec.get("schema", spec) or {"type": "object", "additionalProperties": True})
@@ -160,6 +165,31 @@ class ChatPrompt:
         return bool(self.tool_names) or self.reply_tool is not None
 
 
+def _template_kwargs(tokenizer: Any, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """Extra variables for the template (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking);
+    names that are apply_chat_template's own parameters are refused rather than passed twice."""
+    if not kwargs:
+        return {}
+    own = {
+        name
+        for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD
+    } | {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
+    clash = sorted(set(kwargs) & own)
+    if clash:
+        raise ChatTemplateError(f"chat_template_kwargs may not set {clash}: use the request's own fields")
+    return dict(kwargs)
+
+
+def _shown(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as the model is told about it: a json_object reply tool without its parameter schema
+    (`{"type": "object", "additionalProperties": true}` is what a small model would copy as its reply)."""
+    fn = tool["function"]
+    if fn["name"] == JSON_OBJECT_TOOL and fn.get("parameters") == JSON_OBJECT_PARAMS:
+        return {**tool, "function": {k: v for k, v in fn.items() if k != "parameters"}}
+    return tool
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[dict[str, Any]],
@@ -167,11 +197,17 @@ def render_chat(
     tool_choice: Any = None,
     response_format: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> ChatPrompt:
     """Render a conversation with the model's chat template (plus the tool / JSON instructions) and
-    build the grammar processors a forced tool call or a JSON response format needs."""
+    build the grammar processors a forced tool call or a JSON response format needs.
+    `continue_final_message`: leave the last message open for the model to continue (the prompt ends
+    inside it; then add_generation_prompt must be false). `template_kwargs`: extra template variables.
+    A failing template is a ChatTemplateError (its first line)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("the model has no chat template; use plain completions instead")
+    template_vars = _template_kwargs(tokenizer, template_kwargs)
     tools = list(tools or [])
     if tool_choice == "none":
         tools = []
@@ -189,9 +225,10 @@ def render_chat(
     processors: list[Callable] = []
     instructions: list[str] = []
     native = bool(tools) and template_supports_tools(tokenizer)
+    shown = [_shown(t) for t in tools]
     if tools and not native:
         name = forced[0]["function"]["name"] if forced and len(forced) == 1 else ("any" if forced else None)
-        instructions.append(tool_system_prompt(tools, name))
+        instructions.append(tool_system_prompt(shown, name))
     if forced:
         processors.append(GrammarProcessor(tokenizer, tool_call_grammar(forced)))
     msgs = [to_template(m, native) for m in messages]
@@ -201,8 +238,16 @@ def render_chat(
             msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{extra}"}
         else:
             msgs.insert(0, {"role": "system", "content": extra})
-    text = tokenizer.apply_chat_template(
-        msgs, tools=tools if native else None, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            msgs,
+            tools=shown if native else None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **template_vars,
+        )
+    except (TemplateError, ValueError, TypeError) as e:  # the template's raise_exception, a bad continuation
+        raise ChatTemplateError(f"the chat template failed: {str(e).strip().splitlines()[0][:300]}") from None
     ids = list(tokenizer.encode(text, add_special_tokens=False))  # the template already holds any BOS
     return ChatPrompt(text, ids, processors, names, reply["function"]["name"] if reply else None)

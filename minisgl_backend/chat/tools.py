@@ -72,6 +72,25 @@ def _parse_one(body: str, calls: list[ParsedCall], invalid: list[ParsedCall]) ->
     calls.append({"name": name, "args": args, "id": new_call_id()})
 
 
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)\Z', re.S)
+
+
+def partial_tool_call(body: str, tool_names: set[str]) -> dict[str, str] | None:
+    """A tagged call that does not parse but got as far as its arguments (a forced call cut by
+    max_tokens): `{"name", "arguments"}` with the arguments as written so far (not valid JSON, as
+    OpenAI returns a cut call), or None when the name is not yet complete or names no bound tool."""
+    m = _CALL_HEAD.match(body)
+    if m is None:
+        return None
+    try:
+        name = json.loads(m.group(1))
+    except ValueError:
+        return None
+    if name not in tool_names:
+        return None
+    return {"name": name, "arguments": m.group(2)}
+
+
 def reply_arguments(text: str, reply_tool: str) -> str | None:
     """The JSON a forced call of `reply_tool` carries (a response_format's reply), as the model wrote
     it: all of it, or as far as max_tokens let it go. None: `text` is not that call."""

@@ -11,25 +11,34 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import logging
+import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from jinja2 import TemplateError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl_backend.chat import (
     ChatPrompt,
     ChatTemplateError,
     GrammarError,
+    GrammarProcessor,
     ToolCallStreamSplitter,
+    guide_grammar,
     parse_tool_calls,
+    partial_tool_call,
     render_chat,
 )
 from minisgl_backend.chat.logprobs import TokenText, chat_logprobs
@@ -43,6 +52,7 @@ from minisgl_backend.errors import (
     QueueFullError,
 )
 from minisgl_backend.serve.backend import Backend, ServerShuttingDownError, Stream
+from minisgl_backend.serve.guard import BodyGuard, BodyRejected, GuardedStreamingResponse, ServeLimits
 from minisgl_backend.serve.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -86,6 +96,10 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class SlowClientError(Exception):
+    """A streaming client left more undelivered output than `stream_buffer_events` allows."""
+
+
 # The one place where the engine's typed errors become HTTP statuses (most specific first).
 ERROR_MAP: list[tuple[type[BaseException], int, str, str]] = [
     (PromptTooLongError, 400, "invalid_request_error", "context_length_exceeded"),
@@ -94,27 +108,48 @@ ERROR_MAP: list[tuple[type[BaseException], int, str, str]] = [
     (InvalidRequestError, 400, "invalid_request_error", "invalid_request"),
     (ChatTemplateError, 400, "invalid_request_error", "invalid_chat_request"),
     (GrammarError, 400, "invalid_request_error", "invalid_grammar"),
+    (TemplateError, 400, "invalid_request_error", "invalid_chat_request"),
     (QueueFullError, 503, "server_overloaded", "queue_full"),
     (EngineDeadError, 503, "service_unavailable", "engine_dead"),
     (EngineStalledError, 503, "service_unavailable", "engine_dead"),
     (ServerShuttingDownError, 503, "service_unavailable", "shutting_down"),
+    (SlowClientError, 408, "invalid_request_error", "client_too_slow"),
 ]
 
 
 def api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, BodyRejected):
+        return APIError(exc.status, exc.message, code=exc.code, headers={"Connection": "close"})
     for cls, status, type_, code in ERROR_MAP:
         if isinstance(exc, cls):
             headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-            return APIError(status, str(exc), type_, None, code, headers)
-    log.exception("internal error", exc_info=exc)
+            return APIError(status, _first_line(str(exc)), type_, None, code, headers)
+    # The detail goes to the log only: a client sees that something failed and the id to quote.
+    incident = uuid.uuid4().hex[:16]
+    log.error("internal error (request id %s)", incident, exc_info=exc)
     return APIError(
-        500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", None, "internal_error"
+        500,
+        f"internal server error (request id {incident}); the server log has the details",
+        "internal_error",
+        None,
+        "internal_error",
+        {"X-Request-Id": incident},
     )
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+MAX_ERROR_CHARS = 500
+
+
+def _first_line(msg: str) -> str:
+    """An error message for a client: its first line, at most MAX_ERROR_CHARS (a parser's state dump
+    or a template's traceback stays in the log)."""
+    line = msg.strip().split("\n", 1)[0]
+    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def _validation_error(exc: RequestValidationError | ValidationError) -> APIError:
     errs = exc.errors()
     if not errs:
         return APIError(400, "invalid request")
@@ -143,6 +178,33 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 # ---------------------------------------------------------------------------------------------- state
+class CPUPool:
+    """The bounded executor for request-sized CPU work (JSON of large bodies, tokenising, chat
+    templates, grammar compilation, detokenising): the event loop only does I/O. Each worker thread
+    encodes with its own copy of the tokenizer (a fast tokenizer is not meant for concurrent use);
+    the Rust encoder releases the GIL, so a long encode does not hold the loop up either."""
+
+    def __init__(self, tokenizer: Any, workers: int) -> None:
+        self._base = tokenizer
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="minisgl-serve-cpu")
+
+    def tokenizer(self) -> Any:
+        """This worker's tokenizer (call it on a worker thread)."""
+        tok = getattr(self._local, "tok", None)
+        if tok is None:
+            with self._lock:
+                tok = self._local.tok = copy.deepcopy(self._base)
+        return tok
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 @dataclass
 class ServerState:
     """What the routes share: the backend and the app's own settings."""
@@ -153,6 +215,141 @@ class ServerState:
     api_key: str | None = None
     owns_backend: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    limits: ServeLimits = field(default_factory=ServeLimits)
+    pool: CPUPool | None = None
+    # The most characters one token stands for (the longest vocabulary entry): a text longer than
+    # max_model_len times this cannot fit the context, whatever it tokenises to.
+    max_token_chars: int = 1
+
+
+def public_model_ref(ref: str) -> str:
+    """A model reference as clients may see it: a filesystem path becomes its last component (no
+    server paths in responses); a registry name stays as it is."""
+    if os.path.isabs(ref) or os.sep in ref or ref.startswith("."):
+        return os.path.basename(os.path.normpath(ref)) or ref
+    return ref
+
+
+# ---------------------------------------------------------------------------------------------- bodies
+SMALL_BODY = 64 * 1024  # bodies up to this are parsed on the loop (cheaper than the hop to a worker)
+MAX_JSON_DEPTH = 64
+
+
+def _bad_text(obj: Any) -> str | None:
+    """Where (a dotted path) the parsed JSON holds a string that is not encodable UTF-8 (a lone
+    surrogate such as "\\ud800", which JSON's escapes allow), or None. Raises APIError for nesting
+    deeper than MAX_JSON_DEPTH."""
+    stack: list[tuple[Any, str, int]] = [(obj, "", 0)]
+    while stack:
+        o, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(
+                400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="too_deep"
+            )
+        if isinstance(o, str):
+            if not o.isascii():
+                try:
+                    o.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                p = f"{path}.{k}" if path else str(k)
+                if not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return path or "body"
+                if isinstance(v, (dict, list)) or (isinstance(v, str) and not v.isascii()):
+                    stack.append((v, p, depth + 1))
+        elif isinstance(o, list):
+            for i, v in enumerate(o):
+                if isinstance(v, (dict, list)) or (isinstance(v, str) and not v.isascii()):
+                    stack.append((v, f"{path}.{i}" if path else str(i), depth + 1))
+    return None
+
+
+def _parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """JSON -> checked text -> the request model; every failure is a 400 with OpenAI's error object."""
+    if not raw:
+        raise APIError(400, "the request body is missing", code="missing")
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, an int of > 4300 digits, nesting
+        raise APIError(
+            400, f"the request body is not valid JSON: {_first_line(str(e))}", code="invalid_json"
+        ) from None
+    where = _bad_text(obj)
+    if where is not None:
+        raise APIError(
+            400,
+            f"{where}: not valid Unicode text (a lone surrogate such as \\ud800); send well-formed UTF-8",
+            param=where,
+            code="invalid_unicode",
+        )
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+# ---------------------------------------------------------------------------------------------- limits
+def _context_error(msg: str, param: str | None = None) -> APIError:
+    return APIError(400, msg, param=param, code="context_length_exceeded")
+
+
+def _check_sequences(state: ServerState, prompts: int, n: int) -> None:
+    lim = state.limits
+    if prompts > lim.max_prompts:
+        raise APIError(
+            400,
+            f"{prompts} prompts in one request; this server takes at most {lim.max_prompts} (--max-prompts)",
+            param="prompt",
+            code="too_many_prompts",
+        )
+    if prompts * n > lim.max_sequences:
+        raise APIError(
+            400,
+            f"{prompts} prompts x n={n} = {prompts * n} sequences; this server takes at most "
+            f"{lim.max_sequences} per request (--max-sequences)",
+            param="n",
+            code="too_many_sequences",
+        )
+
+
+def _check_chars(state: ServerState, chars: int, what: str, param: str) -> None:
+    """The cheap bound before tokenising: more characters than max_model_len tokens can hold."""
+    cap = state.backend.max_model_len * state.max_token_chars
+    if chars > cap:
+        raise _context_error(
+            f"{what} has {chars} characters, more than max_model_len ({state.backend.max_model_len}) "
+            f"tokens can hold (at most {state.max_token_chars} characters each)",
+            param,
+        )
+
+
+def _room(state: ServerState, prompt_len: int, requested: int | None, what: str) -> int:
+    """max_tokens for a prompt of `prompt_len` tokens: `requested` if it fits the context (else a 400,
+    as vLLM), or all the room left when the client asked for no particular number."""
+    limit = state.backend.max_model_len
+    if prompt_len > limit:
+        raise _context_error(
+            f"the {what} has {prompt_len} tokens but the context limit (max_model_len) is {limit}"
+        )
+    if requested is None:
+        if prompt_len >= limit:
+            raise _context_error(
+                f"the {what} has {prompt_len} tokens: no room for a reply in max_model_len ({limit})"
+            )
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise _context_error(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the completion). "
+            "Please reduce the length of the prompt or completion.",
+            "max_tokens",
+        )
+    return requested
 
 
 # ---------------------------------------------------------------------------------------------- streams in
@@ -187,15 +384,27 @@ async def _results_or_disconnect(request: Request, streams: Sequence[Stream]) ->
 
 class _Merged:
     """(index, event) of several streams as they come; an error arrives as (index, exception).
-    `close()` is synchronous: it runs in `finally` blocks that a cancelled response may not await in."""
+    At most `limit` events wait for the client: past that its requests are aborted (their KV freed)
+    and a SlowClientError is queued. `close()` is synchronous: it runs in `finally` blocks that a
+    cancelled response may not await in."""
 
-    def __init__(self, streams: Sequence[Stream]) -> None:
+    def __init__(self, streams: Sequence[Stream], limit: int | None = None) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._streams, self._limit, self._overflowed = streams, limit, False
         self._tasks = [asyncio.ensure_future(self._forward(i, s)) for i, s in enumerate(streams)]
 
     async def _forward(self, i: int, s: Stream) -> None:
         try:
             async for ev in s.events():
+                if self._overflowed:
+                    return
+                if self._limit is not None and self._queue.qsize() >= self._limit:
+                    self._overflowed = True
+                    _abort(self._streams)
+                    self._queue.put_nowait(
+                        (i, SlowClientError(f"the client left {self._limit} events unread: aborted"))
+                    )
+                    return
                 self._queue.put_nowait((i, ev))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             self._queue.put_nowait((i, e))
@@ -284,9 +493,10 @@ def _sse(obj: Any) -> str:
 
 
 def _sse_error(e: BaseException) -> str:
-    """A failure in the middle of a stream: the status line is sent, so the error object is an event."""
+    """A failure in the middle of a stream: the status line is sent, so the error object is an event,
+    and the stream still ends with `[DONE]`."""
     err = api_error(e)
-    return _sse(error_body(err.message, err.type, None, err.code))
+    return _sse(error_body(err.message, err.type, None, err.code)) + "data: [DONE]\n\n"
 
 
 def _top_dict(text: TokenText, lp: TokenLogprob) -> dict[str, float]:
@@ -347,38 +557,72 @@ def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- app
+def _mapped(route: Callable) -> Callable:
+    """A route whose failures become OpenAI error objects (an unmapped one a generic 500)."""
+
+    @functools.wraps(route)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await route(*args, **kwargs)
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to a status code
+            raise api_error(e) from e
+
+    return wrapper
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def build_app(
     backend: Backend,
     model_name: str | None = None,
     api_key: str | None = None,
     owns_backend: bool = False,
     enable_metrics: bool = True,
+    limits: ServeLimits | None = None,
 ) -> FastAPI:
     """The API over `backend`. `owns_backend`: close it when the app shuts down (the CLI's case).
+    `limits`: the per-request bounds (ServeLimits' defaults unless given).
     `app.state.minisgl` is the backend (tests and the runner reach the engine side through it)."""
     from contextlib import asynccontextmanager
 
+    limits = limits or ServeLimits()
+    tokenizer = copy.deepcopy(backend.tokenizer)
     state = ServerState(
         backend=backend,
-        model_name=model_name or backend.model_ref,
+        model_name=model_name or public_model_ref(backend.model_ref),
         api_key=api_key,
         owns_backend=owns_backend,
-        tokenizer=copy.deepcopy(backend.tokenizer),
+        tokenizer=tokenizer,
+        limits=limits,
+        pool=CPUPool(backend.tokenizer, limits.cpu_workers),
+        max_token_chars=max(1, max(map(len, tokenizer.get_vocab()), default=1)),
     )
+    pool = state.pool
     token_text = TokenText(state.tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        pool.close()
         if state.owns_backend:  # uvicorn has stopped accepting and finished (or cancelled) the requests
             await asyncio.to_thread(backend.close)
 
     app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.minisgl = backend
+    app.state.limits = limits
+    app.add_middleware(BodyGuard, limits=limits)
 
     @app.exception_handler(APIError)
     async def _api_error(_req: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(BodyRejected)
+    async def _body_rejected(_req: Request, exc: BodyRejected) -> JSONResponse:
+        return api_error(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
@@ -412,8 +656,13 @@ def build_app(
 
     guarded = [Depends(auth)]
 
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
+        raw = await request.body()
+        if len(raw) <= SMALL_BODY:
+            return _parse_body(raw, model)
+        return await pool.run(_parse_body, raw, model)
+
     # ------------------------------------------------------------------ info endpoints
-    @app.get("/health")
     async def health() -> Any:
         why = await backend.unhealthy()
         if why is not None:
@@ -422,6 +671,15 @@ def build_app(
                 status_code=503,
             )
         return {"status": "ok"}
+
+    app.get("/health")(health)
+    app.api_route("/ping", methods=["GET", "POST"])(health)  # vLLM's (SageMaker's) name for it
+
+    @app.get("/version")
+    async def version() -> Any:
+        from minisgl_backend import __version__
+
+        return {"version": __version__}
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> Any:
@@ -433,7 +691,8 @@ def build_app(
                     "object": "model",
                     "created": state.created,
                     "owned_by": "minisgl",
-                    "root": backend.model_dir,
+                    "root": public_model_ref(backend.model_ref),
+                    "parent": None,
                     "max_model_len": backend.max_model_len,
                 }
             ],
@@ -462,34 +721,50 @@ def build_app(
         }
 
     @app.post("/tokenize", dependencies=guarded)
-    async def tokenize(body: TokenizeRequest) -> Any:
+    @_mapped
+    async def tokenize(request: Request) -> Any:
+        body: TokenizeRequest = await parse(request, TokenizeRequest)
         _check_model(state, body.model)
-        tok = state.tokenizer
-        if body.messages is not None:
-            prompt = render_chat(
-                tok,
-                [_message_dict(m) for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt,
+        messages = [_message_dict(m) for m in body.messages] if body.messages is not None else None
+
+        def work() -> bytes:  # on a worker: long texts are what /tokenize is for (lm-eval's rolling windows)
+            tok = pool.tokenizer()
+            if messages is not None:
+                ids = render_chat(
+                    tok,
+                    messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    template_kwargs=body.chat_template_kwargs,
+                ).token_ids
+            else:
+                ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            return _json_bytes(
+                {
+                    "count": len(ids),
+                    "max_model_len": backend.max_model_len,
+                    "tokens": ids,
+                    "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+                }
             )
-            ids = prompt.token_ids
-        else:
-            ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        return {
-            "count": len(ids),
-            "max_model_len": backend.max_model_len,
-            "tokens": ids,
-            "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None,
-        }
+
+        return Response(await pool.run(work), media_type="application/json")
 
     @app.post("/detokenize", dependencies=guarded)
-    async def detokenize(body: DetokenizeRequest) -> Any:
+    @_mapped
+    async def detokenize(request: Request) -> Any:
+        body: DetokenizeRequest = await parse(request, DetokenizeRequest)
         _check_model(state, body.model)
-        bad = [t for t in body.tokens if not 0 <= t < backend.vocab_size]
-        if bad:
-            raise APIError(
-                400, f"token ids out of range [0, {backend.vocab_size}): {bad[:5]}", param="tokens"
-            )
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+        def work() -> bytes:
+            bad = [t for t in body.tokens if not 0 <= t < backend.vocab_size]
+            if bad:
+                raise APIError(
+                    400, f"token ids out of range [0, {backend.vocab_size}): {bad[:5]}", param="tokens"
+                )
+            return _json_bytes({"prompt": pool.tokenizer().decode(body.tokens)})
+
+        return Response(await pool.run(work), media_type="application/json")
 
     if enable_metrics:
 
@@ -498,128 +773,177 @@ def build_app(
             body, ctype = await backend.render_metrics()
             return PlainTextResponse(body, media_type=ctype)
 
+    def streaming(content: AsyncIterator[str]) -> GuardedStreamingResponse:
+        return GuardedStreamingResponse(
+            content,
+            limits.stream_idle_timeout_s,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
     # ------------------------------------------------------------------ completions
     @app.post("/v1/completions", dependencies=guarded)
-    async def completions(body: CompletionRequest, request: Request) -> Any:
+    @_mapped
+    async def completions(request: Request) -> Any:
+        body: CompletionRequest = await parse(request, CompletionRequest)
         _check_model(state, body.model)
         p = body.prompt
         prompts: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        _check_sequences(state, len(prompts), body.n)
+        for i, pr in enumerate(prompts):
+            what = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+            if isinstance(pr, str):
+                _check_chars(state, len(pr), what, "prompt")
+            elif len(pr) > backend.max_model_len:
+                _room(state, len(pr), None, what)  # raises: longer than the context
         drop = body.max_tokens == 0  # echo-only scoring: the engine draws one token, which is dropped
         k = body.logprobs
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        try:
-            params = _sampling(
-                body,
-                max(1, body.max_tokens or 0),
-                k,
-                backend.vocab_size,
-                prompt_logprobs=k if (body.echo and k is not None) else None,
+        guide = body.guide
+        echo = body.echo
+
+        def prepare() -> tuple[list[list[int]], list[str] | None, list[list[Callable]]]:
+            tok = pool.tokenizer()
+            texts = [pr for pr in prompts if isinstance(pr, str)]
+            encoded = iter(tok(texts)["input_ids"] if texts else [])  # as Engine.submit encodes a string
+            ids = [list(next(encoded)) if isinstance(pr, str) else list(pr) for pr in prompts]
+            echo_text = [pr if isinstance(pr, str) else tok.decode(pr) for pr in prompts] if echo else None
+            procs: list[list[Callable]] = [[] for _ in prompts]
+            if guide is not None:  # one processor per prompt (each holds its parser's state)
+                grammar = guide_grammar(guide.kind, guide.value)
+                procs = [[GrammarProcessor(tok, grammar)] for _ in prompts]
+            return ids, echo_text, procs
+
+        ids, echo_text, procs = await pool.run(prepare)
+        explicit = "max_tokens" in body.model_fields_set
+        params = []
+        for i, pr in enumerate(ids):
+            what = "prompt" if len(ids) == 1 else f"prompt {i}"
+            if drop:
+                _room(state, len(pr), 0, what)
+                mt = 1
+            elif explicit:
+                mt = _room(state, len(pr), body.max_tokens, what)
+            else:  # OpenAI's default of 16, less where the context has no room for it
+                mt = min(body.max_tokens or 16, _room(state, len(pr), None, what))
+            params.append(
+                _sampling(
+                    body,
+                    mt,
+                    k,
+                    backend.vocab_size,
+                    procs[i],
+                    prompt_logprobs=k if (echo and k is not None) else None,
+                )
             )
-            streams = await _submit(state, prompts, [params] * len(prompts), rid, body.user, body.stream)
-        except Exception as e:  # noqa: BLE001 - mapped to a status code
-            raise api_error(e) from e
-        echo_text = (
-            [pr if isinstance(pr, str) else state.tokenizer.decode(pr) for pr in prompts]
-            if body.echo
-            else None
-        )
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await _submit(state, ids, params, rid, body.user, body.stream)
         model = state.model_name
         if body.stream:
-            return StreamingResponse(
-                _stream_completion(state, streams, body, rid, echo_text, drop, token_text),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return streaming(_stream_completion(state, streams, body, rid, echo_text, drop, token_text))
         try:
             outs = await _results_or_disconnect(request, streams)
         except ClientGone:
             return PlainTextResponse("", status_code=499)
-        except Exception as e:  # noqa: BLE001
-            raise api_error(e) from e
-        choices = []
-        for i, out in enumerate(outs):
-            prefix = echo_text[i] if echo_text else ""
-            for s in out.samples:  # OpenAI's order: the n choices of prompt 0, then of prompt 1, ...
-                lps = None
-                if k is not None:
-                    entries = _prompt_entries(out) if body.echo else []
-                    generated = [] if drop else _generated_entries(s.logprobs)
-                    lps = _text_logprobs(token_text, entries + generated, 0)[0]
-                choices.append(
-                    {
-                        "index": i * body.n + s.index,
-                        "text": prefix + ("" if drop else s.text),
-                        "finish_reason": "length" if drop else s.finish_reason,
-                        "logprobs": lps,
-                    }
-                )
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-            "usage": _usage(outs, drop),
-            "system_fingerprint": None,
-        }
+
+        def respond() -> bytes:
+            choices = []
+            for i, out in enumerate(outs):
+                prefix = echo_text[i] if echo_text else ""
+                for s in out.samples:  # OpenAI's order: the n choices of prompt 0, then of prompt 1, ...
+                    lps = None
+                    if k is not None:
+                        entries = _prompt_entries(out) if echo else []
+                        generated = [] if drop else _generated_entries(s.logprobs)
+                        lps = _text_logprobs(token_text, entries + generated, 0)[0]
+                    choices.append(
+                        {
+                            "index": i * body.n + s.index,
+                            "text": prefix + ("" if drop else s.text),
+                            "finish_reason": "length" if drop else s.finish_reason,
+                            "logprobs": lps,
+                        }
+                    )
+            return _json_bytes(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": model,
+                    "choices": choices,
+                    "usage": _usage(outs, drop),
+                    "system_fingerprint": None,
+                }
+            )
+
+        small = len(outs) * body.n <= 8 and k is None
+        return Response(respond() if small else await pool.run(respond), media_type="application/json")
 
     # ------------------------------------------------------------------ chat completions
     @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    @_mapped
+    async def chat_completions(request: Request) -> Any:
+        body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         _check_model(state, body.model)
+        _check_sequences(state, 1, body.n)
+        _check_chars(state, sum(len(m.text()) for m in body.messages), "the conversation", "messages")
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         choice = (
             body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
         )
+        guide = body.guide
         fmt = body.response_format.as_dict() if body.response_format is not None else None
-        try:
+        if guide is not None and guide.kind in ("json", "json_object"):
+            fmt = guide.response_format()  # the response_format path: a forced call of a reply tool
+            guide = None
+        messages = [_message_dict(m) for m in body.messages]
+
+        def prepare() -> ChatPrompt:
+            tok = pool.tokenizer()
             prompt = render_chat(
-                state.tokenizer,
-                [_message_dict(m) for m in body.messages],
+                tok,
+                messages,
                 tools=tools,
                 tool_choice=choice,
                 response_format=fmt,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
             )
-            max_tokens = (
-                body.max_completion_tokens
-                or body.max_tokens
-                or max(1, backend.max_model_len - len(prompt.token_ids))
-            )
-            k = (body.top_logprobs or 0) if body.logprobs else None
-            params = _sampling(body, max_tokens, k, backend.vocab_size, prompt.logits_processors)
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
-            streams = await _submit(state, [prompt.token_ids], [params], rid, body.user, body.stream)
-        except APIError:
-            raise
-        except Exception as e:  # noqa: BLE001 - mapped to a status code
-            raise api_error(e) from e
+            if guide is not None:  # a bare grammar over the whole reply (regex, choice, Lark)
+                prompt.logits_processors.append(GrammarProcessor(tok, guide_grammar(guide.kind, guide.value)))
+            return prompt
+
+        prompt = await pool.run(prepare)
+        max_tokens = _room(
+            state, len(prompt.token_ids), body.max_completion_tokens or body.max_tokens, "messages"
+        )
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        params = _sampling(body, max_tokens, k, backend.vocab_size, prompt.logits_processors)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await _submit(state, [prompt.token_ids], [params], rid, body.user, body.stream)
         if body.stream:
-            return StreamingResponse(
-                _stream_chat(state, streams[0], body, rid, prompt, token_text),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            return streaming(_stream_chat(state, streams[0], body, rid, prompt, token_text))
         try:
             (out,) = await _results_or_disconnect(request, streams)
         except ClientGone:
             return PlainTextResponse("", status_code=499)
-        except Exception as e:  # noqa: BLE001
-            raise api_error(e) from e
         choices = []
         for s in out.samples:  # one choice per sample (n)
-            content, calls, _invalid = (
+            content, calls, invalid = (
                 parse_tool_calls(s.text, prompt.tool_names, prompt.reply_tool)
                 if prompt.parses_output
                 else (s.text, [], [])
             )
+            openai_calls = _openai_calls(calls)
+            content += _salvage(invalid, prompt.tool_names, openai_calls)
             message: dict[str, Any] = {
                 "role": "assistant",
-                "content": content if (content or not calls) else None,
+                "content": content if (content or not openai_calls) else None,
             }
             finish = s.finish_reason
-            if calls:
-                message["tool_calls"] = _openai_calls(calls)
-                finish = "tool_calls"
+            if openai_calls:
+                message["tool_calls"] = openai_calls
+                finish = "tool_calls" if not invalid else finish
             choices.append(
                 {
                     "index": s.index,
@@ -628,17 +952,33 @@ def build_app(
                     "logprobs": chat_logprobs(token_text, s.logprobs or []) if body.logprobs else None,
                 }
             )
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": state.model_name,
-            "choices": choices,
-            "usage": _usage([out]),
-            "system_fingerprint": None,
-        }
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": state.model_name,
+                "choices": choices,
+                "usage": _usage([out]),
+                "system_fingerprint": None,
+            }
+        )
 
     return app
+
+
+def _salvage(invalid: list[dict[str, Any]], tool_names: set[str], calls: list[dict[str, Any]]) -> str:
+    """What became of tagged calls that do not parse (a forced call cut by max_tokens): one that got
+    as far as its arguments is appended to `calls` with the arguments as written so far (not valid
+    JSON, as OpenAI returns a cut call); the text of any other is returned, to go into the content."""
+    text = []
+    for bad in invalid:
+        part = partial_tool_call(bad["args"], tool_names)
+        if part is None:
+            text.append(bad["args"])
+        else:
+            calls.append({"id": bad["id"], "type": "function", "function": part})
+    return "".join(text)
 
 
 def _message_dict(m: ChatMessage) -> dict[str, Any]:
@@ -699,8 +1039,8 @@ async def _stream_completion(
         text = "" if drop else delta.text
         return chunk(i, text, logprobs=lps) if text or lps else None
 
+    events = _Merged(streams, state.limits.stream_buffer_events * num_choices)
     try:
-        events = _Merged(streams)
         if echo_text:
             for i, t in enumerate(echo_text):
                 for j in range(n):
@@ -771,8 +1111,8 @@ async def _stream_chat(
             }
         )
 
+    events = _Merged([stream], state.limits.stream_buffer_events * body.n)
     try:
-        events = _Merged([stream])
         for i in range(body.n):
             yield chunk(i, {"role": "assistant", "content": ""})
         while True:
@@ -794,14 +1134,16 @@ async def _stream_chat(
                 finish: str = s.finish_reason
                 splitter = splitters[s.index]
                 if splitter is not None:
-                    tail, calls, _invalid = splitter.finish(prompt.tool_names)
+                    tail, calls, invalid = splitter.finish(prompt.tool_names)
+                    openai_calls = _openai_calls(calls)
+                    tail += _salvage(invalid, prompt.tool_names, openai_calls)
                     if tail:
                         yield chunk(s.index, {"content": tail})
-                    if calls:
-                        finish = "tool_calls"
+                    if openai_calls:
+                        finish = "tool_calls" if not invalid else finish
                         yield chunk(
                             s.index,
-                            {"tool_calls": [{**c, "index": j} for j, c in enumerate(_openai_calls(calls))]},
+                            {"tool_calls": [{**c, "index": j} for j, c in enumerate(openai_calls)]},
                         )
                 yield chunk(s.index, {}, finish)
             break

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import queue
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -100,8 +99,9 @@ class Backend(ABC):
 
 # ---------------------------------------------------------------------------------------------- local
 class LocalStream(Stream):
-    """A request of an in-process Engine. Streamed deltas cross to the event loop through one small
-    pump thread per stream (the handle's iterator blocks); a whole result through a done-callback."""
+    """A request of an in-process Engine. Streamed deltas are taken off the handle on the event loop,
+    woken by the scheduler thread (`RequestHandle.set_wakeup`): no thread per stream; a whole result
+    through a done-callback."""
 
     def __init__(self, engine: Engine, handle: RequestHandle) -> None:
         self.engine, self.handle, self.request_id = engine, handle, handle.request_id
@@ -109,30 +109,20 @@ class LocalStream(Stream):
     async def batches(self) -> AsyncIterator[list[Event]]:
         """The events in lists of whatever arrived together (one hop per list for a remote reader)."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        ready = asyncio.Event()
         handle = self.handle
-
-        def pump() -> None:
-            try:
-                for delta in handle:
-                    call_soon(loop, q.put_nowait, delta)
-                call_soon(loop, q.put_nowait, handle.result())
-            except BaseException as e:  # noqa: BLE001 - re-raised on the loop
-                call_soon(loop, q.put_nowait, e)
-
-        threading.Thread(target=pump, name=f"minisgl-serve-{self.request_id}", daemon=True).start()
+        handle.set_wakeup(lambda: call_soon(loop, ready.set))
         while True:
-            items = [await q.get()]
-            while not q.empty():
-                items.append(q.get_nowait())
-            for k, item in enumerate(items):
-                if isinstance(item, BaseException):
-                    if k:
-                        yield items[:k]
-                    raise item
-            yield items
-            if isinstance(items[-1], RequestOutput):
+            ready.clear()
+            items: list[Event] = list(handle.take_ready())  # raises the request's error
+            if handle.consumed:
+                items.append(await result_future(handle))
+                yield items
                 return
+            if items:
+                yield items
+            else:
+                await ready.wait()
 
     async def events(self) -> AsyncIterator[Event]:
         async for items in self.batches():

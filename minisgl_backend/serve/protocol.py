@@ -9,12 +9,14 @@ token ids) go to the engine, as do vLLM's extensions `repetition_penalty`, `top_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key longer than this is no token id (and int() of 5,000 digits fails)
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
@@ -30,6 +32,74 @@ class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+@dataclass(frozen=True)
+class Guide:
+    """A constraint on the whole output: `kind` json (a JSON schema, dict), json_object, regex,
+    choice (a list of strings) or grammar (Lark, llguidance's dialect)."""
+
+    kind: str
+    value: Any
+
+    def response_format(self) -> dict[str, Any]:
+        """A json / json_object guide as the chat endpoint's response_format."""
+        if self.kind == "json_object":
+            return {"type": "json_object"}
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": None, "description": None, "schema": self.value},
+        }
+
+
+def _check_choices(choices: list[str]) -> None:
+    if not choices or any(not c for c in choices):
+        raise ValueError("choice must be a non-empty list of non-empty strings")
+
+
+def _schema_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema must be an object")
+    return schema
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` object: exactly one of these."""
+
+    model_config = _STRICT
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object"
+            )
+        if self.choice is not None:
+            _check_choices(self.choice)
+        if isinstance(self.json_, str):
+            self.json_ = _schema_object(self.json_)
+        return self
+
+    def guide(self) -> Guide:
+        if self.json_object:
+            return Guide("json_object", None)
+        for kind, value in (("json", self.json_), ("regex", self.regex), ("choice", self.choice)):
+            if value is not None:
+                return Guide(kind, value)
+        return Guide("grammar", self.grammar)
 
 
 class _SamplingFields(BaseModel):
@@ -57,6 +127,41 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # vLLM's constrained decoding (llguidance): at most one of these
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @property
+    def guide(self) -> Guide | None:
+        """The one constraint asked for with vLLM's fields (checked: at most one), or None."""
+        found = [
+            Guide(kind, value)
+            for kind, value in (
+                ("json", self.guided_json),
+                ("regex", self.guided_regex),
+                ("choice", self.guided_choice),
+                ("grammar", self.guided_grammar),
+            )
+            if value is not None
+        ]
+        if self.structured_outputs is not None:
+            found.append(self.structured_outputs.guide())
+        return found[0] if found else None
+
+    @model_validator(mode="after")
+    def _check_guides(self) -> _SamplingFields:
+        fields = ["guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"]
+        given = [f for f in fields if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one constraint, got {given}")
+        if self.guided_choice is not None:
+            _check_choices(self.guided_choice)
+        if isinstance(self.guided_json, str):
+            self.guided_json = _schema_object(self.guided_json)
+        return self
 
     @model_validator(mode="after")
     def _check_stop(self) -> _SamplingFields:
@@ -65,7 +170,11 @@ class _SamplingFields(BaseModel):
             raise ValueError("stop strings must be non-empty")
         if len(stops) > 16:
             raise ValueError("at most 16 stop strings")
-        bad = [k for k in self.logit_bias or {} if not (k.isascii() and k.isdigit())]
+        bad = [
+            k[:20]
+            for k in self.logit_bias or {}
+            if not (k.isascii() and k.isdigit() and len(k) <= MAX_TOKEN_ID_DIGITS)
+        ]
         if bad:
             raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {bad[:5]}")
         return self
@@ -227,6 +336,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's chat-template controls
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # accepted and ignored: they do not change what the engine computes
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -239,6 +352,15 @@ class ChatCompletionRequest(_SamplingFields):
         if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
             if not self.tools:
                 raise ValueError("tool_choice requires tools")
+        _check_continuation(self.add_generation_prompt, self.continue_final_message)
+        if (
+            self.guide is not None
+            and self.response_format not in (None,)
+            and self.response_format.type != "text"
+        ):
+            raise ValueError("give either response_format or a guided_* / structured_outputs constraint")
+        if self.guide is not None and self.tools and self.tool_choice != "none":
+            raise ValueError("guided_* / structured_outputs cannot be combined with tools")
         return self
 
 
@@ -249,13 +371,24 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        _check_continuation(self.add_generation_prompt, self.continue_final_message)
         return self
+
+
+def _check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if add_generation_prompt and continue_final_message:
+        raise ValueError(
+            "continue_final_message continues the last message, add_generation_prompt starts a new one: "
+            "set add_generation_prompt false with it"
+        )
 
 
 class DetokenizeRequest(BaseModel):

@@ -31,17 +31,21 @@ def create_app(
     api_key: str | None = None,
     owns_engine: bool = False,
     enable_metrics: bool = True,
+    limits: Any = None,
 ) -> Any:
-    """The API over one in-process `engine`. `owns_engine`: close it when the app shuts down."""
+    """The API over one in-process `engine`. `owns_engine`: close it when the app shuts down.
+    `limits`: a serve.guard.ServeLimits (its defaults unless given)."""
     _require_extra()
-    from minisgl_backend.serve.app import build_app
+    from minisgl_backend.serve.app import build_app, public_model_ref
     from minisgl_backend.serve.backend import EngineBackend
     from minisgl_backend.serve.metrics import ServeMetrics
 
-    name = model_name or str(engine.config.model)
+    name = model_name or public_model_ref(str(engine.config.model))
     metrics = ServeMetrics(engine, name) if enable_metrics else None
     backend = EngineBackend(engine, metrics, owns_engine=owns_engine)
-    return build_app(backend, name, api_key, owns_backend=owns_engine, enable_metrics=enable_metrics)
+    return build_app(
+        backend, name, api_key, owns_backend=owns_engine, enable_metrics=enable_metrics, limits=limits
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -72,16 +76,22 @@ def _server(app: Any, config: Any) -> Any:
     return Server(config)
 
 
-def _uvicorn_config(app: Any, **kw: Any) -> Any:
+def _uvicorn_config(app: Any, access_log: bool = False, **kw: Any) -> Any:
     import uvicorn
 
+    from minisgl_backend.serve.guard import guarded_protocol
+
+    limits = app.state.limits
     # Streams still open at shutdown are cancelled after this long (their requests are aborted).
     return uvicorn.Config(
         app,
         log_level=kw.pop("log_level", "warning"),
         timeout_graceful_shutdown=5,
-        access_log=False,
+        access_log=access_log,
         lifespan="on",
+        http=guarded_protocol(limits),  # h11 + header timeout + connection cap (serve/guard.py)
+        h11_max_incomplete_event_size=limits.max_header_bytes,
+        ws="none",
         **kw,
     )
 
@@ -93,20 +103,24 @@ def run_server(
     api_key: str | None = None,
     model_name: str | None = None,
     log_level: str = "info",
+    limits: Any = None,
+    access_log: bool = False,
 ) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn's handlers: stop accepting, finish or cancel in-flight
-    requests, then the lifespan closes the engine). Blocks."""
-    app = create_app(engine, model_name, api_key, owns_engine=True)
+    requests, then the lifespan closes the engine). Blocks. `log_level` is uvicorn's and the
+    server's own (`minisgl.serve`: the start banner at INFO, warnings about refused clients)."""
+    app = create_app(engine, model_name, api_key, owns_engine=True, limits=limits)
     sock = _bind(host, port)
     bound = sock.getsockname()
-    log.warning(
+    logging.getLogger("minisgl.serve").setLevel(log_level.upper())
+    log.info(
         "minisgl serve: %s on http://%s:%d/v1 (model %r)",
         engine.config.model,
         host,
         bound[1],
         model_name or str(engine.config.model),
     )
-    server = _server(app, _uvicorn_config(app, log_level=log_level))
+    server = _server(app, _uvicorn_config(app, access_log=access_log, log_level=log_level))
     # uvicorn handles SIGINT/SIGTERM (graceful shutdown), then restores the previous handlers and
     # re-raises the signal; these make that re-raise a no-op, so a requested stop exits 0 quietly.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -149,10 +163,11 @@ def start_in_thread(
     api_key: str | None = None,
     model_name: str | None = None,
     owns_engine: bool = False,
+    limits: Any = None,
 ) -> BackgroundServer:
     """Start serving `engine` on a background thread; returns once the server accepts connections.
-    port 0 picks a free port (bound here, so there is no race for it)."""
-    app = create_app(engine, model_name, api_key, owns_engine=owns_engine)
+    port 0 picks a free port (bound here, so there is no race for it). `limits`: a ServeLimits."""
+    app = create_app(engine, model_name, api_key, owns_engine=owns_engine, limits=limits)
     sock = _bind(host, port)
     server = _server(app, _uvicorn_config(app))
     started = threading.Event()

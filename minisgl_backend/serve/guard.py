@@ -1,0 +1,226 @@
+"""What bounds the work and the waiting any one client can cause: the limits (`ServeLimits`, the
+`serve` flags), the HTTP/1.1 protocol guard (header read timeout, connection cap, header size) and
+the ASGI guard (request body size and read timeout), and the streamed response that gives up on a
+client that stops reading.
+
+Why a protocol subclass: uvicorn has no header read timeout (its keep-alive timer starts only after
+a response, and is cancelled by the first byte of the next request), and `limit_concurrency` answers
+a plain-text 503 only once a request's headers have arrived, so idle sockets still pile up. h11 (pure
+Python, a few µs per request next to milliseconds per token) is used instead of httptools because it
+bounds the header block (`max_incomplete_event_size`): httptools accepts a 1 MB header line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from starlette.responses import StreamingResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("minisgl.serve")
+
+DEFAULT_MAX_CONNECTIONS = 1000
+FD_RESERVE = 64  # file descriptors kept for the model, logs and the engine's own use
+
+
+def default_max_connections() -> int:
+    """1000, or fewer when the open-file limit is lower (the limit less FD_RESERVE)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return DEFAULT_MAX_CONNECTIONS
+    return max(1, min(DEFAULT_MAX_CONNECTIONS, soft - FD_RESERVE))
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """Per-request and per-connection bounds (README "Limits"; each is a `minisgl serve` flag)."""
+
+    max_body_bytes: int = 32 * 1024 * 1024  # a longer body: 413 (before it is read, given Content-Length)
+    max_prompts: int = 1024  # prompts in one /v1/completions request
+    max_sequences: int = 1024  # n x prompts: sequences one request may queue
+    header_timeout_s: float = 10.0  # request line + headers must arrive within this (else closed)
+    body_timeout_s: float = 60.0  # the whole body must arrive within this (else 408)
+    max_connections: int | None = None  # None: default_max_connections()
+    max_header_bytes: int = 16 * 1024  # request line + headers (h11's incomplete-event bound)
+    stream_idle_timeout_s: float = 60.0  # a stream whose client reads nothing this long is aborted
+    stream_buffer_events: int = 256  # per sequence: undelivered deltas before the stream is aborted
+    cpu_workers: int = 2  # threads that tokenise, render templates, parse large bodies, compile grammars
+
+    def connections(self) -> int:
+        return self.max_connections if self.max_connections is not None else default_max_connections()
+
+
+def _json_error(status: int, message: str, type_: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+
+
+# ---------------------------------------------------------------------------------------------- ASGI
+async def _respond(send: Callable, status: int, body: bytes, extra: list[tuple[bytes, bytes]]) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + extra})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class BodyRejected(Exception):
+    """The request body is too long (413) or too slow (408); the app answers it with OpenAI's error
+    object and `Connection: close` (the rest of the body is not read)."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+class BodyGuard:
+    """ASGI middleware: a body over `max_body_bytes` is answered 413 (at once when Content-Length
+    says so, else `receive` raises BodyRejected as soon as the bytes read pass it), one not complete
+    within `body_timeout_s` 408 (BodyRejected from `receive`). After the body, `receive` is passed
+    through untouched (the routes wait on it for a disconnect)."""
+
+    def __init__(self, app: Any, limits: ServeLimits) -> None:
+        self.app, self.limits = app, limits
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit, timeout = self.limits.max_body_bytes, self.limits.body_timeout_s
+        too_long = f"the request body is longer than {limit} bytes (--max-body-bytes)"
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > limit:
+                body = _json_error(413, too_long, "invalid_request_error", "body_too_large")
+                await _respond(send, 413, body, [(b"connection", b"close")])
+                return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        read, done = 0, False
+
+        async def guarded_receive() -> dict:
+            nonlocal read, done
+            if done:
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                why = f"the request body did not arrive within {timeout:g} s (--body-timeout)"
+                raise BodyRejected(408, why, "request_timeout") from None
+            if msg["type"] == "http.request":
+                read += len(msg.get("body", b""))
+                if read > limit:
+                    raise BodyRejected(413, too_long, "body_too_large")
+                done = not msg.get("more_body", False)
+            else:
+                done = True
+            return msg
+
+        await self.app(scope, guarded_receive, send)
+
+
+# ---------------------------------------------------------------------------------------------- HTTP/1.1
+_REFUSAL = _json_error(
+    503,
+    "too many open connections (--max-connections); retry later",
+    "server_overloaded",
+    "too_many_connections",
+)
+
+
+async def _refuse(scope: dict, receive: Callable, send: Callable) -> None:
+    await _respond(send, 503, _REFUSAL, [(b"connection", b"close"), (b"retry-after", b"1")])
+
+
+def guarded_protocol(limits: ServeLimits) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with a header read timeout and a connection cap.
+
+    Header timeout: from a connection's start (or the first byte of a later request on it) the
+    request line and headers must be complete within `header_timeout_s`, else the connection is
+    closed. Cap: a connection beyond `max_connections` open ones gets its request answered 503
+    (`too_many_connections`, `Connection: close`, `Retry-After: 1`) as soon as the headers arrive,
+    and is closed after 1 s if they do not."""
+    cap = limits.connections()
+
+    class GuardedH11Protocol(H11Protocol):
+        _timer: asyncio.TimerHandle | None = None
+        _timer_cycle: Any = None
+        _refused = False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self._refused = len(self.connections) >= cap
+            super().connection_made(transport)
+            if self._refused:
+                self.app = _refuse
+                log.warning("connection refused: %d connections are open (--max-connections)", cap)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._timer_cycle = self.cycle
+            timeout = min(1.0, limits.header_timeout_s) if self._refused else limits.header_timeout_s
+            self._timer = self.loop.call_later(timeout, self._header_timeout)
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _header_timeout(self) -> None:
+            self._timer = None
+            if self.cycle is self._timer_cycle and not self.transport.is_closing():
+                try:  # no new request began in time: close (h11 notes it, uvicorn's bookkeeping follows)
+                    self.conn.send(h11.ConnectionClosed())
+                except h11.LocalProtocolError:
+                    pass
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()  # the first byte of a new request on a kept-alive connection
+            super().data_received(data)
+            if self._timer is not None and self.cycle is not self._timer_cycle:
+                self._disarm()  # the request's headers are complete
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+# ---------------------------------------------------------------------------------------------- streams
+class GuardedStreamingResponse(StreamingResponse):
+    """A StreamingResponse that gives up on a client that stops reading: a chunk that cannot be
+    handed to the transport within `idle_timeout` (its buffers are full: the client reads nothing)
+    ends the response; the body iterator is closed, which aborts the requests (their KV returns to
+    the pool), and uvicorn closes the connection."""
+
+    def __init__(self, content: Any, idle_timeout: float, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.idle_timeout = idle_timeout
+
+    async def stream_response(self, send: Callable) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body = self.body_iterator
+        try:
+            async for chunk in body:
+                data = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+                try:
+                    await asyncio.wait_for(
+                        send({"type": "http.response.body", "body": data, "more_body": True}),
+                        self.idle_timeout,
+                    )
+                except TimeoutError:
+                    log.warning(
+                        "a streaming client read nothing for %g s (--stream-idle-timeout): aborted",
+                        self.idle_timeout,
+                    )
+                    return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                await aclose()
