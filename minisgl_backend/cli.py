@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -15,13 +16,83 @@ from minisgl_backend.config import EngineConfig, load_preset
 from minisgl_backend.errors import MiniSGLError
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the way to reach any engine field named when a flag is unknown."""
+
+    def error(self, message: str) -> Any:
+        if message.startswith("unrecognized arguments"):
+            message += (
+                "\n  (an engine setting without a flag of its own is --set KEY=VALUE, repeatable; keys: "
+                f"{', '.join(EngineConfig.field_names())})"
+            )
+        return super().error(message)
+
+
+# vLLM's engine flags that are EngineConfig fields here: flag dest -> field.
+_FIELD_FLAGS = {
+    "max_model_len": "max_model_len",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_logprobs": "max_logprobs",
+    "engine_seed": "seed",
+}
+
+
+def _engine_args(p: argparse.ArgumentParser, seed: bool = False) -> None:
+    """The engine flags of every command; `seed`: also `--seed` for the engine's seed (commands whose
+    own --seed means something else leave it out)."""
+    g = p.add_argument_group("engine (vLLM's names where it has the setting; any field: --set)")
     g.add_argument(
-        "--config", help="engine preset: a YAML path or a name under configs/engine/ (e.g. serial)"
+        "--config",
+        help="engine preset: a YAML path or a name under configs/engine/ (e.g. serial, fast-bf16; an "
+        "installed package carries them too)",
     )
     g.add_argument("--model", help="alias, Hugging Face directory or .gguf path")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"])
+    g.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float", "bfloat16"],
+        help="weights and activations (float = float32; auto = the preset's, else float32)",
+    )
+    g.add_argument("--max-model-len", type=int, metavar="N", help="context limit (= max_model_len)")
+    g.add_argument("--max-num-seqs", type=int, metavar="N", help="sequences per batch (= max_num_seqs)")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="N",
+        help="tokens per iteration (= max_num_batched_tokens)",
+    )
+    g.add_argument("--max-logprobs", type=int, metavar="N", help="= max_logprobs")
+    if seed:
+        g.add_argument(
+            "--seed",
+            type=int,
+            dest="engine_seed",
+            help="seeds the requests that bring no seed, reproducibly (= seed; default: fresh seeds)",
+        )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="prefix cache on (the default: prefix_cache async unless --set prefix_cache=sync) or off",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        metavar="N",
+        help="1 only: minisgl runs a model on one device (more engines: serve --replicas N)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        metavar="F",
+        help="not used here: the KV cache is sized by kv_cache_memory_gb or num_blocks (--set)",
+    )
+    g.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="only the engine's warnings and errors on stderr (no stats line, no progress bar)",
+    )
     g.add_argument(
         "--chunk-size",
         type=lambda s: None if s.lower() == "none" else int(s),
@@ -50,12 +121,54 @@ def _flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         if not sep:
             raise MiniSGLError(f"--set expects KEY=VALUE, got {item!r}")
         overrides[key.strip()] = yaml.safe_load(value)
-    for key in ("model", "dtype"):
-        if getattr(args, key) is not None:
-            overrides[key] = getattr(args, key)
+    _check_unsupported(args)
+    model_tag = getattr(args, "model_tag", None)
+    if model_tag is not None and args.model is not None and model_tag != args.model:
+        raise MiniSGLError(f"two models given: {model_tag!r} (positional) and --model {args.model!r}")
+    if (model := model_tag or args.model) is not None:
+        overrides["model"] = model
+    if args.dtype not in (None, "auto"):
+        overrides["dtype"] = "float32" if args.dtype == "float" else args.dtype
+    for dest, key in _FIELD_FLAGS.items():
+        if getattr(args, dest, None) is not None:
+            overrides[key] = getattr(args, dest)
+    if args.enable_prefix_caching is False:
+        overrides["prefix_cache"] = "off"
+    elif args.enable_prefix_caching and overrides.get("prefix_cache") in (None, "off", False):
+        overrides["prefix_cache"] = "async"
     if hasattr(args, "chunk_size"):  # absent unless given: None is a real value (whole-prompt prefill)
         overrides["chunk_size"] = args.chunk_size
     return overrides
+
+
+def _check_unsupported(args: argparse.Namespace) -> None:
+    """vLLM flags that name something minisgl does not have: a clear error, not a silent no-op."""
+    if (args.tensor_parallel_size or 1) != 1:
+        raise MiniSGLError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: minisgl runs a model on one device; "
+            "tensor parallelism is not implemented (for more throughput run engine replicas: "
+            "`minisgl serve --replicas N`, lm-eval `data_parallel_size=N`)"
+        )
+    if args.gpu_memory_utilization is not None:
+        raise MiniSGLError(
+            "--gpu-memory-utilization has no meaning here: the KV cache is not sized as a share of device "
+            "memory but in GiB or blocks: --set kv_cache_memory_gb=G or --set num_blocks=N"
+        )
+
+
+def _chat_template(ref: str) -> str:
+    """vLLM's --chat-template: a Jinja file, or the template itself in one line."""
+    path = Path(ref).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in ref or "{%" in ref:
+        return ref
+    raise MiniSGLError(f"--chat-template: no such file {ref!r} (nor an inline Jinja template)")
+
+
+def _set_chat_template(engine: Any, args: argparse.Namespace) -> None:
+    if getattr(args, "chat_template", None):
+        engine.tokenizer.chat_template = _chat_template(args.chat_template)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -72,7 +185,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    with Engine(_engine_config(args)) as engine:
+    if args.chat_template:
+        _chat_template(args.chat_template)  # a bad reference fails before the model loads
+    # One-shot: no periodic stats line (`--set stats_interval_s=10` brings it back).
+    with Engine(_engine_config(args, {"stats_interval_s": 0})) as engine:
+        _set_chat_template(engine, args)
         if args.chat:
             prompts = [
                 engine.tokenizer.apply_chat_template(
@@ -86,7 +203,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     print(delta.text, end="", flush=True)
                 print()
             return 0
-        for prompt, out in zip(args.prompts or prompts, engine.generate(prompts, params)):
+        outputs = engine.generate(prompts, params, use_tqdm=not args.quiet)
+        for prompt, out in zip(args.prompts or prompts, outputs):
             if args.json:
                 print(
                     json.dumps(
@@ -280,12 +398,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _require_extra()  # before loading a model
     if args.replicas < 1:
         raise MiniSGLError(f"--replicas must be >= 1, got {args.replicas}")
+    _check_tool_call_parser(args)
+    if args.chat_template:
+        _chat_template(args.chat_template)  # a bad reference fails before the model loads
     if args.replicas > 1 or args.ray_address:
+        if args.chat_template:
+            raise MiniSGLError("--chat-template is not supported with --replicas / --ray-address yet")
         return _serve_on_ray(args)
     try:
         engine = Engine(_engine_config(args))
     except KeyboardInterrupt:  # stopped while loading the model
         return 130
+    _set_chat_template(engine, args)
     run_server(
         engine,
         host=args.host,
@@ -380,8 +504,52 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# The tool-call formats `tool_choice: "auto"` parses out of a reply (minisgl_backend/chat/tools.py).
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+def _check_tool_call_parser(args: argparse.Namespace) -> None:
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise MiniSGLError(
+            f"--tool-call-parser {args.tool_call_parser!r}: minisgl parses one format, hermes "
+            '(<tool_call>{"name": ..., "arguments": {...}}</tool_call>, also Qwen\'s), which is '
+            "what it asks of models whose chat template cannot render tools"
+        )
+
+
+def _vllm_serve_args(sv: argparse.ArgumentParser) -> None:
+    """`vllm serve` habits: the model as a positional argument, a chat template, the tool flags."""
+    sv.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (same as --model)")
+    g = sv.add_argument_group("chat (vLLM's flags)")
+    g.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template file (or the template inline) in place of the model's own",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice auto is always on (calls parsed from the reply)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help=f"accepted for vLLM compatibility: {', '.join(TOOL_CALL_PARSERS)} (the one format parsed)",
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"minisgl {version('minisgl')}"
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "minisgl (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minisgl", description=__doc__)
+    parser = _Parser(prog="minisgl", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate completions for prompts (arguments or stdin lines)")
@@ -396,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.add_argument("--chat-template", metavar="FILE", help="with --chat: a Jinja template file (or inline)")
     _engine_args(gen)
     gen.set_defaults(fn=_cmd_generate)
 
@@ -442,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --scenario/--sweep: utilisation over time per config "
         "(compute busy fraction in small bins, the seed's ECG curve); needs minisgl[plot]",
     )
-    _engine_args(b)
+    _engine_args(b, seed=True)
     b.set_defaults(fn=_cmd_bench)
 
     st = sub.add_parser("stress", help="lifetime stress harness on a tiny random model (S18)")
@@ -489,7 +658,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level",
     )
-    _engine_args(sv)
+    _engine_args(sv, seed=True)
+    _vllm_serve_args(sv)
     sv.set_defaults(fn=_cmd_serve)
 
     bs = sub.add_parser(
@@ -553,14 +723,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet() -> None:
+    """The `minisgl` logger at WARNING: the stats line and other INFO lines go."""
+    from minisgl_backend.metrics import install_logging
+
+    install_logging()  # first, so that an Engine does not set the level back to INFO
+    logging.getLogger("minisgl").setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "quiet", False):
+            _quiet()
         return args.fn(args)
     except MiniSGLError as e:
         print(f"minisgl: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT, no traceback
+        print(f"minisgl {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -172,9 +172,11 @@ class Engine:
         prompts: Prompt | Sequence[Prompt],
         params: ParamsLike | Sequence[ParamsLike] = None,
         use_tqdm: bool = True,
+        desc: str = "minisgl generate",
     ) -> list[RequestOutput]:
         """Run prompts to completion (all submitted at once); outputs in input order, one per prompt
-        (a request with n > 1 gives sample 0, with all n in `RequestOutput.samples`)."""
+        (a request with n > 1 gives sample 0, with all n in `RequestOutput.samples`). `desc` labels
+        the progress bar (`use_tqdm`)."""
         self._not_reentrant("Engine.generate()")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -196,7 +198,7 @@ class Engine:
         if use_tqdm and handles:
             from tqdm.auto import tqdm
 
-            with tqdm(total=len(handles), desc="minisgl generate", unit="req") as bar:
+            with tqdm(total=len(handles), desc=desc, unit="req") as bar:
                 for _ in handles:
                     done.get()
                     bar.update(1)

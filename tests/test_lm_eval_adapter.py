@@ -232,6 +232,33 @@ def test_chat_template_and_tokenizer_name(lm):
     assert lm.chat_template(True)  # lm-eval's --apply_chat_template finds the template
 
 
+def test_progress_bars_name_the_request_type_and_no_stats_line_by_default(tiny_model_dir, monkeypatch):
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def capture(cfg, *args):
+        seen.append(cfg)
+        raise Stop
+
+    with monkeypatch.context() as m:
+        m.setattr("lm_eval_minisgl.model.make_engine", capture)
+        for kwargs, want in (({}, 0.0), ({"stats_interval_s": 5}, 5.0)):
+            with pytest.raises(Stop):
+                MiniSGLLM(pretrained=str(tiny_model_dir), **kwargs)
+            assert seen[-1].stats_interval_s == want  # a scoring run logs no 10 s stats line unless asked
+    with Engine(EngineConfig(model=str(tiny_model_dir), stats_interval_s=0)) as eng:
+        lm, labels, generate = MiniSGLLM(engine=eng), [], eng.generate
+        monkeypatch.setattr(eng, "generate", lambda *a, **kw: labels.append(kw["desc"]) or generate(*a, **kw))
+        lm.loglikelihood(_ll(("a", " b")), disable_tqdm=True)
+        rolling = Instance("loglikelihood_rolling", {}, ("some text",), 0)
+        lm.loglikelihood_rolling([rolling], disable_tqdm=True)
+        until = Instance("generate_until", {}, ("a", {"until": ["\n"], "max_gen_toks": 2}), 0)
+        lm.generate_until([until], disable_tqdm=True)
+    assert labels == ["minisgl loglikelihood", "minisgl loglikelihood_rolling", "minisgl generate_until"]
+
+
 # -------------------------------------------------------------------------------------- CLI end to end
 def _lm_eval(exe: str, args: list[str], out: Path) -> dict:
     cmd = [str(BIN / exe), "--include_path", "configs/tasks", "--output_path", str(out), *args]

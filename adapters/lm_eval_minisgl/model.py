@@ -180,6 +180,10 @@ class MiniSGLLM(TemplateLM):
                 # Reproducible by default: a score must not depend on batch size, the prefix cache or
                 # what else runs (bitwise logits); deterministic=false trades that for speed.
                 args["deterministic"] = True
+            if "stats_interval_s" not in args and (
+                config is None or "stats_interval_s" not in load_preset(config)
+            ):
+                args["stats_interval_s"] = 0  # a scoring run reports through lm-eval, not a 10 s log line
             cfg = build_engine_config(args)
             if "seed" not in engine_args and cfg.seed is None:
                 cfg = cfg.replace(seed=_DEFAULT_SEED)
@@ -293,12 +297,12 @@ class MiniSGLLM(TemplateLM):
             )
 
     def _run(
-        self, prompts: list[list[int]], params: list[SamplingParams], disable_tqdm: bool
+        self, prompts: list[list[int]], params: list[SamplingParams], disable_tqdm: bool, desc: str
     ) -> list[RequestOutput]:
         # One call, all requests: the scheduler packs them into batches as KV space allows
         # (with data_parallel_size > 1, `engine` is a ReplicaSet splitting them over the replicas).
         params = self._seeds.assign(params)
-        return self.engine.generate(prompts, params, use_tqdm=not disable_tqdm)
+        return self.engine.generate(prompts, params, use_tqdm=not disable_tqdm, desc=f"minisgl {desc}")
 
     # ------------------------------------------------------------------ loglikelihood
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -314,6 +318,7 @@ class MiniSGLLM(TemplateLM):
         self,
         requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
         disable_tqdm: bool = False,
+        desc: str = "loglikelihood",
         **kwargs: Any,
     ) -> list[tuple[float, bool]]:
         """Score each continuation in one prefill: the prompt is context + continuation, and the
@@ -343,7 +348,7 @@ class MiniSGLLM(TemplateLM):
             )
             for p, k in zip(prompts, keys)
         ]
-        outs = self._run(prompts, params, disable_tqdm)
+        outs = self._run(prompts, params, disable_tqdm, desc)
         scores: list[tuple[float, bool]] = []
         for out, key in zip(outs, keys):
             lps = out.prompt_logprobs[-key[0] :]  # type: ignore[index]
@@ -371,7 +376,7 @@ class MiniSGLLM(TemplateLM):
             ]
             windows.extend((None, ctx, cont) for ctx, cont in doc)
             counts.append(len(doc))
-        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm, desc="loglikelihood_rolling")
         totals: list[float] = []
         start = 0
         for req, n in zip(requests, counts):
@@ -434,7 +439,7 @@ class MiniSGLLM(TemplateLM):
             prompts.append(ids)
             params.append(sp)
             stops.append(until)
-        outs = self._run(prompts, params, disable_tqdm)
+        outs = self._run(prompts, params, disable_tqdm, "generate_until")
         results: list[str] = []
         for req, out, until in zip(requests, outs, stops):
             # The engine already cut at the first stop string; this applies hf's exact rule on top.

@@ -264,6 +264,7 @@ class ReplicaSet:
         prompts: Sequence[list[int]],
         params: Sequence[SamplingParams],
         use_tqdm: bool = True,
+        desc: str = "minisgl generate",
     ) -> list[RequestOutput]:
         """Run the requests on the replicas (split by `route`); outputs in input order."""
         if self._closed:
@@ -290,7 +291,7 @@ class ReplicaSet:
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(prompts), desc=f"minisgl generate (dp={self.n})", unit="req")
+            bar = tqdm(total=len(prompts), desc=f"{desc} (dp={self.n})", unit="req")
         try:
             for r in busy:
                 self._get(r, started[r])

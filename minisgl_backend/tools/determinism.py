@@ -31,12 +31,12 @@ from typing import Any
 
 import yaml
 
-from minisgl_backend.config import EngineConfig
+from minisgl_backend.config import EngineConfig, config_dir
 from minisgl_backend.engine import Engine
 from minisgl_backend.errors import ConfigError, InvalidSamplingParamsError
 from minisgl_backend.types import RequestOutput, SamplingParams, TokenLogprob
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "determinism"
+CONFIG_DIR = config_dir("determinism")  # the checkout's, else the installed package's copy
 DEFAULT_GRID = CONFIG_DIR / "default.yaml"
 DEFAULT_PROMPTS = CONFIG_DIR / "prompts.yaml"
 
@@ -364,6 +364,11 @@ def run_check(
     reports: list[RequestReport] = []
     configs: list[dict[str, Any]] = []
     t_start = time.perf_counter()
+    if progress:
+        progress(
+            f"{total} grid points ({len(groups)} group(s) x {len(points)}), each a fresh engine running "
+            f"{len(workload.requests)} requests + {grid.fillers} fillers"
+        )
     for group in groups:
         runs: dict[str, dict[str, Fingerprint]] = {}
         prefill: dict[str, bool] = {}
@@ -379,7 +384,11 @@ def run_check(
             done += 1
             configs.append({**group, **point})
             if progress:
-                progress(f"[{done}/{total}] {_label({**group, **point})}: {time.perf_counter() - t0:.1f}s")
+                elapsed = time.perf_counter() - t_start
+                eta = f", about {elapsed / done * (total - done):.0f}s left" if done < total else ""
+                progress(
+                    f"[{done}/{total}] {_label({**group, **point})}: {time.perf_counter() - t0:.1f}s{eta}"
+                )
         reports += [
             dataclasses.replace(r, prefill_match=prefill.get(r.name)) if prefill else r
             for r in compare(_label(group), runs)
