@@ -94,16 +94,31 @@ def call_prefix(name: str) -> str:
 CALL_SUFFIX = "}\n" + TOOL_CALL_CLOSE  # how it ends: the call object's brace, then the closing tag
 
 
+def _tool_params(fn: dict[str, Any]) -> dict[str, Any]:
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    if params.get("type") == "object" and "additionalProperties" not in params:
+        # Only declared arguments: a small model otherwise invents extra keys until max_tokens.
+        params = {**params, "additionalProperties": False}
+    return params
+
+
+def check_tool_schemas(hf_tokenizer: Any, tools: Sequence[dict[str, Any]]) -> None:
+    """Each tool's arguments grammar, alone, compiled and its first mask computed: inside the call
+    wrapper a schema beyond llguidance's limits (a recursive $ref) would only fail once decoding
+    reaches the arguments; this makes it a GrammarError before the request is queued."""
+    for t in tools:
+        params = _tool_params(t["function"])
+        source = f"start: %json {json.dumps({**params, 'x-guidance': _args_style(params)})}"
+        GrammarProcessor(hf_tokenizer, llguidance.LLMatcher.grammar_from_lark(source))
+
+
 def tool_call_grammar(tools: Sequence[dict[str, Any]]) -> str:
     """Lark grammar for exactly one `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
     the arguments matching the chosen tool's parameter schema."""
     rules = []
     for i, t in enumerate(tools):
         fn = t["function"]
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        if params.get("type") == "object" and "additionalProperties" not in params:
-            # Only declared arguments: a small model otherwise invents extra keys until max_tokens.
-            params = {**params, "additionalProperties": False}
+        params = _tool_params(fn)
         opening = json.dumps(call_prefix(fn["name"])[len(TOOL_CALL_OPEN) + 1 :], ensure_ascii=False)
         args = json.dumps({**params, "x-guidance": _args_style(params)})
         rules.append(f'call{i}: {opening} args{i} "}}"\nargs{i}: %json {args}')

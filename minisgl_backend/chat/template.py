@@ -21,7 +21,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from minisgl_backend.chat.grammar import GrammarProcessor, tool_call_grammar
+from minisgl_backend.chat.grammar import GrammarProcessor, check_tool_schemas, tool_call_grammar
 from minisgl_backend.chat.tools import call_text, tool_system_prompt
 
 _native_tools: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
@@ -230,6 +230,7 @@ def render_chat(
         name = forced[0]["function"]["name"] if forced and len(forced) == 1 else ("any" if forced else None)
         instructions.append(tool_system_prompt(shown, name))
     if forced:
+        check_tool_schemas(tokenizer, forced)
         processors.append(GrammarProcessor(tokenizer, tool_call_grammar(forced)))
     msgs = [to_template(m, native) for m in messages]
     if instructions:

@@ -75,10 +75,60 @@ def _parse_one(body: str, calls: list[ParsedCall], invalid: list[ParsedCall]) ->
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)\Z', re.S)
 
 
+def _scan(text: str) -> tuple[list[str], bool, list[int]]:
+    """(open brackets, inside a string, positions of `,` `{` `[` outside strings) of a JSON prefix."""
+    stack: list[str] = []
+    cuts: list[int] = []
+    in_str = esc = False
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            stack.append(ch)
+            cuts.append(i)
+        elif ch in "}]":
+            if stack:
+                stack.pop()
+        elif ch == ",":
+            cuts.append(i)
+    return stack, in_str, cuts
+
+
+def close_partial_json(text: str) -> str:
+    """A cut JSON object made whole: what was written, less a member left incomplete, with its open
+    strings and brackets closed (`{"text": "hel` -> `{"text": "hel"}`, `{"a": 1, "b":` -> `{"a": 1}`):
+    the partial object, valid JSON; "{}" when nothing of it survives."""
+    for _ in range(8):  # each round drops one incomplete member
+        stack, in_str, cuts = _scan(text)
+        tail = text
+        if in_str:
+            tail = tail[:-1] if tail.endswith("\\") and not tail.endswith("\\\\") else tail
+            tail += '"'
+        candidate = tail + "".join("}" if c == "{" else "]" for c in reversed(stack))
+        try:
+            json.loads(candidate)
+            return candidate
+        except ValueError:
+            pass
+        if not cuts:
+            break
+        last = cuts[-1]
+        text = text[:last] if text[last] == "," else text[: last + 1]
+    return "{}"
+
+
 def partial_tool_call(body: str, tool_names: set[str]) -> dict[str, str] | None:
     """A tagged call that does not parse but got as far as its arguments (a forced call cut by
-    max_tokens): `{"name", "arguments"}` with the arguments as written so far (not valid JSON, as
-    OpenAI returns a cut call), or None when the name is not yet complete or names no bound tool."""
+    max_tokens): `{"name", "arguments"}` with the partial object written so far (closed into valid
+    JSON by `close_partial_json`, so that clients' parsers return or reject it rather than drop the
+    call), or None when the name is not yet complete or names no bound tool."""
     m = _CALL_HEAD.match(body)
     if m is None:
         return None
@@ -88,7 +138,7 @@ def partial_tool_call(body: str, tool_names: set[str]) -> dict[str, str] | None:
         return None
     if name not in tool_names:
         return None
-    return {"name": name, "arguments": m.group(2)}
+    return {"name": name, "arguments": close_partial_json(m.group(2))}
 
 
 def reply_arguments(text: str, reply_tool: str) -> str | None:

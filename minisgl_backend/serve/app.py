@@ -572,6 +572,19 @@ def _mapped(route: Callable) -> Callable:
     return wrapper
 
 
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("minisgl")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
+_VERSION = _package_version()
+
+
 def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -677,9 +690,7 @@ def build_app(
 
     @app.get("/version")
     async def version() -> Any:
-        from minisgl_backend import __version__
-
-        return {"version": __version__}
+        return {"version": _VERSION}
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> Any:

@@ -7,7 +7,8 @@ Why a protocol subclass: uvicorn has no header read timeout (its keep-alive time
 a response, and is cancelled by the first byte of the next request), and `limit_concurrency` answers
 a plain-text 503 only once a request's headers have arrived, so idle sockets still pile up. h11 (pure
 Python, a few µs per request next to milliseconds per token) is used instead of httptools because it
-bounds the header block (`max_incomplete_event_size`): httptools accepts a 1 MB header line.
+bounds a header block that is still arriving (`max_incomplete_event_size`), where httptools buffers
+a header line of any length; `BodyGuard` bounds the complete ones.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class ServeLimits:
     header_timeout_s: float = 10.0  # request line + headers must arrive within this (else closed)
     body_timeout_s: float = 60.0  # the whole body must arrive within this (else 408)
     max_connections: int | None = None  # None: default_max_connections()
-    max_header_bytes: int = 16 * 1024  # request line + headers (h11's incomplete-event bound)
+    max_header_bytes: int = 16 * 1024  # request line + headers: more is a 431
+    max_headers: int = 128  # header fields: more is a 431
     stream_idle_timeout_s: float = 60.0  # a stream whose client reads nothing this long is aborted
     stream_buffer_events: int = 256  # per sequence: undelivered deltas before the stream is aborted
     cpu_workers: int = 2  # threads that tokenise, render templates, parse large bodies, compile grammars
@@ -78,7 +80,9 @@ class BodyRejected(Exception):
 
 
 class BodyGuard:
-    """ASGI middleware: a body over `max_body_bytes` is answered 413 (at once when Content-Length
+    """ASGI middleware: headers over `max_header_bytes` or `max_headers` are answered 431 (h11
+    bounds a header block only while it is incomplete: one that arrives whole is parsed first, at
+    most asyncio's 256 KiB read); a body over `max_body_bytes` is answered 413 (at once when Content-Length
     says so, else `receive` raises BodyRejected as soon as the bytes read pass it), one not complete
     within `body_timeout_s` 408 (BodyRejected from `receive`). After the body, `receive` is passed
     through untouched (the routes wait on it for a disconnect)."""
@@ -90,9 +94,19 @@ class BodyGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = scope["headers"]
+        size = len(scope.get("raw_path") or b"") + sum(len(k) + len(v) + 4 for k, v in headers)
+        if size > self.limits.max_header_bytes or len(headers) > self.limits.max_headers:
+            msg = (
+                f"the request has {len(headers)} header fields, {size} bytes; this server takes at most "
+                f"{self.limits.max_headers} fields, {self.limits.max_header_bytes} bytes"
+            )
+            body = _json_error(431, msg, "invalid_request_error", "headers_too_large")
+            await _respond(send, 431, body, [(b"connection", b"close")])
+            return
         limit, timeout = self.limits.max_body_bytes, self.limits.body_timeout_s
         too_long = f"the request body is longer than {limit} bytes (--max-body-bytes)"
-        for k, v in scope["headers"]:
+        for k, v in headers:
             if k == b"content-length" and v.isdigit() and int(v) > limit:
                 body = _json_error(413, too_long, "invalid_request_error", "body_too_large")
                 await _respond(send, 413, body, [(b"connection", b"close")])

@@ -52,9 +52,7 @@ class Guide:
         }
 
 
-def _check_choices(choices: list[str]) -> None:
-    if not choices or any(not c for c in choices):
-        raise ValueError("choice must be a non-empty list of non-empty strings")
+Choice = Annotated[str, Field(min_length=1)]
 
 
 def _schema_object(text: str) -> dict[str, Any]:
@@ -75,7 +73,7 @@ class StructuredOutputs(BaseModel):
     model_config = _STRICT
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[Choice] | None = Field(None, min_length=1)
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -87,8 +85,6 @@ class StructuredOutputs(BaseModel):
             raise ValueError(
                 "structured_outputs needs exactly one of json, regex, choice, grammar, json_object"
             )
-        if self.choice is not None:
-            _check_choices(self.choice)
         if isinstance(self.json_, str):
             self.json_ = _schema_object(self.json_)
         return self
@@ -130,7 +126,7 @@ class _SamplingFields(BaseModel):
     # vLLM's constrained decoding (llguidance): at most one of these
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[Choice] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -157,8 +153,6 @@ class _SamplingFields(BaseModel):
         given = [f for f in fields if getattr(self, f) is not None]
         if len(given) > 1:
             raise ValueError(f"give at most one constraint, got {given}")
-        if self.guided_choice is not None:
-            _check_choices(self.guided_choice)
         if isinstance(self.guided_json, str):
             self.guided_json = _schema_object(self.guided_json)
         return self
