@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run generate test lint bench stress clean
+.PHONY: setup run generate test lint wheel-check bench stress clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+
+# The wheel, installed with [serve] into a fresh venv, used from outside the checkout (CI runs it).
+wheel-check:
+	.ci/wheel_check
 
 bench: setup
 	$(BIN)/minisgl bench --dtype bfloat16 --num-requests 32 --input-len 100 --output-len 64

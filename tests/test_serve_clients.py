@@ -5,6 +5,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,7 +55,6 @@ def test_lm_eval_local_completions_matches_the_in_process_model(server, monkeypa
     from lm_eval.tasks import TaskManager
     from lm_eval_minisgl.model import MiniSGLLM
 
-    monkeypatch.chdir(REPO)  # the local tasks' data_files are relative to the repository root
     monkeypatch.setenv(
         "OPENAI_API_KEY", KEY
     )  # local-completions sends it as the bearer token; auth_token: the tokenizer
@@ -99,6 +102,40 @@ def test_lm_eval_local_completions_matches_the_in_process_model(server, monkeypa
     assert ga == gb and sorted(ga) == list(range(limit))
     for task in tasks:
         assert http["results"][task] == local["results"][task]
+
+
+def _readme_http_recipe() -> list[str]:
+    """The `lm_eval --model local-completions` command of README's "lm-eval over HTTP", as argv."""
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("**lm-eval over HTTP.**") :].split("```bash\n", 1)[1].split("```", 1)[0]
+    command = block[block.index("lm_eval --model local-completions") :].replace("\\\n", " ")
+    return shlex.split(command)
+
+
+def test_readme_http_recipe_runs_through_the_lm_eval_cli(server, tmp_path):
+    """The README's command as written (server address and key aside), through lm-eval's own CLI,
+    from a directory without the tasks: they come from the installed package."""
+    argv = _readme_http_recipe()
+    assert argv[:3] == ["lm_eval", "--model", "local-completions"] and "--batch_size" in argv
+    i = argv.index("--model_args") + 1
+    assert "http://127.0.0.1:8000" in argv[i]
+    argv[i] = argv[i].replace("http://127.0.0.1:8000", server.url) + f",auth_token={KEY}"
+    argv[0] = str(Path(sys.executable).parent / "lm_eval")
+    out = tmp_path / "out"
+    env = {**os.environ, "OPENAI_API_KEY": KEY, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [*argv, "--limit", "2", "--output_path", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+    assert set(results) == {"minisgl_mc", "minisgl_gen"}
+    assert 0 <= results["minisgl_mc"]["acc,none"] <= 1
+    assert "exact_match,first-number" in results["minisgl_gen"]
 
 
 def test_openai_sdk_completions_chat_and_streaming(server):
