@@ -398,6 +398,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _require_extra()  # before loading a model
     if args.replicas < 1:
         raise MiniSGLError(f"--replicas must be >= 1, got {args.replicas}")
+    limits = _serve_limits(args)  # a bad limit fails before the model loads
     _check_tool_call_parser(args)
     if args.chat_template:
         _chat_template(args.chat_template)  # a bad reference fails before the model loads
@@ -417,8 +418,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         model_name=args.served_model_name,
         log_level=args.log_level,
+        limits=limits,
+        access_log=args.access_log,
     )
     return 0
+
+
+def _serve_limits(args: argparse.Namespace) -> Any:
+    from minisgl_backend.serve.guard import ServeLimits
+
+    limits = ServeLimits(
+        max_body_bytes=args.max_body_bytes,
+        max_prompts=args.max_prompts,
+        max_sequences=args.max_sequences,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        stream_idle_timeout_s=args.stream_idle_timeout,
+        stream_buffer_events=args.stream_buffer,
+        cpu_workers=args.cpu_workers,
+    )
+    limits.check()
+    return limits
 
 
 def _serve_on_ray(args: argparse.Namespace) -> int:
@@ -436,6 +457,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             api_key=args.api_key or None,
             model_name=args.served_model_name,
             ray_address=args.ray_address,
+            limits=_serve_limits(args),
         )
     except KeyboardInterrupt:  # stopped while Ray started or the replicas loaded
         return 130
@@ -656,8 +678,41 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn's log level",
+        help="uvicorn's log level, and the server's own (the start banner is INFO)",
     )
+    sv.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log one line per request (uvicorn's access log; default off)",
+    )
+    lim = sv.add_argument_group("limits (per request and per client; README 'Limits')")
+    lim.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="request body cap (413)")
+    lim.add_argument("--max-prompts", type=int, default=1024, help="prompts in one completions request")
+    lim.add_argument("--max-sequences", type=int, default=1024, help="n x prompts in one request")
+    lim.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send request headers")
+    lim.add_argument(
+        "--body-timeout", type=float, default=60.0, help="seconds to send the request body (408)"
+    )
+    lim.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections; more are answered 503 (default 1000, or the open-file limit less 64)",
+    )
+    lim.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=60.0,
+        help="a streaming client that reads nothing this long is cut off and its requests aborted",
+    )
+    lim.add_argument(
+        "--stream-buffer",
+        type=int,
+        default=256,
+        help="undelivered stream events per sequence before a slow reader's requests are aborted",
+    )
+    lim.add_argument("--cpu-workers", type=int, default=2, help="threads for tokenising and templates")
     _engine_args(sv, seed=True)
     _vllm_serve_args(sv)
     sv.set_defaults(fn=_cmd_serve)

@@ -50,8 +50,27 @@ def connect(ray: Any, address: str | None) -> bool:
     if address and address != "local":
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(address=address, num_cpus=local_cpus(), include_dashboard=False, log_to_driver=False)
+        _loopback_only(ray)
+        ray.init(
+            address=address,
+            num_cpus=local_cpus(),
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
     return True
+
+
+def _loopback_only(ray: Any) -> None:
+    """Make the cluster that `connect` starts listen on 127.0.0.1 only. Ray's servers (GCS, raylet,
+    workers, agents) bind to loopback only when the node's address is 127.0.0.1, and `ray.init`
+    replaces a loopback `_node_ip_address` by the machine's routable one unless Ray's "no clusters"
+    mode is on (its default on macOS and Windows): switched on here, for this process and the Ray
+    processes it starts. A cluster joined by address is left as it is."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def local_cpus() -> int:

@@ -467,3 +467,24 @@ def test_a_forced_tool_call_cut_by_max_tokens_returns_what_was_generated(server,
         assert "Note" in str(e) or "validation" in str(e).lower(), e
     else:  # or the partial object itself, never a silent None
         assert isinstance(out, Note), out
+
+
+def test_kv_usage_counts_blocks_held_by_requests_and_cached_blocks_apart(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def gauges() -> dict[str, float]:
+        text = client.get("/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    prompt = list(range(100, 164))  # 4 full blocks of 16, cached once the request is done
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200
+    server.state.engine.drain(timeout=30)
+    deadline = time.monotonic() + 5  # the engine folds its gauges about once a second
+    while True:
+        g = gauges()
+        if g["minisgl:kv_cache_cached_perc"] > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert g["minisgl:kv_cache_usage_perc"] == 0.0, g  # idle: no request holds a block
+    assert g["minisgl:kv_cache_cached_perc"] >= 4 / 64, g

@@ -113,3 +113,8 @@ class PrefixCache:
 
     def blocks(self) -> list[int]:
         return [n.block for n in self._nodes()]
+
+    def num_idle_blocks(self) -> int:
+        """Blocks only the tree holds (no request reads them: evictable, in time)."""
+        rc = self.pool.refcount
+        return sum(1 for n in self._nodes() if rc[n.block] == 1)

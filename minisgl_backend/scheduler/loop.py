@@ -126,6 +126,7 @@ class SchedulerLoop:
         self._inflight: dict[int, Batch] = {}  # submitted, not yet processed
         self._handles: dict[str, RequestHandle] = {}
         self._drain_waiters: list[Drain] = []
+        self._idle_count_at = 0.0  # when prefix_cache_idle_blocks is next counted
         # Far above the pipeline depth: a legitimate run of result-less iterations is a few deep.
         self._watchdog = ProgressWatchdog(config.stall_timeout_s, min_iterations=16 * self.max_inflight)
         self.thread = threading.Thread(target=self._main, name="minisgl-scheduler", daemon=True)
@@ -315,6 +316,10 @@ class SchedulerLoop:
         self.metrics.set("kv_used_blocks", sched.pool.num_blocks - sched.pool.num_free)
         if sched.prefix.cache is not None:
             self.metrics.set("prefix_cache_blocks", sched.prefix.num_blocks)
+            now = time.monotonic()
+            if now >= self._idle_count_at or not sched.running:  # a walk of the tree: twice a second
+                self._idle_count_at = now + 0.5
+                self.metrics.set("prefix_cache_idle_blocks", sched.prefix.cache.num_idle_blocks())
 
     def _deliver_finished(self, new_tokens: dict[int, list[int]]) -> None:
         """Post each finished sample's final delta; a request's result once all its samples are

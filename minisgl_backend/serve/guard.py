@@ -18,12 +18,14 @@ import json
 import logging
 import resource
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import h11
 from starlette.responses import StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from minisgl_backend.errors import ConfigError
 
 log = logging.getLogger("minisgl.serve")
 
@@ -57,6 +59,16 @@ class ServeLimits:
 
     def connections(self) -> int:
         return self.max_connections if self.max_connections is not None else default_max_connections()
+
+    def check(self) -> None:
+        """ConfigError unless every limit is positive."""
+        bad = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) is not None and not getattr(self, f.name) > 0
+        ]
+        if bad:
+            raise ConfigError(f"serve limits must be positive: {', '.join(bad)}")
 
 
 def _json_error(status: int, message: str, type_: str, code: str) -> bytes:

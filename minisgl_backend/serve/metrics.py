@@ -101,10 +101,16 @@ class _EngineCollector:
         yield self._gauge(
             "minisgl:num_requests_waiting", "Requests waiting for admission.", m.get("waiting", 0.0)
         )
+        cached = m.get("prefix_cache_idle_blocks", 0.0)
         yield self._gauge(
             "minisgl:kv_cache_usage_perc",
-            "Fraction of KV blocks in use (1 = full).",
-            m.get("kv_used_blocks", 0.0) / blocks,
+            "Fraction of KV blocks held by requests (1 = full); cached blocks that none holds are apart.",
+            max(0.0, m.get("kv_used_blocks", 0.0) - cached) / blocks,
+        )
+        yield self._gauge(
+            "minisgl:kv_cache_cached_perc",
+            "Fraction of KV blocks held only by the prefix cache (evicted when requests need them).",
+            cached / blocks,
         )
         yield self._gauge(
             "minisgl:prefix_cache_blocks",

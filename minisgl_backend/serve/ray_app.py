@@ -417,14 +417,19 @@ class Ingress:
     """The ingress deployment: the single server's app over a RayBackend."""
 
     async def __init__(
-        self, config: dict[str, Any], model_name: str | None, api_key: str | None, *handles: Any
+        self,
+        config: dict[str, Any],
+        model_name: str | None,
+        api_key: str | None,
+        *handles: Any,
+        limits: Any = None,
     ) -> None:
         from minisgl_backend.serve.app import build_app
 
         cfg = EngineConfig.from_dict(config)
         infos = await asyncio.gather(*(_await(h.info.remote()) for h in handles))
         self.backend = RayBackend(handles, infos, cfg, model_name)
-        self._app = build_app(self.backend, model_name, api_key)
+        self._app = build_app(self.backend, model_name, api_key, limits=limits)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app
@@ -487,6 +492,7 @@ def deploy(
     api_key: str | None = None,
     model_name: str | None = None,
     ray_address: str | None = None,
+    limits: Any = None,
 ) -> RayServer:
     """Deploy the `minisgl` application (N engine replicas + the ingress) and wait until it serves.
     Connects to Ray first (`cluster.connect`: the session already initialised, `ray_address` /
@@ -547,7 +553,9 @@ def deploy(
         ]
         try:
             ingress = serve.run(
-                ingress_cls.bind(cfg_dict, model_name, api_key, *engines), name=APP_NAME, route_prefix="/"
+                ingress_cls.bind(cfg_dict, model_name, api_key, *engines, limits=limits),
+                name=APP_NAME,
+                route_prefix="/",
             )
         except RuntimeError as e:  # Serve's "Deploying application ... failed"
             raise DeployError(
@@ -596,12 +604,14 @@ def run_ray_server(
     api_key: str | None = None,
     model_name: str | None = None,
     ray_address: str | None = None,
+    limits: Any = None,
 ) -> None:
     """`minisgl serve --replicas N`: deploy, serve until SIGINT/SIGTERM, then stop (streams end with
     finish_reason "abort", the application is deleted, the Ray cluster this command started is shut
-    down). Blocks."""
+    down). Blocks. `limits`: the ingress app's ServeLimits (body size, prompts, sequences, streams;
+    connections and header timeouts are Serve's proxy's own)."""
     stop = threading.Event()
-    server = deploy(config, replicas, host, port, api_key, model_name, ray_address)
+    server = deploy(config, replicas, host, port, api_key, model_name, ray_address, limits)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     ray = import_ray(FEATURE)
