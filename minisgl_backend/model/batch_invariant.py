@@ -42,7 +42,7 @@ from torch import nn
 
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
-from minisgl_backend.model.llama import Attention, CausalLM, ForwardBatch, Linear
+from minisgl_backend.model.llama import Attention, CausalLM, ForwardBatch, Linear, row_tables
 
 ROW_MULTIPLE = 4  # attention's matmul row counts are padded to this (see attend)
 ROW_TILE = 16  # every linear call has this many rows, or one of LARGER_TILES that the probe accepted
@@ -198,23 +198,6 @@ def attend(
         den = den + den_parts[:, :, s]
     out = (num / den[..., None])[:, :, :rows]  # [B, kvh, rows, d]
     return out.view(bsz, kvh, m, g, d).transpose(1, 2).reshape(bsz, m, h, d)
-
-
-def row_tables(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tables, row_table, positions) for cpu_kernels.paged_attention over every row of the batch:
-    the decode rows' block tables, then one per prefill chunk, zero-padded to one width."""
-    n = batch.input_ids.shape[0]
-    parts = [] if batch.decode_block_tables is None else list(batch.decode_block_tables[: batch.num_decode])
-    row_table = torch.empty(n, dtype=torch.int64)
-    row_table[: batch.num_decode] = torch.arange(batch.num_decode)
-    for chunk in batch.prefill_chunks:
-        row_table[chunk.start : chunk.start + chunk.length] = len(parts)
-        parts.append(chunk.block_table)
-    width = max((t.shape[0] for t in parts), default=1)
-    tables = torch.zeros(max(len(parts), 1), width, dtype=torch.int64)
-    for i, t in enumerate(parts):
-        tables[i, : t.shape[0]] = t
-    return tables, row_table, batch.positions[:n]
 
 
 class BatchInvariantForward:
