@@ -34,6 +34,7 @@ LIMITS = ServeLimits(
     header_timeout_s=1.0,
     body_timeout_s=1.0,
     max_connections=12,
+    stream_idle_timeout_s=1.0,
 )
 
 
@@ -488,3 +489,62 @@ def test_kv_usage_counts_blocks_held_by_requests_and_cached_blocks_apart(server,
         time.sleep(0.1)
     assert g["minisgl:kv_cache_usage_perc"] == 0.0, g  # idle: no request holds a block
     assert g["minisgl:kv_cache_cached_perc"] >= 4 / 64, g
+
+
+def test_a_streaming_client_that_stops_reading_is_cut_off_and_its_requests_aborted():
+    # The mechanism, without sockets (on loopback the kernel buffers a few MB before a send blocks):
+    # a send that does not complete within the idle timeout ends the response and closes the body
+    # (whose `finally` aborts the requests); undelivered events past the buffer bound abort at once.
+    import asyncio
+
+    from minisgl_backend.serve.app import SlowClientError, _Merged
+    from minisgl_backend.serve.guard import GuardedStreamingResponse
+
+    closed = []
+
+    async def body():
+        try:
+            for i in range(10):
+                yield f"data: {i}\n\n"
+        finally:
+            closed.append(True)
+
+    sent = []
+
+    async def send(msg):
+        sent.append(msg)
+        if msg["type"] == "http.response.body" and len(sent) > 2:
+            await asyncio.sleep(3600)  # the client reads nothing any more
+
+    async def stream_once():
+        resp = GuardedStreamingResponse(body(), 0.2, media_type="text/event-stream")
+        t0 = time.monotonic()
+        await resp.stream_response(send)
+        return time.monotonic() - t0
+
+    took = asyncio.run(stream_once())
+    assert 0.15 < took < 2 and closed == [True] and len(sent) == 3
+
+    class Endless:
+        request_id, aborted = "r", False
+
+        async def events(self):
+            i = 0
+            while not self.aborted:
+                yield i
+                i += 1
+                await asyncio.sleep(0)
+
+        def abort(self):
+            self.aborted = True
+
+    async def overflow():
+        s = Endless()
+        merged = _Merged([s], limit=50)
+        await asyncio.sleep(0.2)  # the client reads nothing meanwhile
+        items = [await merged.next() for _ in range(51)]
+        merged.close()
+        return s, items
+
+    s, items = asyncio.run(overflow())
+    assert s.aborted and isinstance(items[-1][1], SlowClientError) and len(items) == 51
