@@ -146,6 +146,13 @@ CASES = [
         "messages",
     ),
     ("oversize body", ("/v1/completions", b"x" * (25 * 1024 * 1024)), 413, "body_too_large", None),
+    (
+        "oversize tool description",
+        _chat(tools=[{**TOOL, "function": {**TOOL["function"], "description": "a" * 100_000}}]),
+        400,
+        "context_length_exceeded",
+        "tools",
+    ),
     # grammars that compile but exceed llguidance's limits, or do not compile
     (
         "recursive $ref schema",
@@ -548,3 +555,16 @@ def test_a_streaming_client_that_stops_reading_is_cut_off_and_its_requests_abort
 
     s, items = asyncio.run(overflow())
     assert s.aborted and isinstance(items[-1][1], SlowClientError) and len(items) == 51
+
+
+def test_a_grammar_failing_mid_stream_ends_with_an_error_event_and_done():
+    from minisgl_backend.chat import GrammarError
+    from minisgl_backend.errors import RequestFailedError
+    from minisgl_backend.serve.app import _sse_error
+
+    failed = RequestFailedError("logits processor raised GrammarError(...)")
+    failed.__cause__ = GrammarError("the output grammar exceeds the parser's limits: too many items")
+    events = _sse_error(failed).strip().split("\n\n")
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[0][len("data: ") :])["error"]
+    assert err["code"] == "invalid_grammar" and "parser's limits" in err["message"]

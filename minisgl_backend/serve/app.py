@@ -50,6 +50,7 @@ from minisgl_backend.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
     QueueFullError,
+    RequestFailedError,
 )
 from minisgl_backend.serve.backend import Backend, ServerShuttingDownError, Stream
 from minisgl_backend.serve.guard import BodyGuard, BodyRejected, GuardedStreamingResponse, ServeLimits
@@ -122,6 +123,8 @@ def api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, BodyRejected):
         return APIError(exc.status, exc.message, code=exc.code, headers={"Connection": "close"})
+    if isinstance(exc, RequestFailedError) and isinstance(exc.__cause__, GrammarError):
+        exc = exc.__cause__  # the output left its grammar, or the parser hit its limits mid-way
     for cls, status, type_, code in ERROR_MAP:
         if isinstance(exc, cls):
             headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
@@ -896,7 +899,8 @@ def build_app(
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         _check_model(state, body.model)
         _check_sequences(state, 1, body.n)
-        _check_chars(state, sum(len(m.text()) for m in body.messages), "the conversation", "messages")
+        chars = sum(len(m.text()) for m in body.messages)
+        _check_chars(state, chars, "the conversation", "messages")
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         choice = (
             body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
@@ -909,6 +913,9 @@ def build_app(
         messages = [_message_dict(m) for m in body.messages]
 
         def prepare() -> ChatPrompt:
+            if tools or fmt:  # the prompt shows them too: bound them before the template runs
+                shown = len(json.dumps(tools, ensure_ascii=False)) + len(json.dumps(fmt, ensure_ascii=False))
+                _check_chars(state, chars + shown, "the conversation with its tools and format", "tools")
             tok = pool.tokenizer()
             prompt = render_chat(
                 tok,
