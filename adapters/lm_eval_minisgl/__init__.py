@@ -78,11 +78,14 @@ def register_tasks() -> None:
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        bound.arguments["include_path"] = _with_our_tasks(
-            bound.arguments.get("include_path"), bool(bound.arguments.get("include_defaults", True))
-        )
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            bound.arguments["include_path"] = _with_our_tasks(
+                bound.arguments.get("include_path"), bool(bound.arguments.get("include_defaults", True))
+            )
+        except Exception:  # noqa: BLE001 - never break lm-eval: without our tasks it still runs
+            return original(self, *args, **kwargs)
         original(*bound.args, **bound.kwargs)
 
     __init__._minisgl_tasks = True  # type: ignore[attr-defined]
