@@ -797,7 +797,8 @@ AVX512 inline __m512 vsum16(__m512* p) {
 
 struct AttnScratch {  // per thread, reused across its work items
     std::vector<float> q, scores, acc, kf, vf;
-    std::vector<uint16_t> stage;
+    std::vector<uint16_t> stage, pb;
+    std::vector<uint32_t> vpair, ppair;
     std::vector<int64_t> offsets;
 };
 
@@ -825,12 +826,121 @@ inline BlockKeys block_keys(const int64_t* table, const int64_t* pos, int64_t ro
     return b;
 }
 
+// ---- the V sum on vdpbf16ps (the avx512bf16 family's attention) ----
+//
+// With the dp scorer the probabilities are rounded to bf16 and each output element is one vdpbf16ps
+// chain over key pairs (2t, 2t + 1), pairs aligned to absolute key positions and taken in order:
+// acc += p(2t) v(2t) + p(2t+1) v(2t+1), a key outside the row's range with p = 0. Half the
+// instructions of the float32 FMA sum, and the same bits whether the lanes are a decode row's
+// dims (dp_value_sum) or 16 query vectors of a prefill block (attend_lanes).
+
+// V rows of the block's keys as (key 2t, key 2t+1) pairs per dim, [pair - lo / 2][dim]; keys outside
+// [lo, hi] zero (so the pair partner of an end key reads no unwritten slot).
+DPBF16 void stage_value_pairs(const uint16_t* vpool, const BlockKeys& b, int64_t kvh, const AttnShape& s,
+                              AttnScratch& w) {
+    const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = b.hi / 2 - p0 + 1;
+    w.vpair.resize(static_cast<size_t>(pairs * d));
+    for (int64_t t = 0; t < pairs; ++t) {
+        const int64_t ke = 2 * (p0 + t), ko = ke + 1;
+        const bool e_in = ke >= b.lo, o_in = ko <= b.hi;
+        const uint16_t* ve = e_in ? vpool + w.offsets[ke - b.lo] + kvh * d : nullptr;
+        const uint16_t* vo = o_in ? vpool + w.offsets[ko - b.lo] + kvh * d : nullptr;
+        for (int64_t c = 0; c < d; c += 16) {
+            const __m512i e = e_in ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ve + c)))
+                                   : _mm512_setzero_si512();
+            const __m512i o = o_in ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vo + c)))
+                                   : _mm512_setzero_si512();
+            _mm512_storeu_si512(w.vpair.data() + t * d + c, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+        }
+    }
+}
+
+// 16 float32 as bf16 in the low halves of 16 uint32 (vcvtneps2bf16: both V sums round the same way).
+DPBF16 inline __m512i bf16_lanes(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
+
+// The decode blocks' V sum (softmax_and_sum's, with the dp scorer): lanes = 16 dims; each vector's
+// probabilities rounded to bf16 over the span (zero outside its keys), each pair broadcast.
+DPBF16 void dp_value_sum(const uint16_t* vpool, int64_t rows, const int64_t* pos, int64_t kvh, uint16_t* out,
+                         const AttnShape& s, const BlockKeys& b, AttnScratch& w) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16;
+    const int64_t base = b.lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base, p0 = b.lo / 2;
+    stage_value_pairs(vpool, b, kvh, s, w);
+    w.pb.assign(static_cast<size_t>(rows * g * span), 0);
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < g; ++h) {
+            const float* sh = w.scores.data() + (r * g + h) * span;
+            uint16_t* ph = w.pb.data() + (r * g + h) * span;
+            for (int64_t t = b.first[r] / 16 * 16; t <= pos[r]; t += 16) {
+                const int64_t a = std::max<int64_t>(b.first[r] - t, 0), e = std::min<int64_t>(pos[r] - t, 15);
+                const auto lanes = static_cast<__mmask16>(((1u << (e + 1)) - 1) & ~((1u << a) - 1));
+                const __m512 x = _mm512_maskz_loadu_ps(lanes, sh + t - base);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + t - base), (__m256i)_mm512_cvtneps_pbh(x));
+            }
+        }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h0 = 0; h0 < g; h0 += 6) {
+            const int64_t nv = std::min<int64_t>(6, g - h0);
+            const uint16_t* p = w.pb.data() + (r * g + h0) * span - base;  // p[v * span + key]
+            uint16_t* o = out + r * s.heads * d + (kvh * g + h0) * d;
+            for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+                const int64_t nc = std::min<int64_t>(4, chunks - c0);
+                __m512 acc[6][4];
+                for (auto& a : acc)
+                    for (auto& x : a) x = _mm512_setzero_ps();
+                for (int64_t t = b.first[r] / 2; t <= pos[r] / 2; ++t) {
+                    const uint32_t* vr = w.vpair.data() + (t - p0) * d + c0 * 16;
+                    __m512bh vv[4];
+                    for (int c = 0; c < 4; ++c)
+                        if (c < nc) vv[c] = (__m512bh)_mm512_loadu_si512(vr + c * 16);
+                    for (int v = 0; v < 6; ++v) {
+                        if (v >= nv) break;
+                        int32_t pair;
+                        std::memcpy(&pair, p + v * span + 2 * t, 4);
+                        const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
+                        for (int c = 0; c < 4; ++c)
+                            if (c < nc) acc[v][c] = _mm512_dpbf16_ps(acc[v][c], vv[c], pv);
+                    }
+                }
+                for (int64_t v = 0; v < nv; ++v)
+                    for (int64_t c = 0; c < nc; ++c) store16m(o + v * d + (c0 + c) * 16, acc[v][c], 0xffff);
+            }
+        }
+}
+
+// A prefill block's V sum for one lane group (attend_lanes', with the dp scorer): sc[key * 16 + lane]
+// the normalized probabilities of keys lo..hi, out_tile [chunk][dim][lane] the sums.
+DPBF16 void dp_lanes_value_sum(const float* sc, const BlockKeys& b, const AttnShape& s, AttnScratch& w,
+                               float* out_tile) {
+    const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = b.hi / 2 - p0 + 1;
+    w.ppair.resize(static_cast<size_t>(pairs * 16));
+    for (int64_t t = 0; t < pairs; ++t) {
+        const int64_t ke = 2 * (p0 + t), ko = ke + 1;
+        const __m512 e = ke >= b.lo ? _mm512_loadu_ps(sc + ke * 16) : _mm512_setzero_ps();
+        const __m512 o = ko <= b.hi ? _mm512_loadu_ps(sc + ko * 16) : _mm512_setzero_ps();
+        _mm512_storeu_si512(w.ppair.data() + t * 16, _mm512_or_si512(bf16_lanes(e), _mm512_slli_epi32(bf16_lanes(o), 16)));
+    }
+    for (int64_t c = 0; c < d / 16; ++c) {
+        __m512 acc[16];
+        for (auto& a : acc) a = _mm512_setzero_ps();
+        for (int64_t t = 0; t < pairs; ++t) {
+            const __m512bh pp = (__m512bh)_mm512_loadu_si512(w.ppair.data() + t * 16);
+            const uint32_t* vr = w.vpair.data() + t * d + c * 16;
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i) {
+                const __m512bh vb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(vr[i]));
+                acc[i] = _mm512_dpbf16_ps(acc[i], vb, pp);
+            }
+        }
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out_tile + (c * 16 + i) * 16, acc[i]);
+    }
+}
+
 // The softmax and the sum over V of rows x g query vectors whose scores lie in w.scores, [vector][span]
 // from key `base` (attend_vectors', or the tile unit's for few vectors): the softmax one vector at a
 // time, 16 keys per lane tile; the V sum in registers, up to 6 vectors of a row at a time.
 template <typename T>
 AVX512 void softmax_and_sum(const T* vpool, int64_t rows, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
-                            const BlockKeys& b, AttnScratch& w) {
+                            const BlockKeys& b, AttnScratch& w, bool dp = false) {
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16;
     const int64_t lo = b.lo, hi = b.hi, base = lo / 16 * 16, span = (hi / 16 + 1) * 16 - base;
     for (int64_t r = 0; r < rows; ++r) {
@@ -854,6 +964,8 @@ AVX512 void softmax_and_sum(const T* vpool, int64_t rows, const int64_t* pos, in
             for (int64_t t = t0; t <= t1; t += 16) _mm512_storeu_ps(sh + t, _mm512_mul_ps(_mm512_loadu_ps(sh + t), inv));
         }
     }
+    if constexpr (std::is_same_v<T, uint16_t>)
+        if (dp) return dp_value_sum(vpool, rows, pos, kvh, out, s, b, w);
     // Up to 64 dims of up to 6 vectors at a time in 24 accumulators, keys in order (each output
     // element one FMA per key, as attend_lanes'), each V chunk converted once for the group: the
     // accumulators in memory had made this loop half of decode attention's time (measured).
@@ -995,6 +1107,46 @@ AMX void amx_scores(const uint16_t* kpool, const int64_t* table, const AttnShape
     }
 }
 
+// Which unit scores bf16 query vectors against keys (paged_attention's `scorer`): float32 FMAs over
+// 16-dim chunks and a fixed reduction (attend_vectors, lane_scores), the tile unit (amx_scores), or
+// vdpbf16ps (dp_scores). A row's bits depend on which one ran, so the choice is the machine's kernel
+// family and never the rows'.
+enum Scorer : int { SCORE_FMA = 0, SCORE_AMX = 1, SCORE_DP = 2 };
+
+// amx_scores' result from vdpbf16ps (AVX512-BF16, no tile unit): lanes = the 16 query vectors of qb,
+// each key's (dim 2i, dim 2i+1) pair broadcast against the lanes' pairs, one chain over the pairs
+// in order per score (so a score's bits depend on its query and key alone, as the tile unit's).
+// Eight keys at a time keep eight chains in flight; keys of the 16-key tiles outside [lo, hi] score
+// zero, as amx_scores' staged zeros. Read in place, whatever the block size.
+DPBF16 void dp_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
+                      int64_t hi, const uint32_t* qb, float* sc) {
+    const int64_t d = s.head_dim, row = s.kv_heads * d, bs = s.block_size, base = lo / 16 * 16;
+    const int64_t end = (hi / 16 + 1) * 16;
+    for (int64_t key = base; key < lo; ++key) _mm512_storeu_ps(sc + (key - base) * 16, _mm512_setzero_ps());
+    for (int64_t key = hi + 1; key < end; ++key) _mm512_storeu_ps(sc + (key - base) * 16, _mm512_setzero_ps());
+    constexpr int KEYS = 8;
+    for (int64_t k0 = lo; k0 <= hi; k0 += KEYS) {
+        const int nk = static_cast<int>(std::min<int64_t>(KEYS, hi - k0 + 1));
+        const uint16_t* kr[KEYS];
+        for (int j = 0; j < KEYS; ++j) {
+            const int64_t key = k0 + std::min(j, nk - 1);  // past hi: a repeat of the last key, not stored
+            kr[j] = kpool + (table[key / bs] * bs + key % bs) * row + kvh * d;
+        }
+        __m512 acc[KEYS];
+        for (auto& a : acc) a = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d / 2; ++i) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + i * 16);
+#pragma GCC unroll 8
+            for (int j = 0; j < KEYS; ++j) {
+                int32_t pair;
+                std::memcpy(&pair, kr[j] + 2 * i, 4);
+                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(pair), qv);
+            }
+        }
+        for (int j = 0; j < nk; ++j) _mm512_storeu_ps(sc + (k0 + j - base) * 16, acc[j]);
+    }
+}
+
 // The query vectors v0..v0+n-1 of a block (lane l: row (v0 + l) / g, head (v0 + l) % g of the
 // group) as the tile unit's B operand: k-step by k-step, 16 pairs x 16 lanes of (dim 2i, dim 2i+1),
 // the raw bf16 bits; lanes past n are zero.
@@ -1012,11 +1164,11 @@ AVX512 inline void pack_query_pairs(const uint16_t* q, int64_t q_stride, int64_t
     }
 }
 
-// Few query vectors (decode rows) on the tile unit: their scores from amx_scores, then
-// attend_vectors' softmax and V sum on them, one vector at a time ([vector][span] scores).
-AVX512 void attend_vectors_amx(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* kpool,
-                               const uint16_t* vpool, const int64_t* table, const int64_t* pos, int64_t kvh,
-                               uint16_t* out, const AttnShape& s, const BlockKeys& b, AttnScratch& w) {
+// Few query vectors (decode rows) on the tile unit or vdpbf16ps: their scores from amx_scores or
+// dp_scores, then attend_vectors' softmax and V sum on them, one vector at a time ([vector][span]).
+AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* kpool,
+                                const uint16_t* vpool, const int64_t* table, const int64_t* pos, int64_t kvh,
+                                uint16_t* out, const AttnShape& s, const BlockKeys& b, int scorer, AttnScratch& w) {
     const int64_t g = s.heads / s.kv_heads, n = rows * g;
     const int64_t base = b.lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base;
     w.q.resize(static_cast<size_t>(s.head_dim * 16));
@@ -1024,7 +1176,10 @@ AVX512 void attend_vectors_amx(const uint16_t* q, int64_t q_stride, int64_t rows
     w.stage.resize(static_cast<size_t>(16 * s.head_dim));
     auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
     pack_query_pairs(q, q_stride, 0, n, kvh, s, qb);
-    amx_scores(kpool, table, s, kvh, b.lo, b.hi, qb, w.kf.data(), w.stage.data());  // kf[key - base][lane]
+    if (scorer == SCORE_AMX)
+        amx_scores(kpool, table, s, kvh, b.lo, b.hi, qb, w.kf.data(), w.stage.data());  // kf[key - base][lane]
+    else
+        dp_scores(kpool, table, s, kvh, b.lo, b.hi, qb, w.kf.data());
     w.scores.assign(static_cast<size_t>(n * span), 0.0f);
     for (int64_t l = 0; l < n; ++l)
         for (int64_t key = b.first[l / g]; key <= pos[l / g]; ++key) {
@@ -1032,7 +1187,7 @@ AVX512 void attend_vectors_amx(const uint16_t* q, int64_t q_stride, int64_t rows
             if (s.softcap > 0.0f) v = s.softcap * std::tanh(v / s.softcap);
             w.scores[l * span + key - base] = v;
         }
-    softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w);
+    softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w, scorer == SCORE_DP);
 }
 
 // Many query vectors (a prefill block): lanes = 16 query vectors (row, head of the group), keys one
@@ -1040,25 +1195,30 @@ AVX512 void attend_vectors_amx(const uint16_t* q, int64_t q_stride, int64_t rows
 // same order as attend_vectors (keys outside a lane's range add exact zeros, which leaves every sum's
 // bits as they are, but for the sign of an exact-zero output), so a row's bits do not depend on which
 // of the two its block took; this one shares every K/V load and conversion among 16 query vectors
-// and needs no horizontal reduction. With the tile unit (`amx`) the scores come from amx_scores, as
-// attend_vectors_amx's do.
+// and needs no horizontal reduction. With the tile unit or vdpbf16ps (`scorer`) the scores come from
+// amx_scores or dp_scores, as attend_vectors_bf16's do.
 template <typename T>
 AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
                          const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
-                         const BlockKeys& b, bool amx, AttnScratch& w) {
+                         const BlockKeys& b, int scorer, AttnScratch& w) {
+    const bool fma = scorer == SCORE_FMA;
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16, vectors = rows * g;
     const int64_t lo = b.lo, keys = b.hi - lo + 1, base = lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base;
-    // float32 copies of K (for lane_scores, without the tile unit) and V, shared by every lane
-    if (!amx) w.kf.resize(static_cast<size_t>(keys * d));
-    w.vf.resize(static_cast<size_t>(keys * d));
+    // float32 copies of K (for lane_scores, with the FMA scorer) and V, shared by every lane; with the
+    // dp scorer V as bf16 key pairs instead (stage_value_pairs)
+    const bool dp = scorer == SCORE_DP;
+    if (fma) w.kf.resize(static_cast<size_t>(keys * d));
+    if (!dp) w.vf.resize(static_cast<size_t>(keys * d));
     for (int64_t j = 0; j < keys; ++j)
         for (int64_t c = 0; c < chunks; ++c) {
-            if (!amx) _mm512_storeu_ps(w.kf.data() + j * d + c * 16, load16(kpool + w.offsets[j] + kvh * d + c * 16));
-            _mm512_storeu_ps(w.vf.data() + j * d + c * 16, load16(vpool + w.offsets[j] + kvh * d + c * 16));
+            if (fma) _mm512_storeu_ps(w.kf.data() + j * d + c * 16, load16(kpool + w.offsets[j] + kvh * d + c * 16));
+            if (!dp) _mm512_storeu_ps(w.vf.data() + j * d + c * 16, load16(vpool + w.offsets[j] + kvh * d + c * 16));
         }
+    if constexpr (std::is_same_v<T, uint16_t>)
+        if (dp) stage_value_pairs(vpool, b, kvh, s, w);
     w.q.resize(static_cast<size_t>(d * 16));
     w.scores.resize(static_cast<size_t>(span * 16));
-    if (amx) w.stage.resize(static_cast<size_t>(16 * d));
+    if (scorer == SCORE_AMX) w.stage.resize(static_cast<size_t>(16 * d));
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t v0 = 0; v0 < vectors; v0 += 16) {
         const int64_t n = std::min<int64_t>(16, vectors - v0);
@@ -1073,15 +1233,18 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         float* sc = w.scores.data() - base * 16;  // sc[key * 16 + lane]
         const __m512 scale = _mm512_set1_ps(s.scale);
         if constexpr (std::is_same_v<T, uint16_t>) {
-            if (amx) {
+            if (!fma) {
                 auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
                 pack_query_pairs(q, q_stride, v0, n, kvh, s, qb);
-                amx_scores(kpool, table, s, kvh, lo, b.hi, qb, w.scores.data(), w.stage.data());
+                if (scorer == SCORE_AMX)
+                    amx_scores(kpool, table, s, kvh, lo, b.hi, qb, w.scores.data(), w.stage.data());
+                else
+                    dp_scores(kpool, table, s, kvh, lo, b.hi, qb, w.scores.data());
                 for (int64_t key = lo; key <= b.hi; ++key)
                     _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), scale));
             }
         }
-        if (!amx) {
+        if (fma) {
             for (int64_t l = 0; l < 16; ++l) {  // qt: the lanes' query vectors transposed, [d][16]
                 const T* qv = l < n ? q + (v0 + l) / g * q_stride + (kvh * g + (v0 + l) % g) * d : nullptr;
                 for (int64_t i = 0; i < d; ++i) w.q[i * 16 + l] = qv ? load(qv, i) : 0.0f;
@@ -1116,6 +1279,16 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         const __m512 inv = _mm512_maskz_div_ps(used, one, vsum16(part));
         for (int64_t key = lo; key <= b.hi; ++key)
             _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), inv));
+        if constexpr (std::is_same_v<T, uint16_t>)
+            if (dp) {
+                w.acc.resize(static_cast<size_t>(d * 16));
+                dp_lanes_value_sum(sc, b, s, w, w.acc.data());  // [dim][lane]
+                for (int64_t l = 0; l < n; ++l) {
+                    const int64_t r = (v0 + l) / g, h = (v0 + l) % g;
+                    for (int64_t i = 0; i < d; ++i) store(out + r * s.heads * d, (kvh * g + h) * d + i, w.acc[i * 16 + l]);
+                }
+                continue;
+            }
         alignas(64) float tile[16][16];
         for (int64_t c = 0; c < chunks; ++c) {
             __m512 acc[16];
@@ -1151,20 +1324,21 @@ AVX512 inline void prefetch_values(const T* vpool, const BlockKeys& b, int64_t k
 template <typename T>
 AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
                          const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
-                         bool amx, AttnScratch& w) {
+                         int scorer, AttnScratch& w) {
     const BlockKeys b = block_keys(table, pos, rows, s, w);
     if (rows * (s.heads / s.kv_heads) >= LANES_FROM)
-        return attend_lanes<T>(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, b, amx, w);
+        return attend_lanes<T>(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, b, scorer, w);
     prefetch_values(vpool, b, kvh, s, w);
     if constexpr (std::is_same_v<T, uint16_t>)
-        if (amx) return attend_vectors_amx(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, b, w);
+        if (scorer != SCORE_FMA)
+            return attend_vectors_bf16(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, b, scorer, w);
     attend_vectors<T>(q, q_stride, rows, kpool, vpool, pos, kvh, out, s, b, w);
 }
 
 template <typename T>
 void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables,
                        const int64_t* row_table, const int64_t* positions, uintptr_t out, int64_t n,
-                       const AttnShape& s, bool amx, int threads) {
+                       const AttnShape& s, int scorer, int threads) {
     const auto* qp = reinterpret_cast<const T*>(q);
     const auto* kp = reinterpret_cast<const T*>(k);
     const auto* vp = reinterpret_cast<const T*>(v);
@@ -1173,9 +1347,13 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
     const int64_t per_row = s.heads * s.head_dim;
     static const bool avx512 = cpu_has_avx512();
     const bool vector = avx512 && s.head_dim % 16 == 0 && s.head_dim <= 256;
-    // The tile unit scores bf16 rows: on a machine that has it, every block of every call (the bits
-    // of a row depend on which scorer ran, so the choice depends on the machine and shape only).
-    const bool tiles = vector && amx && std::is_same_v<T, uint16_t> && s.head_dim % 32 == 0;
+    // The tile unit or vdpbf16ps scores bf16 rows: on a machine that has it, every block of every
+    // call (the bits of a row depend on which scorer ran, so the choice depends on the machine's
+    // kernel family and the shape only). Otherwise, and for float32, the FMA scorer.
+    const bool bf16_scorer = vector && std::is_same_v<T, uint16_t> &&
+                             ((scorer == SCORE_AMX && s.head_dim % 32 == 0) || scorer == SCORE_DP);
+    const int used = bf16_scorer ? scorer : SCORE_FMA;
+    const bool tiles = used == SCORE_AMX;
     // Blocks: runs of up to ATTN_BLOCK consecutive rows on one table (one row each on the scalar path).
     std::vector<int64_t> starts;
     for (int64_t r = 0; r < n; ++r)
@@ -1193,7 +1371,7 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
             const int64_t* table = tp + row_table[r0] * s.table_stride;
             if (vector)
                 attend_block<T>(qp + r0 * q_stride, q_stride, starts[b + 1] - r0, kp, vp, table, positions + r0, kvh,
-                                op + r0 * per_row, s, tiles, w);
+                                op + r0 * per_row, s, used, w);
             else
                 attend_group<T>(qp + r0 * q_stride, kp, vp, table, positions[r0], kvh, op + r0 * per_row, s, w.scores,
                                 w.acc);
@@ -1220,7 +1398,7 @@ bool tables_in_bounds(const int64_t* tables, const int64_t* row_table, const int
 void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t row_table,
                      uintptr_t positions, uintptr_t out, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t num_blocks, int64_t num_tables, int64_t table_stride, double scale,
-                     double softcap, int64_t window, bool bf16, bool amx, int threads) {
+                     double softcap, int64_t window, bool bf16, int scorer, int threads) {
     if (heads % kv_heads != 0) throw std::invalid_argument("heads must be a multiple of kv_heads");
     const auto* rt = reinterpret_cast<const int64_t*>(row_table);
     const auto* pp = reinterpret_cast<const int64_t*>(positions);
@@ -1236,9 +1414,9 @@ void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, ui
                       static_cast<float>(softcap),
                       window};
     if (bf16)
-        paged_attention_t<uint16_t>(q, q_stride, k, v, tables, rt, pp, out, n, s, amx, threads);
+        paged_attention_t<uint16_t>(q, q_stride, k, v, tables, rt, pp, out, n, s, scorer, threads);
     else
-        paged_attention_t<float>(q, q_stride, k, v, tables, rt, pp, out, n, s, false, threads);
+        paged_attention_t<float>(q, q_stride, k, v, tables, rt, pp, out, n, s, SCORE_FMA, threads);
 }
 
 // ---- row-wise ops: RMSNorm (with the residual add fused) and RoPE -------------------------------
@@ -1471,10 +1649,10 @@ void stack_linear(const StackLinear& l, int pack_kind, const uint16_t* x, uint16
 class DecodeStack {
   public:
     DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
-                double scale, double softcap, int64_t block_size, int64_t num_blocks, bool amx, int pack_kind)
+                double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind)
         : h_(heads), kvh_(kv_heads), d_(head_dim), hidden_(hidden), inter_(intermediate), eps_(static_cast<float>(eps)),
           scale_(static_cast<float>(scale)), softcap_(static_cast<float>(softcap)), bs_(block_size),
-          blocks_(num_blocks), amx_(amx), pack_kind_(pack_kind) {
+          blocks_(num_blocks), scorer_(scorer), pack_kind_(pack_kind) {
         if (heads % kv_heads != 0 || head_dim % 16 != 0 || head_dim > 256)
             throw std::invalid_argument("DecodeStack: heads must be a multiple of kv_heads, head_dim of 16 (<= 256)");
     }
@@ -1534,7 +1712,7 @@ class DecodeStack {
             AttnShape ls = shape;
             ls.window = l.window;
             paged_attention_t<uint16_t>(reinterpret_cast<uintptr_t>(qkv.data()), width, l.kpool, l.vpool, tables,
-                                        row_table.data(), pos, reinterpret_cast<uintptr_t>(attn.data()), n, ls, amx_,
+                                        row_table.data(), pos, reinterpret_cast<uintptr_t>(attn.data()), n, ls, scorer_,
                                         threads);
             stack_linear(l.o, pack_kind_, attn.data(), attn_out.data(), n, threads);
             rms_norm_t(xs, attn_out.data(), xs, reinterpret_cast<const uint16_t*>(l.post_norm), normed.data(), n, hidden_,
@@ -1549,7 +1727,7 @@ class DecodeStack {
     int64_t h_, kvh_, d_, hidden_, inter_;
     float eps_, scale_, softcap_;
     int64_t bs_, blocks_;
-    bool amx_;
+    int scorer_;
     int pack_kind_;
     std::vector<StackLayer> layers_;
 };
@@ -1587,7 +1765,7 @@ PYBIND11_MODULE(_kernels, m) {
           py::arg("positions"), py::arg("out"), py::arg("rows"), py::arg("heads"), py::arg("kv_heads"),
           py::arg("head_dim"), py::arg("block_size"), py::arg("num_blocks"), py::arg("num_tables"),
           py::arg("table_stride"), py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("bf16"),
-          py::arg("amx"), py::arg("threads"),
+          py::arg("scorer"), py::arg("threads"),
           "Each query row over its paged K/V: q [rows,h,d] (rows q_row_stride apart), out [rows,h,d], pools "
           "[slots,kvh,d], tables int64 [num_tables,stride], row_table int64 [rows] (the row's table), positions "
           "int64 [rows] (the query's position; keys 0..pos, or the last `window`).");
@@ -1605,11 +1783,11 @@ PYBIND11_MODULE(_kernels, m) {
         .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t>(), py::arg("weight"),
              py::arg("packed"), py::arg("bias"), py::arg("qweight"), py::arg("qscale"), py::arg("n"), py::arg("k"));
     py::class_<DecodeStack>(m, "DecodeStack")
-        .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t, bool,
+        .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t, int,
                       int>(),
              py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"),
              py::arg("eps"), py::arg("scale"), py::arg("softcap"), py::arg("block_size"), py::arg("num_blocks"),
-             py::arg("amx"), py::arg("pack_kind"))
+             py::arg("scorer"), py::arg("pack_kind"))
         .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
              py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("kpool"),
              py::arg("vpool"), py::arg("window"), py::arg("rope"))

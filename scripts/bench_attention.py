@@ -6,10 +6,10 @@ SmolLM2's attention shape (9 heads, 3 KV heads, head_dim 64, block size 16) over
 shuffled blocks. Prints one JSON line per case, milliseconds per layer, best of 5 (the calling
 thread's CPU time at one thread, wall time otherwise):
 
-- prefill chunks (`start` cached tokens, then `rows` new ones): `paged_attention` with the AMX
-  scorer (where the CPU has it) and the AVX-512 one (`tiles=False`), against SDPA on the context
-  gathered from the pool, as the default forward runs it;
-- decode rows (`batch` rows at `context` keys each): the same two scorers.
+- prefill chunks (`start` cached tokens, then `rows` new ones): `paged_attention` with each scorer
+  this CPU runs (`fma`: AVX-512 float32; `dp`: AVX512-BF16; `amx`: the tile unit), against SDPA on
+  the context gathered from the pool, as the forward ran it before the kernel served prefill rows;
+- decode rows (`batch` rows at `context` keys each): the same scorers.
 
 The figures behind README "Speed"'s attention numbers.
 """
@@ -57,9 +57,10 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     g = torch.Generator().manual_seed(0)
     scale = HEAD_DIM**-0.5
-    scorers = {"avx512": False} | (
-        {"amx": True} if cpu_kernels.amx_available() and a.dtype == "bfloat16" else {}
-    )
+    bf16 = a.dtype == "bfloat16"
+    scorers = [
+        name for name in cpu_kernels.SCORERS if cpu_kernels.scorer_runs(name) and (bf16 or name == "fma")
+    ]
     for start, rows in [(0, 256), (256, 256), (0, 512)]:
         ctx = start + rows
         nb = -(-ctx // BLOCK)
@@ -69,9 +70,19 @@ def main() -> None:
         row_table, pos = torch.zeros(rows, dtype=torch.int64), torch.arange(start, ctx)
         fns = {
             name: functools.partial(
-                cpu_kernels.paged_attention, q, k, v, table[None], row_table, pos, scale, None, None, tiles=t
+                cpu_kernels.paged_attention,
+                q,
+                k,
+                v,
+                table[None],
+                row_table,
+                pos,
+                scale,
+                None,
+                None,
+                scorer=name,
             )
-            for name, t in scorers.items()
+            for name in scorers
         }
         fns["sdpa_gathered"] = functools.partial(sdpa_chunk, q, k, v, table, start, ctx)
         ms = {name: round(best_of(fn, clock) * 1e3, 3) for name, fn in fns.items()}
@@ -94,9 +105,9 @@ def main() -> None:
                 scale,
                 None,
                 None,
-                tiles=t,
+                scorer=name,
             )
-            for name, t in scorers.items()
+            for name in scorers
         }
         ms = {name: round(best_of(fn, clock) * 1e3, 3) for name, fn in fns.items()}
         print(

@@ -209,7 +209,7 @@ def paged_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
-    tiles: bool | None = None,
+    scorer: str | None = None,
 ) -> torch.Tensor | None:
     """Each query row over its paged K/V, read in place: q [N, h, d]; k_pool/v_pool [num_blocks,
     block_size, kvh, d]; tables [T, nb] block ids; row_table [N] which table a row reads; positions
@@ -217,9 +217,9 @@ def paged_attention(
     already be in the cache). Returns [N, h, d], or None where the kernel cannot run (the caller
     keeps its torch path). A row's bits depend only on its query, position and keys, never on the
     other rows (csrc/cpu_kernels.cpp, attend_block). IndexError (from the native bounds check) if a
-    row's table, position or block id lies outside the tables or the pool. tiles: score bf16 rows on
-    the AMX tile unit (None: where amx_available(); False keeps the AVX-512 scorer, whose bits differ,
-    as on a CPU without AMX)."""
+    row's table, position or block id lies outside the tables or the pool. scorer: which unit scores
+    bf16 rows, "fma" (AVX-512 float32), "amx" (the tile unit) or "dp" (vdpbf16ps); None: the
+    process's kernel family's (scorer()). Their bits differ; float32 rows always take "fma"."""
     if not attention_runs(q, k_pool, v_pool):
         return None
     n, h, d = q.shape
@@ -252,10 +252,29 @@ def paged_attention(
         softcap or 0.0,
         window or 0,
         q.dtype == torch.bfloat16,
-        _AMX if tiles is None else tiles and _AMX,
+        SCORERS[scorer or _scorer()],
         torch.get_num_threads(),
     )
     return out
+
+
+# csrc/cpu_kernels.cpp's Scorer values.
+SCORERS = {"fma": 0, "amx": 1, "dp": 2}
+_SCORER_FAMILY = {"fma": "avx512", "amx": "amx", "dp": "avx512bf16"}
+
+
+def _scorer() -> str:
+    return {"amx": "amx", "avx512bf16": "dp"}.get(_FAMILY, "fma")
+
+
+def scorer() -> str:
+    """The attention scorer of this process's kernel family (the DecodeStack's too)."""
+    return _scorer()
+
+
+def scorer_runs(name: str) -> bool:
+    """Whether this machine runs attention scorer `name` (its kernel family or a higher one)."""
+    return runs_family(_SCORER_FAMILY[name])
 
 
 def attention_runs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
