@@ -187,6 +187,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if args.chat_template:
         _chat_template(args.chat_template)  # a bad reference fails before the model loads
+        args.chat = True  # a chat template is for rendering the prompts as chat messages
     # One-shot: no periodic stats line (`--set stats_interval_s=10` brings it back).
     with Engine(_engine_config(args, {"stats_interval_s": 0})) as engine:
         _set_chat_template(engine, args)
@@ -586,7 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    gen.add_argument("--chat-template", metavar="FILE", help="with --chat: a Jinja template file (or inline)")
+    gen.add_argument(
+        "--chat-template", metavar="FILE", help="--chat with this Jinja template file (or inline template)"
+    )
     _engine_args(gen)
     gen.set_defaults(fn=_cmd_generate)
 

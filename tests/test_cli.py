@@ -185,7 +185,7 @@ def test_generate_chat_template_and_quiet(tiny_model_dir, tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text("<<{{ messages[0]['content'] }}>>")
     common = ["generate", "--model", str(tiny_model_dir), "--max-tokens", "6", "--json"]
-    chat = _minisgl(*common, "--chat", "--chat-template", str(template), "--quiet", "hello")
+    chat = _minisgl(*common, "--chat-template", str(template), "--quiet", "hello")  # implies --chat
     raw = _minisgl(*common, "<<hello>>")
     assert chat.returncode == 0 and raw.returncode == 0, chat.stderr + raw.stderr
     text = lambda r: [json.loads(x)["text"] for x in r.stdout.splitlines() if x.startswith("{")]
