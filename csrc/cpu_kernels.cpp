@@ -536,6 +536,24 @@ DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr
     }
 }
 
+// ---- the machine's streaming read rate ----------------------------------------------------------
+//
+// What a weight stream can reach here: `bytes` of a buffer read once, split in contiguous slices
+// over the threads, each summed 64 bytes at a time (the sum is returned so the loads cannot be
+// dropped). minisgl bench divides a decode step's weight bytes by its time against this figure.
+AVX512 double stream_read(uintptr_t buf, int64_t bytes, int threads) {
+    const auto* p = reinterpret_cast<const float*>(buf);
+    const int64_t n = bytes / 64;
+    double total = 0.0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
+    for (int64_t i = 0; i < n; i += 4) {
+        __m512 a = _mm512_loadu_ps(p + i * 16);
+        for (int64_t j = 1; j < 4 && i + j < n; ++j) a = _mm512_add_ps(a, _mm512_loadu_ps(p + (i + j) * 16));
+        total += _mm512_reduce_add_ps(a);
+    }
+    return total;
+}
+
 // ---- weight-only int8: y = (x @ q^T) * scale[n] (+ bias) -------------------------------------------
 //
 // The same 4-weight-row tiles over per-output-channel int8 weights: half the bytes of bf16 per decode
@@ -1756,6 +1774,8 @@ PYBIND11_MODULE(_kernels, m) {
           py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
           py::arg("threads"),
           "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for any m over pack_dpbf16(w); contiguous bfloat16.");
+    m.def("stream_read", &stream_read, py::call_guard<py::gil_scoped_release>(), py::arg("buf"), py::arg("bytes"),
+          py::arg("threads"), "Read `bytes` of buf once over `threads` (a memory bandwidth probe); returns their sum.");
     m.def("linear_int8", &linear_int8, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
           py::arg("scale"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
           py::arg("threads"),

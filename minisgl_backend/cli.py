@@ -242,14 +242,27 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise MiniSGLError(
             "--trace and --plot record the timeline of --scenario or --sweep runs; give one of them"
         )
+    base: dict[str, Any] | None = None
+    if args.shape:
+        from minisgl_backend.model.loader import cache_root
+        from minisgl_backend.tools.tiny import make_random_llama
+
+        if args.model:
+            raise MiniSGLError("give --model or --shape, not both")
+        path = make_random_llama(cache_root() / f"random-{args.shape}", args.shape, dtype="bfloat16")
+        base = {"model": str(path), "dtype": "bfloat16"}
     if args.scenario == "peers":
         if args.sweep or args.trace or args.plot:
             raise MiniSGLError("--scenario peers takes none of --sweep, --trace, --plot")
-        rows = bench_peers(_engine_config(args), repeat=args.repeat or 3)
+        result = bench_peers(_engine_config(args, base), repeat=args.repeat or 3)
+        rows = result["rows"]
         print(format_table(rows, columns=list(next(iter(rows.values())))))
+        print(f"kernels: {result['kernels']} (this CPU runs up to {result['machine_kernels']})")
+        if result["decode"]:
+            print("batch-1 decode: " + ", ".join(f"{k} {v:.3g}" for k, v in result["decode"].items()))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"output_tok_per_s": rows}, f, indent=2)
+                json.dump(result, f, indent=2)
         return 0
     if args.scenario or args.sweep:
         if args.sweep:
@@ -272,7 +285,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             require_matplotlib()  # before minutes of benchmarking, not after
         events: list[dict] | None = [] if args.trace or args.plot else None
         rows = bench_configs(
-            _engine_config(args),
+            _engine_config(args, base),
             variants,
             args.num_requests,
             args.output_len,
@@ -318,7 +331,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 json.dump(result, f, indent=2)
         return 0
     result = bench(
-        _engine_config(args),
+        _engine_config(args, base),
         args.num_requests,
         args.input_len,
         args.output_len,
@@ -600,6 +613,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-batch-size", type=int, help="HF static batch size (default: all requests)")
     b.add_argument("--no-hf", action="store_true", help="skip the HF baseline")
     b.add_argument("--json", help="also write the results to this JSON file")
+    b.add_argument(
+        "--shape",
+        choices=["llama-1b"],
+        help="bench a random-weight model of this shape instead of --model (llama-1b: the peers' "
+        "Llama-3.2-1B shape, bf16, written once into the model cache: ~1 minute, 2.1 GB)",
+    )
     b.add_argument(
         "--scenario",
         choices=["seed-table", "prefix", "peers"],

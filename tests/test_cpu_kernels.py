@@ -390,3 +390,29 @@ def test_int8_engine_scores_close_to_bf16_and_frees_every_block(tiny_model_dir):
         assert len(b.token_ids) == 6
         deltas = [abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
         assert max(deltas) < 0.25, deltas
+
+
+def _family_in_subprocess(**env: str) -> subprocess.CompletedProcess:
+    code = "from minisgl_backend.model import cpu_kernels as c; print(c.family())"
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_kernel_family_switch_caps_the_family_and_names_the_valid_ones():
+    """MINISGL_KERNELS forces a lower family (never a higher one than the CPU runs); MINISGL_AMX=0
+    caps it below AMX; a value that is no family is an error naming the valid ones."""
+    assert _family_in_subprocess(MINISGL_KERNELS="avx512").stdout.strip() == "avx512"
+    assert _family_in_subprocess(MINISGL_KERNELS="amx").stdout.strip() == cpu_kernels.machine_family()
+    no_amx = _family_in_subprocess(MINISGL_AMX="0", MINISGL_KERNELS="").stdout.strip()
+    assert no_amx == ("avx512bf16" if cpu_kernels.machine_family() == "amx" else cpu_kernels.machine_family())
+    bad = _family_in_subprocess(MINISGL_KERNELS="sse2")
+    assert bad.returncode != 0 and "valid: amx, avx512bf16, avx512, torch" in bad.stderr
+    with pytest.raises(ValueError, match="does not run here"):
+        with cpu_kernels.family_override("nonsense"):
+            pass
+
+
+def test_stream_read_probe_reads():
+    """minisgl bench's read-rate probe (the batch-1 weight stream is reported against it)."""
+    assert cpu_kernels.stream_read_gbps(megabytes=64, repeat=2) > 0.5

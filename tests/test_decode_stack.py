@@ -13,7 +13,7 @@ import torch
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import batch_invariant, cpu_kernels
-from minisgl_backend.model.llama import CausalLM, ForwardBatch, ModelSpec
+from minisgl_backend.model.llama import CausalLM, ForwardBatch, Linear, ModelSpec
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(),
@@ -160,3 +160,18 @@ def test_decode_stack_refuses_a_slot_outside_the_pool():
     bad = batch._replace(slot_mapping=torch.tensor([kv.num_blocks * BLOCK]))
     with pytest.raises(IndexError, match="slot"):
         model(bad, kv)
+
+
+def test_decode_weight_bytes_count_what_a_one_row_step_reads():
+    """CausalLM.decode_weight_bytes (minisgl bench's batch-1 weight stream): the packed copies where
+    packed (zero-padded to whole tiles), the weights where not, int8 weights and scales after
+    quantize_int8."""
+    model = _model(_spec(), "packed")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    plain = sum(lin.weight.numel() * 2 for lin in linears)
+    if cpu_kernels.packs():
+        assert model.decode_weight_bytes() == sum(lin.packed.numel() * 2 for lin in linears) >= plain
+    else:
+        assert model.decode_weight_bytes() == plain
+    model.quantize_int8()
+    assert model.decode_weight_bytes() == sum(lin.qweight.numel() + 4 * lin.qscale.numel() for lin in linears)

@@ -18,6 +18,7 @@ import pytest
 
 from minisgl_backend import Engine, EngineConfig, SamplingParams
 from minisgl_backend.errors import ConfigError
+from minisgl_backend.model import cpu_kernels
 from minisgl_backend.tools.determinism import (
     DEFAULT_GRID,
     DEFAULT_PROMPTS,
@@ -86,6 +87,22 @@ def test_tiny_grid_deterministic_mode_gives_one_output_per_request(tiny_reports)
     # Decode logprobs (and top alternatives) are bitwise those of a fresh prefill of the same tokens.
     assert all(r.prefill_match is True for r in on.requests)
     assert on.ok
+
+
+# The kernel families this machine runs beside the process's own (which the grid above uses).
+OTHER_FAMILIES = [f for f in cpu_kernels.FAMILIES if cpu_kernels.runs_family(f) and f != cpu_kernels.family()]
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES or [pytest.param(None, marks=pytest.mark.skip("none"))])
+def test_tiny_grid_is_deterministic_under_every_kernel_family(tiny_model_dir, family):
+    """The bf16 grid (the dtype whose linears and attention scorer change with the family) under
+    each other family this CPU runs: one output per request, decode == prefill bitwise."""
+    with cpu_kernels.family_override(family):
+        on = _check(
+            TINY_GRID, str(tiny_model_dir), True, compare_within={"dtype": ["bfloat16"]}, max_points=3
+        )
+    assert on.points_run == 3 and on.ok
+    assert all(r.distinct_outputs == 1 and r.prefill_match for r in on.requests)
 
 
 def test_tiny_grid_negative_control_finds_differences(tiny_reports):

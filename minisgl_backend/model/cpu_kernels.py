@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 
 import torch
@@ -422,3 +423,18 @@ def linear_int8(
         torch.get_num_threads(),
     )
     return out
+
+
+def stream_read_gbps(megabytes: int = 512, repeat: int = 5) -> float | None:
+    """The machine's streaming read rate in GB/s at torch's thread count: the best of `repeat`
+    single reads of a fresh `megabytes` buffer (larger than any cache), as a weight stream reads.
+    None where the native kernels do not run."""
+    if not _ENABLED:
+        return None
+    buf = torch.ones(megabytes << 18, dtype=torch.float32)  # MB * 2**20 bytes / 4
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        _native.stream_read(buf.data_ptr(), buf.numel() * 4, torch.get_num_threads())
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best / 1e9

@@ -547,6 +547,19 @@ class CausalLM(nn.Module):
         self._stack = None  # it points into the packs being replaced
         return sum(module.pack() for module in self.modules() if isinstance(module, Linear))
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of linear weights one decode step of one row reads, as Linear.forward picks them
+        (int8 at one row, else the packed copy, else the weight): what a batch-1 step streams."""
+        total = 0
+        for lin in (m for m in self.modules() if isinstance(m, Linear)):
+            if lin.qweight is not None:
+                total += lin.qweight.numel() + lin.qscale.numel() * 4
+            elif lin.packed is not None:
+                total += lin.packed.numel() * lin.packed.element_size()
+            else:
+                total += lin.weight.numel() * lin.weight.element_size()
+        return total
+
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

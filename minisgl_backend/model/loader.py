@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from minisgl_backend.errors import ConfigError, MiniSGLError, ModelLoadError, ModelNotFoundError
-from minisgl_backend.model import batch_invariant
+from minisgl_backend.model import batch_invariant, cpu_kernels
 from minisgl_backend.model.llama import CausalLM, ModelSpec, build_rotary
 
 log = logging.getLogger("minisgl")
@@ -181,9 +181,17 @@ def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> N
     then the batch-invariant forward (`deterministic`), which keeps packed linears as they are."""
     if weight_dtype == "int8":
         model.quantize_int8()
-    model.pack_weights()
+    packed = model.pack_weights()
     if deterministic:
         batch_invariant.enable(model)
+    if model.lm_head.weight.device.type == "cpu":
+        log.info(
+            "CPU kernels: %s (this CPU runs up to %s; MINISGL_KERNELS=%s caps it); %d linear layers packed",
+            cpu_kernels.family(),
+            cpu_kernels.machine_family(),
+            "|".join(cpu_kernels.FAMILIES),
+            packed,
+        )
 
 
 def load_tokenizer(model_dir: Path) -> object:

@@ -40,6 +40,26 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=2048,
         initializer_range=0.02,
     ),
+    # The peers' 1B shape (../shared/peers/make_1b.py): Llama-3.2-1B's layers, RoPE and tied LM head.
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        initializer_range=0.02,
+    ),
     "1b": dict(
         hidden_size=2048,
         intermediate_size=8192,
@@ -62,14 +82,10 @@ def make_random_llama(
     out = Path(out)
     if (out / "config.json").is_file():
         return out
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        rms_norm_eps=1e-5,
-        **SHAPES[shape],
+    base = dict(
+        vocab_size=49152, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5
     )
+    cfg = LlamaConfig(**(base | SHAPES[shape]))
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(out)
     AutoTokenizer.from_pretrained(tokenizer or resolve_model_dir("smollm2-135m-instruct")).save_pretrained(
