@@ -435,10 +435,11 @@ void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads) 
 }
 
 // R rows (x rows xs apart) x V vectors of 16 outputs, k-pairs p0..p1 of the panel, sums in c (row
-// stride 64), started at zero when `first`.
+// stride 64), started at zero when `first`. `stream`: the first tile over this block of the panel,
+// which reads it from memory (the later tiles find it in cache).
 template <int R, int V>
 DPBF16 void dp_tile(const uint16_t* x, int64_t xs, const uint16_t* panel, int64_t p0, int64_t p1, float* c,
-                    bool first) {
+                    bool first, bool stream) {
     __m512 acc[R][V];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
@@ -446,9 +447,11 @@ DPBF16 void dp_tile(const uint16_t* x, int64_t xs, const uint16_t* panel, int64_
         for (int v = 0; v < V; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(c + r * 64 + v * 16);
     for (int64_t p = p0; p < p1; ++p) {
         const uint16_t* wk = panel + p * V * 32;
+        if (stream) {
 #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v)
-            _mm_prefetch(reinterpret_cast<const char*>(wk) + DP_PREFETCH_BYTES + v * 64, _MM_HINT_T0);
+            for (int v = 0; v < V; ++v)
+                _mm_prefetch(reinterpret_cast<const char*>(wk) + DP_PREFETCH_BYTES + v * 64, _MM_HINT_T0);
+        }
         __m512bh w[V];
 #pragma GCC unroll 4
         for (int v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
@@ -467,7 +470,7 @@ DPBF16 void dp_tile(const uint16_t* x, int64_t xs, const uint16_t* panel, int64_
         for (int v = 0; v < V; ++v) _mm512_store_ps(c + r * 64 + v * 16, acc[r][v]);
 }
 
-using DpTile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*, bool);
+using DpTile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*, bool, bool);
 
 template <int V>
 constexpr DpTile dp_tile_of(int rows) {
@@ -507,20 +510,20 @@ DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr
     // One spill of a chain per K block costs nothing at many rows; at a tile or less there is no reuse
     // of the panel to keep in cache, so the chain runs over the whole of K.
     const int64_t kc = M <= DP_ROWS ? pairs : DP_KC;
-    // Static over (chunk, panel), chunk-major: at decode sizes (one chunk) each thread streams one
-    // contiguous slice of the weights.
+    // Static over (panel, chunk), panel-major: each thread streams one contiguous slice of the
+    // weights once, a panel's K block staying in L2 while every chunk of rows passes over it.
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < chunks * panels; ++item) {
         alignas(64) float sums[DP_ROW_CHUNK * 64];
-        const int64_t c0 = item / panels * DP_ROW_CHUNK, c1 = std::min(M, c0 + DP_ROW_CHUNK);
-        const int64_t n0 = item % panels * 64, width = std::min<int64_t>(64, np - n0);
+        const int64_t c0 = item % chunks * DP_ROW_CHUNK, c1 = std::min(M, c0 + DP_ROW_CHUNK);
+        const int64_t n0 = item / chunks * 64, width = std::min<int64_t>(64, np - n0);
         const int vectors = static_cast<int>(width / 16);
         const uint16_t* panel = wp + n0 * kp;
         for (int64_t k0 = 0; k0 < pairs; k0 += kc)
             for (int64_t r0 = c0; r0 < c1; r0 += DP_ROWS) {
                 const int rows = static_cast<int>(std::min<int64_t>(DP_ROWS, c1 - r0));
                 dp_tile_for(rows, vectors)(xp + r0 * kp, kp, panel, k0, std::min(pairs, k0 + kc),
-                                           sums + (r0 - c0) * 64, k0 == 0);
+                                           sums + (r0 - c0) * 64, k0 == 0, r0 == c0);
             }
         for (int v = 0; v < vectors; ++v) {
             const int64_t n = n0 + v * 16;
