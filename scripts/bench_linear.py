@@ -1,11 +1,12 @@
-"""Micro-benchmark of one bf16 linear: the AMX kernel against oneDNN and the few-row AVX-512 kernel.
+"""Micro-benchmark of one bf16 linear: the packed kernel against oneDNN and the few-row AVX-512 kernel.
 
     python scripts/bench_linear.py [--n 3072] [--k 576] [--rows 1 4 8 32 512] [--threads 1]
     python scripts/bench_linear.py --stream [--threads 2]
 
 Prints one JSON line per row count with GFLOP/s (2 * rows * n * k per call; at one row that is
 also GB/s of weights), best of 5 by the calling thread's CPU time at one thread (robust on a shared
-machine) and by wall time otherwise. --stream instead times one decode step's worth of SmolLM2's
+machine) and by wall time otherwise. The packed kernel is the process's kernel family's (`amx` or
+`avx512bf16`; MINISGL_KERNELS picks a lower one); its column is named after the family. --stream instead times one decode step's worth of SmolLM2's
 linears (121 distinct weights, ~270 MB, so they come from L3/memory as in the model) at each row
 count: the figure behind README "Speed"'s weight-stream numbers.
 """
@@ -53,8 +54,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--stream", action="store_true")
     a = ap.parse_args()
-    if not cpu_kernels.amx_available():
-        raise SystemExit("no AMX here (or MINISGL_AMX=0 / MINISGL_CPU_KERNELS=0): nothing to compare")
+    if not cpu_kernels.packs():
+        raise SystemExit(
+            f"kernel family {cpu_kernels.family()} packs nothing (no AMX or AVX512-BF16, or capped by "
+            "MINISGL_KERNELS / MINISGL_AMX=0 / MINISGL_CPU_KERNELS=0): nothing to compare"
+        )
     torch.set_num_threads(a.threads)
     clock = time.thread_time if a.threads == 1 else time.perf_counter
     g = torch.Generator().manual_seed(0)
@@ -72,7 +76,7 @@ def main() -> None:
     for m in a.rows:
         x = torch.randn(m, a.k, generator=g).bfloat16()
         fns = {
-            "amx": functools.partial(cpu_kernels.linear_packed, x, packed, (a.n, a.k)),
+            cpu_kernels.family(): functools.partial(cpu_kernels.linear_packed, x, packed, (a.n, a.k)),
             "onednn": functools.partial(F.linear, x, w),
         }
         if m <= cpu_kernels.MAX_KERNEL_ROWS:
