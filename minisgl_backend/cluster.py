@@ -48,9 +48,11 @@ def connect(ray: Any, address: str | None) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address and address != "local":
+        if address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost"):
+            loopback_only(ray)  # a loopback-only cluster (one `connect` started) is joined the same way
         ray.init(address=address, log_to_driver=False)
     else:
-        _loopback_only(ray)
+        loopback_only(ray)
         ray.init(
             address=address,
             num_cpus=local_cpus(),
@@ -61,12 +63,13 @@ def connect(ray: Any, address: str | None) -> bool:
     return True
 
 
-def _loopback_only(ray: Any) -> None:
+def loopback_only(ray: Any) -> None:
     """Make the cluster that `connect` starts listen on 127.0.0.1 only. Ray's servers (GCS, raylet,
     workers, agents) bind to loopback only when the node's address is 127.0.0.1, and `ray.init`
-    replaces a loopback `_node_ip_address` by the machine's routable one unless Ray's "no clusters"
-    mode is on (its default on macOS and Windows): switched on here, for this process and the Ray
-    processes it starts. A cluster joined by address is left as it is."""
+    replaces a loopback `_node_ip_address` (or a 127.0.0.1 cluster address) by the machine's
+    routable one unless Ray's "no clusters" mode is on (its default on macOS and Windows): switched
+    on here, for this process and the Ray processes it starts. Another driver joining such a cluster
+    needs it too (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, or this call before `ray.init`)."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     from ray._private import ray_constants
 

@@ -34,6 +34,7 @@ psutil = pytest.importorskip("psutil")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from minisgl_backend import cli  # noqa: E402
+from minisgl_backend.cluster import loopback_only  # noqa: E402
 from minisgl_backend.serve.ray_app import APP_NAME, PrefixRouter  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,6 +115,8 @@ def served(tiny_model_dir):
             time.sleep(0.2)
         (address,) = re.findall(r"Ray cluster (\S+) \(started by this command\)", "".join(log))
         srv.ray_pids = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert address.startswith("127.0.0.1:"), address  # the cluster listens on loopback only
+        loopback_only(ray)  # joining it: Ray would otherwise swap 127.0.0.1 for a routable address
         ray.init(address=address, log_to_driver=False)
         yield srv
     finally:
@@ -190,6 +193,18 @@ def test_missing_ray_names_the_extra(monkeypatch, capsys, tiny_model_dir):
 
 
 # ------------------------------------------------------------------------------------------ clients
+def test_the_ray_cluster_the_command_started_listens_on_loopback_only(served):
+    pids = set(served.ray_pids) | {served.proc.pid}
+    listening = [
+        (c.pid, c.laddr.ip, c.laddr.port)
+        for c in psutil.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in pids
+    ]
+    assert listening
+    outside = [x for x in listening if x[1] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    assert not outside, outside  # GCS, raylet, workers, agents, Serve's proxy
+
+
 def test_openai_sdk_completions_chat_and_streaming_through_the_ingress(served):
     openai = pytest.importorskip("openai")
     oc = openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY)

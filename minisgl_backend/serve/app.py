@@ -14,7 +14,6 @@ import copy
 import functools
 import json
 import logging
-import os
 import threading
 import time
 import uuid
@@ -52,7 +51,7 @@ from minisgl_backend.errors import (
     QueueFullError,
     RequestFailedError,
 )
-from minisgl_backend.serve.backend import Backend, ServerShuttingDownError, Stream
+from minisgl_backend.serve.backend import Backend, ServerShuttingDownError, Stream, public_model_ref
 from minisgl_backend.serve.guard import BodyGuard, BodyRejected, GuardedStreamingResponse, ServeLimits
 from minisgl_backend.serve.protocol import (
     ChatCompletionRequest,
@@ -223,14 +222,6 @@ class ServerState:
     # The most characters one token stands for (the longest vocabulary entry): a text longer than
     # max_model_len times this cannot fit the context, whatever it tokenises to.
     max_token_chars: int = 1
-
-
-def public_model_ref(ref: str) -> str:
-    """A model reference as clients may see it: a filesystem path becomes its last component (no
-    server paths in responses); a registry name stays as it is."""
-    if os.path.isabs(ref) or os.sep in ref or ref.startswith("."):
-        return os.path.basename(os.path.normpath(ref)) or ref
-    return ref
 
 
 # ---------------------------------------------------------------------------------------------- bodies
@@ -787,10 +778,11 @@ def build_app(
             body, ctype = await backend.render_metrics()
             return PlainTextResponse(body, media_type=ctype)
 
-    def streaming(content: AsyncIterator[str]) -> GuardedStreamingResponse:
+    def streaming(content: AsyncIterator[str], streams: Sequence[Stream]) -> GuardedStreamingResponse:
         return GuardedStreamingResponse(
             content,
             limits.stream_idle_timeout_s,
+            on_close=lambda: _abort(streams),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
@@ -853,7 +845,9 @@ def build_app(
         streams = await _submit(state, ids, params, rid, body.user, body.stream)
         model = state.model_name
         if body.stream:
-            return streaming(_stream_completion(state, streams, body, rid, echo_text, drop, token_text))
+            return streaming(
+                _stream_completion(state, streams, body, rid, echo_text, drop, token_text), streams
+            )
         try:
             outs = await _results_or_disconnect(request, streams)
         except ClientGone:
@@ -940,7 +934,7 @@ def build_app(
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _submit(state, [prompt.token_ids], [params], rid, body.user, body.stream)
         if body.stream:
-            return streaming(_stream_chat(state, streams[0], body, rid, prompt, token_text))
+            return streaming(_stream_chat(state, streams[0], body, rid, prompt, token_text), streams)
         try:
             (out,) = await _results_or_disconnect(request, streams)
         except ClientGone:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import queue
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
@@ -26,6 +27,14 @@ from minisgl_backend.handle import RequestHandle
 from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
 
 Event = StreamDelta | RequestOutput
+
+
+def public_model_ref(ref: str) -> str:
+    """A model reference as clients may see it: a filesystem path becomes its last component (no
+    server paths in responses); a registry name (`org/name` included) stays as it is."""
+    if os.path.isabs(ref) or ref.startswith((".", "~")) or os.path.exists(ref):
+        return os.path.basename(os.path.normpath(ref)) or ref
+    return ref
 
 
 class ServerShuttingDownError(MiniSGLError, RuntimeError):

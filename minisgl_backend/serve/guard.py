@@ -221,17 +221,22 @@ def guarded_protocol(limits: ServeLimits) -> type[asyncio.Protocol]:
 class GuardedStreamingResponse(StreamingResponse):
     """A StreamingResponse that gives up on a client that stops reading: a chunk that cannot be
     handed to the transport within `idle_timeout` (its buffers are full: the client reads nothing)
-    ends the response; the body iterator is closed, which aborts the requests (their KV returns to
-    the pool), and uvicorn closes the connection."""
+    ends the response; `on_close` runs and the body iterator is closed, which abort the requests
+    (their KV returns to the pool), and uvicorn closes the connection."""
 
-    def __init__(self, content: Any, idle_timeout: float, **kw: Any) -> None:
+    def __init__(
+        self, content: Any, idle_timeout: float, on_close: Callable[[], None] | None = None, **kw: Any
+    ) -> None:
         super().__init__(content, **kw)
         self.idle_timeout = idle_timeout
+        self.on_close = on_close  # sync: also runs when the body never started (the client left first)
 
     async def stream_response(self, send: Callable) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         body = self.body_iterator
         try:
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
             async for chunk in body:
                 data = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
                 try:
@@ -247,6 +252,8 @@ class GuardedStreamingResponse(StreamingResponse):
                     return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            if self.on_close is not None:
+                self.on_close()
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 await aclose()

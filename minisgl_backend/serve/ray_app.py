@@ -57,6 +57,7 @@ from minisgl_backend.serve.backend import (
     Event,
     ServerShuttingDownError,
     Stream,
+    public_model_ref,
 )
 from minisgl_backend.types import RequestOutput, SamplingParams
 
@@ -120,12 +121,36 @@ def _portable(params: SamplingParams) -> tuple[SamplingParams, list[str]]:
 
 
 # ------------------------------------------------------------------------------------------ replicas
+def _replica_grpc_on_loopback() -> None:
+    """On a node whose address is 127.0.0.1 (the loopback-only cluster `cluster.connect` starts),
+    make this Serve replica's inter-deployment gRPC server listen there too: Ray Serve binds it to
+    `[::]:0` whatever the node's address (ray/serve/_private/replica.py). Called from a deployment's
+    constructor, which Serve runs before it starts that server; a no-op elsewhere."""
+    ray = import_ray(FEATURE)
+    from ray.serve._private import replica as serve_replica
+
+    add_port = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if add_port is None or getattr(add_port, "loopback", False):
+        return
+    if ray.util.get_node_ip_address() != "127.0.0.1":
+        return
+
+    def loopback_port(server: Any, address: str) -> Any:
+        return add_port(
+            server, "127.0.0.1:" + address[len("[::]:") :] if address.startswith("[::]:") else address
+        )
+
+    loopback_port.loopback = True  # type: ignore[attr-defined]
+    serve_replica.add_port_to_grpc_server = loopback_port
+
+
 class EngineReplica:
     """One engine replica (a Serve deployment of one replica): an Engine and its server books."""
 
     def __init__(self, config: dict[str, Any], index: int, model_name: str) -> None:
         from minisgl_backend.serve.metrics import ServeMetrics
 
+        _replica_grpc_on_loopback()
         self.index = index
         engine = Engine(EngineConfig.from_dict(config))
         self.backend = EngineBackend(engine, ServeMetrics(engine, model_name), owns_engine=True)
@@ -286,7 +311,7 @@ class RayBackend(Backend):
         self._streaming = [h.options(stream=True) for h in self.handles]  # made once: options() copies
         self.n = len(self.handles)
         self.model_ref = str(config.model)
-        self.model_name = model_name or self.model_ref  # the metrics' model_name label
+        self.model_name = model_name or public_model_ref(self.model_ref)  # the metrics' model_name label
         self.model_dir = infos[0]["model_dir"]
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = infos[0]["vocab_size"]
@@ -426,6 +451,7 @@ class Ingress:
     ) -> None:
         from minisgl_backend.serve.app import build_app
 
+        _replica_grpc_on_loopback()
         cfg = EngineConfig.from_dict(config)
         infos = await asyncio.gather(*(_await(h.info.remote()) for h in handles))
         self.backend = RayBackend(handles, infos, cfg, model_name)
@@ -548,7 +574,9 @@ def deploy(
         )
         cfg_dict = dataclasses.asdict(cfg)
         engines = [
-            engine_cls.options(name=f"engine-{r}").bind(cfg_dict, r, model_name or str(cfg.model))
+            engine_cls.options(name=f"engine-{r}").bind(
+                cfg_dict, r, model_name or public_model_ref(str(cfg.model))
+            )
             for r in range(replicas)
         ]
         try:
@@ -615,7 +643,9 @@ def run_ray_server(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     ray = import_ray(FEATURE)
-    log.warning(
+    if log.level == logging.NOTSET:  # the banner and the stop lines are INFO, shown by default
+        log.setLevel(logging.INFO)
+    log.info(
         "minisgl serve: %s on %s/v1, %d engine replicas on Ray Serve (model %r); Ray cluster %s (%s)",
         config.model,
         server.url,
@@ -628,6 +658,6 @@ def run_ray_server(
         while not stop.wait(0.5):
             pass
     finally:
-        log.warning("minisgl serve: stopping")
+        log.info("minisgl serve: stopping")
         server.stop()
-        log.warning("minisgl serve: stopped")
+        log.info("minisgl serve: stopped")

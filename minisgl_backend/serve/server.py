@@ -36,8 +36,8 @@ def create_app(
     """The API over one in-process `engine`. `owns_engine`: close it when the app shuts down.
     `limits`: a serve.guard.ServeLimits (its defaults unless given)."""
     _require_extra()
-    from minisgl_backend.serve.app import build_app, public_model_ref
-    from minisgl_backend.serve.backend import EngineBackend
+    from minisgl_backend.serve.app import build_app
+    from minisgl_backend.serve.backend import EngineBackend, public_model_ref
     from minisgl_backend.serve.metrics import ServeMetrics
 
     name = model_name or public_model_ref(str(engine.config.model))
