@@ -417,7 +417,10 @@ constexpr int64_t DP_PREFETCH_BYTES = 1024;
 // K is padded to whole pairs (a zero weight; linear_dpbf16 pads x the same way).
 int64_t packed_dpbf16_elems(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * (K + K % 2); }
 
-void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads) {
+// `gated` (a fused gate/up weight [gate | up], N = 2I with I a multiple of 32): panel p holds gate rows
+// 32p..32p+31 then up rows I+32p..I+32p+31, so linear_dpbf16_silu finds both halves of its 32
+// outputs in one panel.
+void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, int threads) {
     const auto* wp = reinterpret_cast<const uint16_t*>(w);
     auto* op = reinterpret_cast<uint16_t*>(out);
     const int64_t np = (N + 15) / 16 * 16, panels = (np + 63) / 64, kp = K + K % 2;
@@ -428,7 +431,8 @@ void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads) 
         for (int64_t pair = 0; pair < kp / 2; ++pair)
             for (int64_t j = 0; j < width; ++j)
                 for (int64_t e = 0; e < 2; ++e) {
-                    const int64_t n = n0 + j, k = 2 * pair + e;
+                    const int64_t n = gated ? (j < 32 ? n0 / 2 + j : N / 2 + n0 / 2 + j - 32) : n0 + j;
+                    const int64_t k = 2 * pair + e;
                     panel[(pair * width + j) * 2 + e] = n < N && k < K ? wp[n * K + k] : 0;
                 }
     }
@@ -493,12 +497,11 @@ DpTile dp_tile_for(int rows, int vectors) {
     }
 }
 
-DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
-                   int threads) {
-    const auto* xp = reinterpret_cast<const uint16_t*>(x);
-    const auto* wp = reinterpret_cast<const uint16_t*>(packed);
-    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
-    auto* yp = reinterpret_cast<uint16_t*>(y);
+// The packed GEMM over rows x panels; `finish(sums, c0, c1, n0, vectors)` takes each (row chunk,
+// panel)'s float32 sums (row stride 64) and writes the output.
+template <typename Finish>
+DPBF16 void dp_linear(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K, int threads,
+                      const Finish& finish) {
     const int64_t np = (N + 15) / 16 * 16, panels = (np + 63) / 64, kp = K + K % 2, pairs = kp / 2;
     std::vector<uint16_t> padded;  // x with an odd K padded to whole pairs (zeros, as the weights)
     if (kp != K) {
@@ -525,18 +528,27 @@ DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr
                 dp_tile_for(rows, vectors)(xp + r0 * kp, kp, panel, k0, std::min(pairs, k0 + kc),
                                            sums + (r0 - c0) * 64, k0 == 0, r0 == c0);
             }
-        for (int v = 0; v < vectors; ++v) {
-            const int64_t n = n0 + v * 16;
-            const __mmask16 lanes = first_lanes(N - n);
-            if (!lanes) break;
-            const __m512 b = bp ? load_bf16x16(bp + n, lanes) : _mm512_setzero_ps();
-            for (int64_t r = c0; r < c1; ++r) {
-                __m512 s = _mm512_load_ps(sums + (r - c0) * 64 + v * 16);
-                if (bp) s = _mm512_add_ps(s, b);
-                _mm256_mask_storeu_epi16(yp + r * N + n, lanes, round_to_bf16(s));
-            }
-        }
+        finish(sums, c0, c1, n0, vectors);
     }
+}
+
+DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
+                          int threads) {
+    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
+    auto* yp = reinterpret_cast<uint16_t*>(y);
+    dp_linear(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed), M, N, K, threads,
+              [&](const float* sums, int64_t c0, int64_t c1, int64_t n0, int vectors) DPBF16 {
+                  for (int v = 0; v < vectors; ++v) {
+                      const int64_t n = n0 + v * 16;
+                      const __mmask16 lanes = first_lanes(N - n);
+                      const __m512 b = bp ? load_bf16x16(bp + n, lanes) : _mm512_setzero_ps();
+                      for (int64_t r = c0; r < c1; ++r) {
+                          __m512 s = _mm512_load_ps(sums + (r - c0) * 64 + v * 16);
+                          if (bp) s = _mm512_add_ps(s, b);
+                          _mm256_mask_storeu_epi16(yp + r * N + n, lanes, round_to_bf16(s));
+                      }
+                  }
+              });
 }
 
 // ---- the machine's streaming read rate ----------------------------------------------------------
@@ -1628,6 +1640,29 @@ void silu_and_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, b
         silu_and_mul_t(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), rows, dim, threads);
 }
 
+// y [M, I] = silu(gate) * up over a fused gate/up weight packed `gated` (N = 2I, pack_dpbf16): the
+// GEMM and silu_and_mul in one pass, rounding as the two do in turn (the gate and up sums to bf16,
+// SiLU to bf16, then the product), so the same bits without writing [M, 2I] out and reading it
+// back (silu_and_mul was ~6% of a SmolLM2 prefill forward, README "Speed").
+DPBF16 void linear_dpbf16_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K,
+                               int threads) {
+    auto* yp = reinterpret_cast<uint16_t*>(y);
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    dp_linear(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed), M, 2 * I, K, threads,
+              [&](const float* sums, int64_t c0, int64_t c1, int64_t n0, int) DPBF16 {
+                  for (int64_t r = c0; r < c1; ++r)
+                      for (int h = 0; h < 2; ++h) {
+                          const float* sr = sums + (r - c0) * 64 + h * 16;
+                          const __m512 g = round16<uint16_t>(_mm512_load_ps(sr));
+                          const __m512 u = round16<uint16_t>(_mm512_load_ps(sr + 32));
+                          const __m512 e = exp16(_mm512_sub_ps(zero, g));
+                          const __m512 act = round16<uint16_t>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+                          _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + r * I + n0 / 2 + h * 16),
+                                              round_to_bf16(_mm512_mul_ps(act, u)));
+                      }
+              });
+}
+
 
 // ---- the decode stack: every layer of a decode-only batch in one call ---------------------------
 //
@@ -1648,6 +1683,7 @@ struct StackLayer {
     StackLinear qkv, o, gate_up, down;
     uintptr_t input_norm, post_norm, q_norm, k_norm, kpool, vpool;  // q/k norm 0: none
     int64_t window, rope;  // window 0: full attention; rope: which of run()'s cos/sin pairs
+    bool gated;            // gate_up packed for linear_dpbf16_silu (Linear.gated)
 };
 
 // What StackLinear::packed holds (cpu_kernels.pack_kind()).
@@ -1681,8 +1717,9 @@ class DecodeStack {
 
     void add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down, uintptr_t input_norm,
                    uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t kpool, uintptr_t vpool,
-                   int64_t window, int64_t rope) {
-        layers_.push_back({qkv, o, gate_up, down, input_norm, post_norm, q_norm, k_norm, kpool, vpool, window, rope});
+                   int64_t window, int64_t rope, bool gated) {
+        layers_.push_back(
+            {qkv, o, gate_up, down, input_norm, post_norm, q_norm, k_norm, kpool, vpool, window, rope, gated});
     }
 
     // x [n, hidden] (the embeddings; overwritten with the residual stream) and mlp_out [n, hidden]:
@@ -1739,8 +1776,13 @@ class DecodeStack {
             stack_linear(l.o, pack_kind_, attn.data(), attn_out.data(), n, threads);
             rms_norm_t(xs, attn_out.data(), xs, reinterpret_cast<const uint16_t*>(l.post_norm), normed.data(), n, hidden_,
                        eps_, false, threads);
-            stack_linear(l.gate_up, pack_kind_, normed.data(), gate_up.data(), n, threads);
-            silu_and_mul_t(gate_up.data(), act.data(), n, inter_, threads);
+            if (l.gated) {  // MLP.forward's fused path
+                linear_dpbf16_silu(reinterpret_cast<uintptr_t>(normed.data()), l.gate_up.packed,
+                                   reinterpret_cast<uintptr_t>(act.data()), n, inter_, hidden_, threads);
+            } else {
+                stack_linear(l.gate_up, pack_kind_, normed.data(), gate_up.data(), n, threads);
+                silu_and_mul_t(gate_up.data(), act.data(), n, inter_, threads);
+            }
             stack_linear(l.down, pack_kind_, act.data(), mlp, n, threads);
         }
     }
@@ -1773,7 +1815,11 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("packed_dpbf16_elems", &packed_dpbf16_elems, py::arg("n"), py::arg("k"),
           "bf16 elements of pack_dpbf16's output (0: K odd, not packable).");
     m.def("pack_dpbf16", &pack_dpbf16, py::call_guard<py::gil_scoped_release>(), py::arg("w"), py::arg("out"),
-          py::arg("n"), py::arg("k"), py::arg("threads"), "w [n,k] bf16 into linear_dpbf16's panel layout.");
+          py::arg("n"), py::arg("k"), py::arg("gated"), py::arg("threads"),
+          "w [n,k] bf16 into linear_dpbf16's panel layout (gated: a [gate | up] weight for linear_dpbf16_silu).");
+    m.def("linear_dpbf16_silu", &linear_dpbf16_silu, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
+          py::arg("packed"), py::arg("y"), py::arg("m"), py::arg("i"), py::arg("k"), py::arg("threads"),
+          "y[m,i] = silu(x @ gate^T) * (x @ up^T) over pack_dpbf16([gate | up], gated=True); bfloat16.");
     m.def("linear_dpbf16", &linear_dpbf16, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
           py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
           py::arg("threads"),
@@ -1814,7 +1860,7 @@ PYBIND11_MODULE(_kernels, m) {
              py::arg("scorer"), py::arg("pack_kind"))
         .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
              py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("kpool"),
-             py::arg("vpool"), py::arg("window"), py::arg("rope"))
+             py::arg("vpool"), py::arg("window"), py::arg("rope"), py::arg("gated"))
         .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("mlp_out"),
              py::arg("rows"), py::arg("positions"), py::arg("slots"), py::arg("tables"), py::arg("table_stride"),
              py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("threads"),

@@ -416,3 +416,26 @@ def test_kernel_family_switch_caps_the_family_and_names_the_valid_ones():
 def test_stream_read_probe_reads():
     """minisgl bench's read-rate probe (the batch-1 weight stream is reported against it)."""
     assert cpu_kernels.stream_read_gbps(megabytes=64, repeat=2) > 0.5
+
+
+@pytest.mark.parametrize("inter,k", [(1536, 576), (64, 96), (96, 33)])
+def test_fused_gate_up_silu_has_the_bits_of_the_linear_then_silu_and_mul(inter, k):
+    """The AVX512-BF16 MLP path: linear_packed_silu over the gated pack gives, row by row, the bits
+    of linear_packed then silu_and_mul (what the model ran before the fusion), at row counts across
+    its tiles, chunks and K blocks."""
+    if not cpu_kernels.runs_family("avx512bf16"):
+        pytest.skip("this CPU has no AVX512-BF16")
+    g = _gen(31)
+    w = (torch.randn(2 * inter, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(200, k, generator=g).bfloat16()
+    with cpu_kernels.family_override("avx512bf16"):
+        gated, plain = cpu_kernels.pack(w, gated=True), cpu_kernels.pack(w)
+        for m in (1, 5, 7, 97, 200):
+            fused = cpu_kernels.linear_packed_silu(x[:m], gated, w.shape)
+            two_steps = cpu_kernels.silu_and_mul(cpu_kernels.linear_packed(x[:m], plain, w.shape))
+            assert torch.equal(fused, two_steps), f"{m} rows"
+    with cpu_kernels.family_override("avx512"):
+        assert (
+            cpu_kernels.pack(w, gated=True) is None
+            and cpu_kernels.linear_packed_silu(x, gated, w.shape) is None
+        )

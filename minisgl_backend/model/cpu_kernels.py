@@ -158,19 +158,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
+def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     """weight [N, K] (bf16, CPU) in the packed linear's layout (AMX tiles, or AVX512-BF16 panels),
     a new tensor of about the same size (zero-padded to whole tiles); None where linear_packed
     cannot run on it (neither family, other dtype or device). The pack is a copy: a later change
-    to `weight` does not reach it."""
+    to `weight` does not reach it. gated: a fused [gate | up] weight packed for linear_packed_silu
+    (AVX512-BF16, gate rows a multiple of 32; None elsewhere): linear_packed cannot read it."""
+    if gated and not (_PACKS == "dpbf16" and weight.dim() == 2 and weight.shape[0] % 64 == 0):
+        return None
     if not (_PACKS and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
         return None
     weight = weight.contiguous()
     n, k = weight.shape
     elems = _native.packed_amx_elems(n, k) if _PACKS == "amx" else _native.packed_dpbf16_elems(n, k)
     out = torch.empty(elems, dtype=torch.bfloat16)
-    pack_fn = _native.pack_amx if _PACKS == "amx" else _native.pack_dpbf16
-    pack_fn(weight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    if _PACKS == "amx":
+        _native.pack_amx(weight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    else:
+        _native.pack_dpbf16(weight.data_ptr(), out.data_ptr(), n, k, gated, torch.get_num_threads())
+    return out
+
+
+def linear_packed_silu(x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor | None:
+    """silu(gate) * up of F.linear(x, [gate | up]) (weight.shape = `shape`, no bias) over pack(weight,
+    gated=True), as silu_and_mul of linear_packed rounds it (the same bits) without the [.., 2I]
+    intermediate. None where it cannot run."""
+    n, k = shape
+    if not (_PACKS == "dpbf16" and x.dim() >= 1 and x.shape[-1] == k and _bf16_cpu_input(x, None)):
+        return None
+    m = x.numel() // k if k else 0
+    out = torch.empty(*x.shape[:-1], n // 2, dtype=x.dtype)
+    if m:
+        x = x.contiguous()
+        _native.linear_dpbf16_silu(
+            x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, n // 2, k, torch.get_num_threads()
+        )
     return out
 
 

@@ -64,6 +64,7 @@ class DecodeStack:
                 self._ptr(kv.v[a.layer_id]),
                 a.window or 0,
                 a.rope_index,
+                mlp.gate_up_proj.gated,
             )
 
     @staticmethod

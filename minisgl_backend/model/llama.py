@@ -237,6 +237,7 @@ class Linear(nn.Linear):
     qweight: torch.Tensor | None = None  # int8 [out, in], set by quantize_int8
     qscale: torch.Tensor | None = None  # float32 [out]: weight ~ qweight * qscale[:, None]
     packed: torch.Tensor | None = None  # the weight in the packed kernel's layout, set by pack
+    gated: bool = False  # packed for linear_packed_silu (MLP.forward), which only MLP reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Where packed, the int8 kernel wins only at one row (measured with AMX: 2-4 rows run ~1.7x
@@ -245,17 +246,24 @@ class Linear(nn.Linear):
             out = cpu_kernels.linear_int8(x, self.qweight, self.qscale, self.bias)
             if out is not None:
                 return out
-        if self.packed is not None:
+        if self.packed is not None and not self.gated:
             out = cpu_kernels.linear_packed(x, self.packed, self.weight.shape, self.bias)
             if out is not None:
                 return out
         return cpu_kernels.linear(x, self.weight, self.bias)
 
     @torch.no_grad()
-    def pack(self) -> bool:
+    def pack(self, gated: bool = False) -> bool:
         """Pack the current weight for the packed kernel (a copy: call again after changing the
-        weight). False where it cannot run (neither AMX nor AVX512-BF16, not bf16 on the CPU)."""
-        self.packed = cpu_kernels.pack(self.weight)
+        weight). False where it cannot run (neither AMX nor AVX512-BF16, not bf16 on the CPU).
+        gated: a SiLU MLP's [gate | up] weight, packed for the fused linear_packed_silu where that
+        runs (AVX512-BF16, no bias, not int8); Linear.forward then reads the weight itself."""
+        self.packed = None
+        if gated and self.bias is None and self.qweight is None:
+            self.packed = cpu_kernels.pack(self.weight, gated=True)
+        self.gated = self.packed is not None
+        if not self.gated:
+            self.packed = cpu_kernels.pack(self.weight)
         return self.packed is not None
 
     @torch.no_grad()
@@ -464,7 +472,12 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        lin = self.gate_up_proj
+        if lin.gated:  # the GEMM and silu_and_mul in one pass (the same bits as the two in turn)
+            h = cpu_kernels.linear_packed_silu(x, lin.packed, lin.weight.shape)
+            if h is not None:
+                return self.down_proj(h)
+        gate_up = lin(x)
         h = cpu_kernels.silu_and_mul(gate_up) if self.hidden_act == "silu" else None
         if h is None:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -545,7 +558,8 @@ class CausalLM(nn.Module):
         more copy of those weights in memory: F.linear paths and the tied embedding keep reading
         the original."""
         self._stack = None  # it points into the packs being replaced
-        return sum(module.pack() for module in self.modules() if isinstance(module, Linear))
+        gated = {id(layer.mlp.gate_up_proj) for layer in self.model.layers if layer.mlp.hidden_act == "silu"}
+        return sum(m.pack(gated=id(m) in gated) for m in self.modules() if isinstance(m, Linear))
 
     def decode_weight_bytes(self) -> int:
         """Bytes of linear weights one decode step of one row reads, as Linear.forward picks them
