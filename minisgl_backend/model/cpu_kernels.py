@@ -242,7 +242,7 @@ def paged_attention(
     other rows (csrc/cpu_kernels.cpp, attend_block). IndexError (from the native bounds check) if a
     row's table, position or block id lies outside the tables or the pool. scorer: which unit scores
     bf16 rows, "fma" (AVX-512 float32), "amx" (the tile unit) or "dp" (vdpbf16ps); None: the
-    process's kernel family's (scorer()). Their bits differ; float32 rows always take "fma"."""
+    process's kernel family's (default_scorer()). Their bits differ; float32 rows always take "fma"."""
     if not attention_runs(q, k_pool, v_pool):
         return None
     n, h, d = q.shape
@@ -275,7 +275,7 @@ def paged_attention(
         softcap or 0.0,
         window or 0,
         q.dtype == torch.bfloat16,
-        SCORERS[scorer or _scorer()],
+        SCORERS[scorer or default_scorer()],
         torch.get_num_threads(),
     )
     return out
@@ -286,13 +286,9 @@ SCORERS = {"fma": 0, "amx": 1, "dp": 2}
 _SCORER_FAMILY = {"fma": "avx512", "amx": "amx", "dp": "avx512bf16"}
 
 
-def _scorer() -> str:
-    return {"amx": "amx", "avx512bf16": "dp"}.get(_FAMILY, "fma")
-
-
-def scorer() -> str:
+def default_scorer() -> str:
     """The attention scorer of this process's kernel family (the DecodeStack's too)."""
-    return _scorer()
+    return {"amx": "amx", "avx512bf16": "dp"}.get(_FAMILY, "fma")
 
 
 def scorer_runs(name: str) -> bool:

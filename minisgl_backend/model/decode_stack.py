@@ -46,7 +46,7 @@ class DecodeStack:
             attn.softcap or 0.0,
             kv.block_size,
             kv.num_blocks,
-            cpu_kernels.SCORERS[cpu_kernels.scorer()],
+            cpu_kernels.SCORERS[cpu_kernels.default_scorer()],
             cpu_kernels.pack_kind(),
         )
         for layer in model.model.layers:
