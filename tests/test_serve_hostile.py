@@ -316,6 +316,41 @@ def test_half_sent_headers_and_slow_bodies_are_cut_off(server, client):
     _good(client)
 
 
+@pytest.mark.parametrize(
+    "framing,key,status,code",
+    [
+        ("content-length", KEY, 413, "body_too_large"),
+        ("chunked", KEY, 413, "body_too_large"),
+        ("chunked", "wrong", 401, "invalid_api_key"),
+    ],
+)
+def test_an_answer_mid_upload_ends_in_a_clean_close_not_a_reset(server, client, framing, key, status, code):
+    # The server answers while the client is still sending. Were the unread rest of the body left
+    # in the socket at close, the kernel would reset the connection, and a client still writing
+    # can lose the answer it was sent (CI saw httpx get 0 bytes of a 413). The server reads and
+    # drops the rest first, so the client reads the whole answer and then an orderly end of stream.
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += b"Authorization: Bearer " + key.encode() + b"\r\n"
+    part = b"x" * (4 * 1024 * 1024)
+    sock = _connect(server)
+    if framing == "content-length":
+        total = LIMITS.max_body_bytes + len(part)
+        sock.sendall(head + b"Content-Length: %d\r\n\r\n" % total)
+        for _ in range(total // len(part)):
+            sock.sendall(part)
+    else:
+        sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
+        for _ in range(LIMITS.max_body_bytes // len(part) + 2):
+            sock.sendall(b"%x\r\n" % len(part) + part + b"\r\n")
+        sock.sendall(b"0\r\n\r\n")
+    time.sleep(0.2)  # the answer and any reset have arrived
+    took, data = _wait_closed(sock, 5)  # ConnectionResetError here is the bug
+    sock.close()
+    assert data.startswith(b"HTTP/1.1 %d" % status), data[:100]
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["code"] == code
+    _good(client)
+
+
 def test_past_the_connection_cap_a_clean_503_then_service_resumes(server, client):
     connections = server.server.server_state.connections
     idle = []

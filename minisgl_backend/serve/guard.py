@@ -71,20 +71,52 @@ class ServeLimits:
             raise ConfigError(f"serve limits must be positive: {', '.join(bad)}")
 
 
+# A 413 (or a 401, 404, ... answered before the body was read) can be sent while the client is
+# still uploading. Closing a socket with unread bytes makes the kernel send a reset, which can
+# discard the response the client has not read yet; so the rest of the body is read and dropped
+# first (a "lingering close", as nginx does), within these bounds. A 408's client is too slow.
+LINGER_S = 2.0
+LINGER_BYTES_PER_LIMIT = 4  # drained at most: this many times max_body_bytes
+
+
 def _json_error(status: int, message: str, type_: str, code: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
 
 
 # ---------------------------------------------------------------------------------------------- ASGI
-async def _respond(send: Callable, status: int, body: bytes, extra: list[tuple[bytes, bytes]]) -> None:
+async def _respond(
+    send: Callable, status: int, body: bytes, extra: list[tuple[bytes, bytes]], linger: Callable | None = None
+) -> None:
+    """Send a whole response; with `linger`, await it between the body and the end of the message
+    (uvicorn closes a `Connection: close` socket at the end of the message)."""
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers + extra})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await send({"type": "http.response.body", "body": body, "more_body": linger is not None})
+    if linger is not None:
+        await linger()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _drain(receive: Callable, limit: int) -> None:
+    """Read and drop the request body until it ends, the client leaves, LINGER_BYTES_PER_LIMIT x
+    `limit` bytes were read or LINGER_S passed (then the socket is closed anyway: the client sends
+    far more than allowed, or too slowly to matter)."""
+    loop = asyncio.get_running_loop()
+    deadline, read, max_bytes = loop.time() + LINGER_S, 0, LINGER_BYTES_PER_LIMIT * limit
+    while read <= max_bytes:
+        try:
+            msg = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            return
+        if msg["type"] != "http.request" or not msg.get("more_body", False):
+            return
+        read += len(msg.get("body", b""))
 
 
 class BodyRejected(Exception):
     """The request body is too long (413) or too slow (408); the app answers it with OpenAI's error
-    object and `Connection: close` (the rest of the body is not read)."""
+    object and `Connection: close` (a 413 after reading and dropping the rest of the body, within
+    LINGER_S; a 408 without)."""
 
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
@@ -97,7 +129,8 @@ class BodyGuard:
     most asyncio's 256 KiB read); a body over `max_body_bytes` is answered 413 (at once when Content-Length
     says so, else `receive` raises BodyRejected as soon as the bytes read pass it), one not complete
     within `body_timeout_s` 408 (BodyRejected from `receive`). After the body, `receive` is passed
-    through untouched (the routes wait on it for a disconnect)."""
+    through untouched (the routes wait on it for a disconnect). A response sent before its body was
+    read (a 413, a 401, ...; not a 408) closes the connection after a lingering drain (`_drain`)."""
 
     def __init__(self, app: Any, limits: ServeLimits) -> None:
         self.app, self.limits = app, limits
@@ -121,11 +154,15 @@ class BodyGuard:
         for k, v in headers:
             if k == b"content-length" and v.isdigit() and int(v) > limit:
                 body = _json_error(413, too_long, "invalid_request_error", "body_too_large")
-                await _respond(send, 413, body, [(b"connection", b"close")])
+                await _respond(send, 413, body, [(b"connection", b"close")], lambda: _drain(receive, limit))
                 return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        read, done = 0, False
+        # done: the whole body was read (or there is none), so the connection can be kept
+        read, status = 0, 0
+        done = not any(
+            k == b"transfer-encoding" or (k == b"content-length" and v != b"0") for k, v in headers
+        )
 
         async def guarded_receive() -> dict:
             nonlocal read, done
@@ -145,7 +182,21 @@ class BodyGuard:
                 done = True
             return msg
 
-        await self.app(scope, guarded_receive, send)
+        async def lingering_send(msg: dict) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+                if not done and all(k != b"connection" for k, _ in msg["headers"]):
+                    # answered before its body was read (a 401, 404, ...): the body is dropped below
+                    # and the connection closed, since the drain may stop before the body ends
+                    msg = {**msg, "headers": [*msg["headers"], (b"connection", b"close")]}
+            elif status != 408 and not done and not msg.get("more_body", False):
+                await send({**msg, "more_body": True})
+                await _drain(receive, limit)
+                msg = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(msg)
+
+        await self.app(scope, guarded_receive, lingering_send)
 
 
 # ---------------------------------------------------------------------------------------------- HTTP/1.1
