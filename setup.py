@@ -67,7 +67,7 @@ KERNELS = Extension("minisgl_backend._kernels", ["csrc/cpu_kernels.cpp"], langua
 SKIP_NATIVE_ENV = "MINISGL_SKIP_NATIVE"
 FALLBACKS = {
     NATIVE.name: "the Python callback path (PyInflightTracker), which is slower (docs/requirements.md, S14)",
-    KERNELS.name: "torch's own ops for every layer, which are slower at decode (README, Speed)",
+    KERNELS.name: "torch's own ops for every layer, which are slower at decode (docs/performance.md)",
 }  # =1: do not even try (also how the fallback is tested)
 
 
