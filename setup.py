@@ -61,13 +61,13 @@ class BuildPyWithPth(build_py):
 # compiler still installs.
 # optional=True also makes an editable install skip copying a .so that was never built.
 NATIVE = Extension("minisgl_backend._native", ["csrc/inflight_tracker.cpp"], language="c++", optional=True)
-# The CPU decode kernels (csrc/cpu_kernels.cpp, docs/architecture.md §6). Optional too: without them the
+# The CPU decode kernels (csrc/cpu_kernels.cpp, docs/architecture.md §11d). Optional too: without them the
 # model runs torch's own ops (minisgl_backend/model/cpu_kernels.py decides per call).
 KERNELS = Extension("minisgl_backend._kernels", ["csrc/cpu_kernels.cpp"], language="c++", optional=True)
 SKIP_NATIVE_ENV = "MINISGL_SKIP_NATIVE"
 FALLBACKS = {
     NATIVE.name: "the Python callback path (PyInflightTracker), which is slower (docs/requirements.md, S14)",
-    KERNELS.name: "torch's own ops for every layer, which are slower at decode (README, Speed)",
+    KERNELS.name: "torch's own ops for every layer, which are slower at decode (docs/performance.md)",
 }  # =1: do not even try (also how the fallback is tested)
 
 

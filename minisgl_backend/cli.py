@@ -708,7 +708,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="log one line per request (uvicorn's access log; default off)",
     )
-    lim = sv.add_argument_group("limits (per request and per client; README 'Limits')")
+    lim = sv.add_argument_group("limits (per request and per client; docs/serving.md, 'Limits')")
     lim.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="request body cap (413)")
     lim.add_argument("--max-prompts", type=int, default=1024, help="prompts in one completions request")
     lim.add_argument("--max-sequences", type=int, default=1024, help="n x prompts in one request")

@@ -45,7 +45,7 @@ PRESET_DIR = config_dir("engine")  # where bare preset names are looked up (at i
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Every knob of the engine. See README "Configuration" for the meaning of each field."""
+    """Every knob of the engine. See docs/configuration.md for the meaning of each field."""
 
     # --- model ---
     model: str = DEFAULT_MODEL

@@ -245,7 +245,7 @@ class Engine:
         forward_s, sample_s; prefix_queries, prefix_hits, prefix_query_tokens, prefix_hit_tokens,
         prefix_inserted_blocks, prefix_evicted_blocks, prefix_insert_s) and gauges (running,
         waiting, kv_used_blocks, prefix_cache_blocks), folded about once per second (exact at any
-        moment with `metrics_exact`). The README's "Metrics" list says what each one counts."""
+        moment with `metrics_exact`). docs/index.md ("How it works") says what each counts."""
         return self._metrics.snapshot()
 
     @property

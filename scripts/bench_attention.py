@@ -11,7 +11,7 @@ thread's CPU time at one thread, wall time otherwise):
   the context gathered from the pool, as the forward ran it before the kernel served prefill rows;
 - decode rows (`batch` rows at `context` keys each): the same scorers.
 
-The figures behind README "Speed"'s attention numbers.
+The figures behind docs/performance.md's attention numbers.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ also GB/s of weights), best of 5 by the calling thread's CPU time at one thread 
 machine) and by wall time otherwise. The packed kernel is the process's kernel family's (`amx` or
 `avx512bf16`; MINISGL_KERNELS picks a lower one); its column is named after the family. --stream
 instead times one decode step's worth of SmolLM2's linears (121 distinct weights, ~270 MB, so they
-come from L3/memory as in the model) at each row count: the figure behind README "Speed"'s
+come from L3/memory as in the model) at each row count: the figure behind docs/performance.md's
 weight-stream numbers.
 """
 

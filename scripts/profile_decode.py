@@ -1,4 +1,4 @@
-"""Time and profile decode steps of the model alone (no scheduler): the per-op split behind README "Speed".
+"""Time and profile decode steps of the model alone (no scheduler): the per-op split in docs/performance.md.
 
     python scripts/profile_decode.py [--dtype bfloat16] [--batch 1] [--context 100] [--steps 40]
                                      [--deterministic] [--int8] [--threads N] [--cpu-time] [--profile]

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "requirements.md"
 SCANNED = ["minisgl_backend", "adapters", "tests", "scripts", "csrc", "docs", "configs", "examples", ".ci"]
-SCANNED_FILES = ["README.md", "setup.py", "pyproject.toml", "Makefile"]
+SCANNED_FILES = ["README.md", "setup.py", "pyproject.toml", "Makefile", "mkdocs.yml"]
 SUFFIXES = {".py", ".md", ".cpp", ".h", ".sh", ".yaml", ".yml", ".toml", ".txt", ".cfg", ""}  # not task data
 SKIP_DIRS = {".venv", "build", "dist", "__pycache__", ".git", ".pytest_cache", ".ruff_cache"}
 

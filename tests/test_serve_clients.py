@@ -104,18 +104,18 @@ def test_lm_eval_local_completions_matches_the_in_process_model(server, monkeypa
         assert http["results"][task] == local["results"][task]
 
 
-def _readme_http_recipe() -> list[str]:
-    """The `lm_eval --model local-completions` command of README's "lm-eval over HTTP", as argv."""
-    readme = (REPO / "README.md").read_text()
-    block = readme[readme.index("**lm-eval over HTTP.**") :].split("```bash\n", 1)[1].split("```", 1)[0]
+def _docs_http_recipe() -> list[str]:
+    """The `lm_eval --model local-completions` command of docs/serving.md's "lm-eval over HTTP", as argv."""
+    page = (REPO / "docs" / "serving.md").read_text()
+    block = page[page.index("## lm-eval over HTTP") :].split("```bash\n", 1)[1].split("```", 1)[0]
     command = block[block.index("lm_eval --model local-completions") :].replace("\\\n", " ")
     return shlex.split(command)
 
 
-def test_readme_http_recipe_runs_through_the_lm_eval_cli(server, tmp_path):
-    """The README's command as written (server address and key aside), through lm-eval's own CLI,
+def test_docs_http_recipe_runs_through_the_lm_eval_cli(server, tmp_path):
+    """The docs' command as written (server address and key aside), through lm-eval's own CLI,
     from a directory without the tasks: they come from the installed package."""
-    argv = _readme_http_recipe()
+    argv = _docs_http_recipe()
     assert argv[:3] == ["lm_eval", "--model", "local-completions"] and "--batch_size" in argv
     i = argv.index("--model_args") + 1
     assert "http://127.0.0.1:8000" in argv[i]

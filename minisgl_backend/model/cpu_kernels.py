@@ -7,7 +7,7 @@ F.linear itself and the others return None (False for `rope_`), so the caller ke
 expression. `MINISGL_KERNELS=<family>` caps the family (`MINISGL_CPU_KERNELS=0`: torch everywhere,
 how the two are compared; `MINISGL_AMX=0`: no AMX).
 
-Why the kernels exist (measured on this repository's 2-core Xeon, README "Speed"): a decode step of
+Why the kernels exist (measured on this repository's 2-core Xeon, docs/performance.md): a decode step of
 1-32 rows reads every weight once, and oneDNN's bf16 matmul moves ~6 GB/s at those row counts where
 the memory delivers ~18; the attention of one query per sequence otherwise gathers every sequence's
 whole context into a fresh tensor in every layer. The AMX linear and the paged attention also give
@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - depends on the build
     _native = None
 
 # Rows up to which linear() uses the kernel: beyond, oneDNN's AMX/AVX-512 matmul reuses each weight
-# across more rows than the kernel's 4-row tiles and wins (measured, README "Speed").
+# across more rows than the kernel's 4-row tiles and wins (measured, docs/performance.md).
 MAX_KERNEL_ROWS = 4
 
 

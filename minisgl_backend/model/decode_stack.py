@@ -2,7 +2,7 @@
 
 A decode step runs ~11 kernels per layer, and at batch 1-32 on a 2-core CPU the Python around them
 (wrappers, views, module calls, small torch ops) took 10-14 ms of a 20-55 ms SmolLM2 step (measured,
-README "Speed"). For a batch of decode rows only, the stack runs the same kernels on the same
+docs/performance.md). For a batch of decode rows only, the stack runs the same kernels on the same
 operands in the same order from one call, so its bits are the layer-by-layer forward's
 (tests/test_decode_stack.py); prefill and mixed batches keep the layer loop.
 

@@ -43,7 +43,7 @@ def default_max_connections() -> int:
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """Per-request and per-connection bounds (README "Limits"; each is a `minisgl serve` flag)."""
+    """Per-request and per-connection bounds (docs/serving.md, "Limits"; each is a `minisgl serve` flag)."""
 
     max_body_bytes: int = 32 * 1024 * 1024  # a longer body: 413 (before it is read, given Content-Length)
     max_prompts: int = 1024  # prompts in one /v1/completions request
