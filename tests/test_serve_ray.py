@@ -34,8 +34,8 @@ psutil = pytest.importorskip("psutil")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from minisgl_backend import cli  # noqa: E402
-from minisgl_backend.cluster import loopback_only  # noqa: E402
-from minisgl_backend.serve.ray_app import APP_NAME, PrefixRouter  # noqa: E402
+from minisgl_backend.cluster import PrefixRouter, loopback_only  # noqa: E402
+from minisgl_backend.serve.ray_app import APP_NAME  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-ray"

@@ -15,13 +15,11 @@ grammars, OpenAI error objects, --api-key): only the Backend differs. Each engin
 Serve deployment of one replica (`engine-<i>`), so the ingress, not Serve's own random choice,
 decides where a request goes, and tests and metrics can name a replica.
 
-Routing (`PrefixRouter`): a prompt with at least one full KV block of tokens goes to the replica that
-rendezvous-hashing picks for that first block (so prompts sharing a system prompt, a few-shot stem
-or a document land on the replica whose prefix cache holds it; a replica that dies moves only its
-own keys), unless that replica already has more than `balance` requests in flight beyond the least
-loaded one; shorter prompts and overflow go to the least loaded replica (in-flight requests, ties
-by fewest routed so far). `balance` defaults to the engine's `max_num_seqs`: below that the
-preferred replica can still batch the extra requests.
+Routing (cluster.routing.PrefixRouter): a prompt goes to the replica that rendezvous hashing picks
+for its first KV block (so prompts sharing a system prompt, a few-shot stem or a document land on
+the replica whose prefix cache holds it) unless that replica is more than `balance` requests busier
+than the least loaded one. `balance` is the engine's `max_num_seqs`: below that the preferred
+replica can still batch the extra requests.
 
 A replica call is a Ray streaming generator: its first item (empty) says the engine accepted the
 request, so validation errors and a full queue still become 400 / 503 before the response starts;
@@ -35,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import os
 import signal
@@ -47,9 +44,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from minisgl_backend.chat import GrammarError, GrammarProcessor
-from minisgl_backend.cluster import connect, import_ray, import_serve, replica_resources
+from minisgl_backend.cluster import (
+    EngineReplica,
+    PrefixRouter,
+    ReplicaFailedError,
+    connect,
+    import_ray,
+    import_serve,
+    replica_resources,
+    serve_grpc_on_loopback,
+    unwrap_failure,
+)
+from minisgl_backend.cluster.placement import check_count
 from minisgl_backend.config import EngineConfig
-from minisgl_backend.engine import Engine
 from minisgl_backend.errors import ConfigError, EngineDeadError, InvalidSamplingParamsError, MiniSGLError
 from minisgl_backend.serve.backend import (
     Backend,
@@ -76,34 +83,6 @@ PROBE_TIMEOUT_S = 5.0  # a replica that does not answer /health's or /metrics' p
 MAX_ONGOING = 100_000
 
 
-# ------------------------------------------------------------------------------------------ routing
-class PrefixRouter:
-    """Chooses a replica per prompt (see the module doc); counts the requests in flight on each."""
-
-    def __init__(self, n: int, block_size: int, balance: int) -> None:
-        self.n, self.block_size, self.balance = n, block_size, balance
-        self.load = [0] * n
-        self.routed = [0] * n
-
-    def pick(self, prompt_ids: Sequence[int] | None, alive: Sequence[int]) -> int:
-        if not alive:
-            raise EngineDeadError("every engine replica is dead")
-        least = min(alive, key=lambda r: (self.load[r], self.routed[r], r))
-        choice = least
-        if prompt_ids is not None and len(prompt_ids) >= self.block_size:
-            # Any ints hash (ids are validated only on the replica): no fixed-width packing.
-            key = ",".join(map(str, prompt_ids[: self.block_size])).encode()
-            preferred = max(alive, key=lambda r: hashlib.blake2b(key + r.to_bytes(4, "little")).digest())
-            if self.load[preferred] - self.load[least] <= self.balance:
-                choice = preferred
-        self.load[choice] += 1
-        self.routed[choice] += 1
-        return choice
-
-    def release(self, r: int) -> None:
-        self.load[r] -= 1
-
-
 # ------------------------------------------------------------------------------------------ transport
 def _portable(params: SamplingParams) -> tuple[SamplingParams, list[str]]:
     """SamplingParams without its logits processors, plus the grammars to rebuild them from: a
@@ -121,53 +100,16 @@ def _portable(params: SamplingParams) -> tuple[SamplingParams, list[str]]:
 
 
 # ------------------------------------------------------------------------------------------ replicas
-def _replica_grpc_on_loopback() -> None:
-    """On a node whose address is 127.0.0.1 (the loopback-only cluster `cluster.connect` starts),
-    make this Serve replica's inter-deployment gRPC server listen there too: Ray Serve binds it to
-    `[::]:0` whatever the node's address (ray/serve/_private/replica.py). Called from a deployment's
-    constructor, which Serve runs before it starts that server; a no-op elsewhere."""
-    ray = import_ray(FEATURE)
-    from ray.serve._private import replica as serve_replica
-
-    add_port = getattr(serve_replica, "add_port_to_grpc_server", None)
-    if add_port is None or getattr(add_port, "loopback", False):
-        return
-    if ray.util.get_node_ip_address() != "127.0.0.1":
-        return
-
-    def loopback_port(server: Any, address: str) -> Any:
-        return add_port(
-            server, "127.0.0.1:" + address[len("[::]:") :] if address.startswith("[::]:") else address
-        )
-
-    loopback_port.loopback = True  # type: ignore[attr-defined]
-    serve_replica.add_port_to_grpc_server = loopback_port
-
-
-class EngineReplica:
-    """One engine replica (a Serve deployment of one replica): an Engine and its server books."""
+class ServeReplica(EngineReplica):
+    """One engine replica (a Serve deployment of one replica): the replica core's Engine, with the
+    single server's books over it (EngineBackend: request streams, finished records, metrics)."""
 
     def __init__(self, config: dict[str, Any], index: int, model_name: str) -> None:
         from minisgl_backend.serve.metrics import ServeMetrics
 
-        _replica_grpc_on_loopback()
-        self.index = index
-        engine = Engine(EngineConfig.from_dict(config))
-        self.backend = EngineBackend(engine, ServeMetrics(engine, model_name), owns_engine=True)
-
-    def info(self) -> dict[str, Any]:
-        import torch
-
-        engine = self.backend.engine
-        return {
-            "index": self.index,
-            "model_dir": str(engine.model_dir),
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.vocab_size,
-            "num_blocks": engine.num_blocks,
-            "pid": os.getpid(),
-            "num_threads": torch.get_num_threads(),
-        }
+        serve_grpc_on_loopback(FEATURE)
+        super().__init__(config, index)
+        self.backend = EngineBackend(self.engine, ServeMetrics(self.engine, model_name), owns_engine=True)
 
     async def run(
         self,
@@ -204,11 +146,6 @@ class EngineReplica:
         """Serve's periodic probe: a replica whose engine died is restarted by Serve."""
         self.health()
 
-    def health(self) -> None:
-        engine = self.backend.engine
-        if not engine.is_alive:
-            raise engine.dead or EngineDeadError("the engine is not running")
-
     def metric_families(self) -> list[Any]:
         return self.backend.metric_families()
 
@@ -217,9 +154,8 @@ class EngineReplica:
 
     async def drain(self, timeout: float = 60, flush_cache: bool = False) -> dict[str, int]:
         """Engine.drain's block counts plus `num_blocks` (tests: every block FREE after a load)."""
-        engine = self.backend.engine
-        counts = await asyncio.to_thread(engine.drain, timeout, flush_cache)
-        return {**counts, "num_blocks": engine.num_blocks}
+        counts = await asyncio.to_thread(self.engine.drain, timeout, flush_cache)
+        return {**counts, "num_blocks": self.engine.num_blocks}
 
     def finished(self) -> list[Any]:
         """The newest finished requests' records (FinishedRecord), oldest first."""
@@ -357,22 +293,13 @@ class RayBackend(Backend):
     def replica_error(self, r: int, e: BaseException) -> BaseException:
         """The error a route should see for a failed replica call: the engine's own typed error
         (a bad request stays a 400), or EngineDeadError naming the replica when it died."""
-        exc = self.ray.exceptions
-        cause = getattr(e, "cause", None) if isinstance(e, exc.RayTaskError) else None
-        cause = cause if isinstance(cause, BaseException) else e
-        if isinstance(cause, EngineDeadError):
-            return self._mark_dead(r, f"its engine stopped: {cause}")
-        if isinstance(cause, MiniSGLError | asyncio.CancelledError | exc.TaskCancelledError):
+        cause, dead = unwrap_failure(self.ray, e)
+        if dead is None:
             return cause
-        if isinstance(cause, exc.RayActorError):
-            return self._mark_dead(r, f"its actor died: {type(cause).__name__}")
-        return cause
-
-    def _mark_dead(self, r: int, why: str) -> EngineDeadError:
-        self.dead[r] = why
+        self.dead[r] = dead
         if self._reprobe is None or self._reprobe.done():  # until it serves again (Serve restarts it)
             self._reprobe = asyncio.ensure_future(self._reprobe_dead())
-        return EngineDeadError(f"engine replica {r}: {why}")
+        return ReplicaFailedError(r, dead)
 
     async def _reprobe_dead(self) -> None:
         while self.dead and not self.shutting_down:
@@ -451,7 +378,7 @@ class Ingress:
     ) -> None:
         from minisgl_backend.serve.app import build_app
 
-        _replica_grpc_on_loopback()
+        serve_grpc_on_loopback(FEATURE)
         cfg = EngineConfig.from_dict(config)
         infos = await asyncio.gather(*(_await(h.info.remote()) for h in handles))
         self.backend = RayBackend(handles, infos, cfg, model_name)
@@ -524,8 +451,7 @@ def deploy(
     Connects to Ray first (`cluster.connect`: the session already initialised, `ray_address` /
     RAY_ADDRESS, or a new local cluster). Serve is started with `host:port` unless it already runs on
     the cluster, in which case its proxies' address applies."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError(f"--replicas must be an integer >= 1, got {replicas!r}")
+    check_count(replicas, "--replicas")
     ray = import_ray(FEATURE)
     serve = import_serve(FEATURE)
     from minisgl_backend.model.loader import resolve_model_dir
@@ -557,7 +483,7 @@ def deploy(
             )
             owns_serve = True
         engine_cls = serve.deployment(
-            EngineReplica,
+            ServeReplica,
             ray_actor_options={"num_cpus": num_cpus, "num_gpus": gpus},
             max_ongoing_requests=MAX_ONGOING,
             health_check_period_s=2,
