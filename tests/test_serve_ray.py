@@ -362,7 +362,7 @@ def test_streaming_clients_with_random_disconnects_through_the_ingress(served):
     """16 concurrent streaming clients, 160 requests, ~20% hanging up after their first chunk:
     every completed response equals its solo reference, every hung-up request was aborted (or had
     finished first) on its replica, and after drain every KV block of both replicas is FREE."""
-    from minisgl_backend.serve.bench import bench_serve, format_row
+    from minisgl_backend.bench.serve import bench_serve, format_row
 
     row = bench_serve(
         served.url,

@@ -1,9 +1,9 @@
 """Same lm_eval run, `--model hf` vs `--model minisgl`: wall time, metrics and per-request parity.
 
-    .venv/bin/python scripts/bench_lm_eval.py                      # speed: minisgl_mc (600 requests), fp32
-    .venv/bin/python scripts/bench_lm_eval.py --tasks minisgl_mc,minisgl_gen,minisgl_ppl   # full parity
-    .venv/bin/python scripts/bench_lm_eval.py --hf-batch-sizes "" --variant prefix_cache=off  # cache gain
-    .venv/bin/python scripts/bench_lm_eval.py --hf-batch-sizes "" --tasks minisgl_mc,minisgl_gen,minisgl_ppl \
+    python -m minisgl_backend.bench.lm_eval                      # speed: minisgl_mc (600 requests), fp32
+    python -m minisgl_backend.bench.lm_eval --tasks minisgl_mc,minisgl_gen,minisgl_ppl   # full parity
+    python -m minisgl_backend.bench.lm_eval --hf-batch-sizes "" --variant prefix_cache=off  # cache gain
+    python -m minisgl_backend.bench.lm_eval --hf-batch-sizes "" --tasks minisgl_mc,minisgl_gen,minisgl_ppl \
         --variant deterministic=false --repeat 2        # the cost of the adapter's deterministic default
 
 Each run is the stock CLI in a fresh subprocess (start-up and model load included), offline, on the
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: configs/tasks
 
 
 def _children_cpu_s() -> float:
@@ -128,7 +128,6 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = ap.parse_args()
 
-    sys.path.insert(0, str(ROOT))
     from minisgl_backend.model.loader import resolve_model_dir
 
     hf_dir = resolve_model_dir(args.model)
