@@ -343,12 +343,12 @@ def _serve_limits(args: argparse.Namespace) -> Any:
 
 def _serve_on_ray(args: argparse.Namespace) -> int:
     from minisgl_backend.cluster import import_serve
-    from minisgl_backend.serve.ray_app import FEATURE, run_ray_server
+    from minisgl_backend.serve.ray_app import FEATURE, deploy, serve_until_signalled
 
     import_serve(FEATURE)  # the missing extra is named before anything starts
     config = _engine_config(args)
     try:
-        run_ray_server(
+        server = deploy(
             config,
             args.replicas,
             host=args.host,
@@ -358,6 +358,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             ray_address=args.ray_address,
             limits=_serve_limits(args),
         )
+        serve_until_signalled(server, str(config.model), args.served_model_name)
     except KeyboardInterrupt:  # stopped while Ray started or the replicas loaded
         return 130
     return 0

@@ -3,7 +3,8 @@
 placement (`placement`: each replica's share of cores and GPUs), prefix-affinity routing (`routing`),
 the replica actor wrapping an Engine (`replica`) and a set of plain actors behind the Engine's batch
 interface (`replica_set`). The front ends keep only what differs: Ray Serve deployments and HTTP
-streaming (serve/ray_app.py), lm-eval's model arguments (adapters/lm_eval_minisgl/replicas.py).
+streaming (serve/ray_app.py, ray_ingress.py, ray_replica.py), lm-eval's model arguments
+(adapters/lm_eval_minisgl/replicas.py).
 
 Nothing here imports Ray at import time.
 """
