@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from minisgl_backend.bench.lm_eval import OFFLINE, task_metrics
+
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: configs/tasks, adapters/
 
 
@@ -55,10 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     t_eval = time.perf_counter()
     m = lm.engine.metrics()
     lm.close()
-    scores = {
-        task: {k: v for k, v in vals.items() if isinstance(v, (int, float)) and "stderr" not in k}
-        for task, vals in results["results"].items()
-    }
+    scores = task_metrics(results["results"])
     query, hit = m.get("prefix_query_tokens", 0), m.get("prefix_hit_tokens", 0)
     print(
         "RESULT "
@@ -92,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker is not None:
         return worker(args)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, **OFFLINE}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "adapters"), env.get("PYTHONPATH", "")])
     runs: dict[int, dict] = {}
     for dp in (int(x) for x in args.dp.split(",")):
