@@ -53,7 +53,6 @@ class ReplicaSet:
         self.knob = knob
         ray = self._ray = import_ray(f"{knob} > 1")
         self.timeout_s = float(timeout_s)
-        self._owns_ray = False
         self._closed = False
         self._failed: ReplicaFailedError | None = None
         self._jobs = itertools.count()
