@@ -1,6 +1,6 @@
 """Every benchmark of the project, a module per scenario.
 
-Behind `minisgl bench` (command.py parses nothing: the CLI hands it the flags):
+Behind `minisgl bench` (command.py; the CLI parses the flags and hands them over):
 - offline.py: the default run, the engine vs Hugging Face `generate` on one workload;
 - configs.py: `--scenario seed-table|prefix` and `--sweep FIELD=...`, one workload under several configs;
 - peers.py: `--scenario peers`, the peer harness's workloads;
