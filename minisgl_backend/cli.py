@@ -227,124 +227,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from minisgl_backend.tools.bench import (
-        PREFIX_TABLE,
-        SEED_TABLE,
-        bench,
-        bench_configs,
-        bench_peers,
-        format_table,
-        mixed_prompts,
-        shared_prefix_prompts,
-    )
+    from minisgl_backend.bench.command import run_bench
 
-    if (args.trace or args.plot) and not (args.scenario or args.sweep):
-        raise MiniSGLError(
-            "--trace and --plot record the timeline of --scenario or --sweep runs; give one of them"
-        )
-    base: dict[str, Any] | None = None
-    if args.shape:
-        from minisgl_backend.model.loader import cache_root
-        from minisgl_backend.tools.tiny import make_random_llama
-
-        if args.model:
-            raise MiniSGLError("give --model or --shape, not both")
-        path = make_random_llama(cache_root() / f"random-{args.shape}", args.shape, dtype="bfloat16")
-        base = {"model": str(path), "dtype": "bfloat16"}
-    if args.scenario == "peers":
-        if args.sweep or args.trace or args.plot:
-            raise MiniSGLError("--scenario peers takes none of --sweep, --trace, --plot")
-        result = bench_peers(_engine_config(args, base), repeat=args.repeat or 3)
-        rows = result["rows"]
-        print(format_table(rows, columns=list(next(iter(rows.values())))))
-        print(f"kernels: {result['kernels']} (this CPU runs up to {result['machine_kernels']})")
-        if result["decode"]:
-            print("batch-1 decode: " + ", ".join(f"{k} {v:.3g}" for k, v in result["decode"].items()))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-        return 0
-    if args.scenario or args.sweep:
-        if args.sweep:
-            key, _, values = args.sweep.partition("=")
-            if key not in EngineConfig.field_names() or not values:
-                raise MiniSGLError(
-                    f"--sweep expects FIELD=v1,v2,... with an EngineConfig field, got {args.sweep!r}"
-                )
-            variants = {f"{key}={v}": {key: yaml.safe_load(v)} for v in values.split(",")}
-        else:
-            variants = PREFIX_TABLE if args.scenario == "prefix" else SEED_TABLE
-        # interleaved (a, b, a, b): drift on a shared machine hits every variant alike
-        if (args.repeat or 1) > 1:
-            variants = {f"{name} #{i + 1}": ov for i in range(args.repeat) for name, ov in variants.items()}
-        prefix = args.scenario == "prefix"
-        workload = shared_prefix_prompts if prefix else mixed_prompts
-        if args.plot:
-            from minisgl_backend.tools.plot import require_matplotlib
-
-            require_matplotlib()  # before minutes of benchmarking, not after
-        events: list[dict] | None = [] if args.trace or args.plot else None
-        rows = bench_configs(
-            _engine_config(args, base),
-            variants,
-            args.num_requests,
-            args.output_len,
-            args.concurrency,
-            trace_events=events,
-            workload=workload,
-        )
-        if args.trace:
-            with open(args.trace, "w") as f:
-                json.dump({"traceEvents": events}, f)
-            print(f"wrote {args.trace} (open in chrome://tracing or ui.perfetto.dev)")
-        if args.plot:
-            from minisgl_backend.tools.plot import plot_utilisation
-
-            plot_utilisation(events, args.plot)
-            print(f"wrote {args.plot} (compute / scheduler busy over time, one row per config)")
-        prompts = "4 shared 512-token stems + 32 own tokens" if prefix else "64 tokens, every 4th 768"
-        result = {
-            "workload": {
-                "num_requests": args.num_requests,
-                "output_len": args.output_len,
-                "concurrency": args.concurrency,
-                "prompts": prompts,
-            },
-            "results": rows,
-        }
-        print(
-            format_table(
-                rows,
-                extra=[
-                    "prefill_tokens",
-                    "prefix_token_hit_rate",
-                    "prefix_request_hit_rate",
-                    "prefix_evicted_blocks",
-                    "prefix_insert_ms",
-                ]
-                if prefix
-                else [],
-            )
-        )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-        return 0
-    result = bench(
-        _engine_config(args, base),
-        args.num_requests,
-        args.input_len,
-        args.output_len,
-        hf=not args.no_hf,
-        hf_batch_size=args.hf_batch_size,
-    )
-    print(format_table(result["results"]))
-    print(f"KV blocks after drain: {result['kv_blocks_after_drain']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.json}")
-    return 0
+    return run_bench(args, lambda base: _engine_config(args, base))
 
 
 def _cmd_stress(args: argparse.Namespace) -> int:
@@ -458,12 +343,12 @@ def _serve_limits(args: argparse.Namespace) -> Any:
 
 def _serve_on_ray(args: argparse.Namespace) -> int:
     from minisgl_backend.cluster import import_serve
-    from minisgl_backend.serve.ray_app import FEATURE, run_ray_server
+    from minisgl_backend.serve.ray_app import FEATURE, deploy, serve_until_signalled
 
     import_serve(FEATURE)  # the missing extra is named before anything starts
     config = _engine_config(args)
     try:
-        run_ray_server(
+        server = deploy(
             config,
             args.replicas,
             host=args.host,
@@ -473,71 +358,16 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             ray_address=args.ray_address,
             limits=_serve_limits(args),
         )
+        serve_until_signalled(server, str(config.model), args.served_model_name)
     except KeyboardInterrupt:  # stopped while Ray started or the replicas loaded
         return 130
     return 0
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from minisgl_backend.serve.bench import bench_serve, format_row
-    from minisgl_backend.serve.server import _require_extra
+    from minisgl_backend.bench.command import run_bench_serve
 
-    _require_extra()
-    kw = dict(
-        api_key=args.api_key,
-        model=args.served_model_name,
-        num_requests=args.num_requests,
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        concurrency=args.concurrency,
-        request_rate=args.request_rate,
-        disconnect_prob=args.disconnect_prob,
-        check=args.check,
-        seed=args.seed,
-    )
-    if args.url:
-        row = bench_serve(args.url.rstrip("/").removesuffix("/v1"), **kw)
-    else:  # our own server in this process: the engine can be drained and its blocks checked at the end
-        from minisgl_backend.engine import Engine
-        from minisgl_backend.serve.server import start_in_thread
-
-        base = {"stats_interval_s": 0}
-        if args.tiny:
-            from minisgl_backend.tools.tiny import make_tiny_llama
-
-            base["model"] = str(make_tiny_llama())
-        engine = Engine(_engine_config(args, base))
-        try:
-            srv = start_in_thread(engine, api_key=args.api_key, model_name=args.served_model_name)
-            try:
-                row = bench_serve(srv.url, vocab=engine.vocab_size, **kw)
-                counts = engine.drain(timeout=120, flush_cache=True)
-                srv.state.collect()
-                finished = {r.user: r for r in list(srv.state.finished)}
-            finally:
-                srv.stop()
-            row["kv_after_drain"] = counts
-            row["kv_all_free"] = counts["FREE"] == engine.num_blocks
-            reasons = [
-                getattr(finished.get(f"bench-{i}"), "finish_reason", None) for i in row["disconnected_ids"]
-            ]
-            row["disconnects_aborted"] = reasons.count("abort")
-            row["disconnects_finished"] = sum(r in ("stop", "length") for r in reasons)
-            row["disconnects_unaccounted"] = reasons.count(None)
-        finally:
-            engine.close()
-    print(format_row(row))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(row, f, indent=2)
-    failed = (
-        row["errors"] > 0
-        or row.get("mismatches", 0) > 0
-        or row.get("kv_all_free") is False
-        or row.get("disconnects_unaccounted", 0) > 0
-    )
-    return 1 if failed else 0
+    return run_bench_serve(args, lambda base: _engine_config(args, base))
 
 
 # The tool-call formats `tool_choice: "auto"` parses out of a reply (minisgl_backend/chat/tools.py).

@@ -18,12 +18,12 @@ import pytest
 
 pytest.importorskip("lm_eval", reason="the lm-eval adapter needs lm-eval installed")
 from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval_minisgl import replicas  # noqa: E402
 from lm_eval_minisgl.model import MiniSGLLM  # noqa: E402
-from lm_eval_minisgl.replicas import ReplicaFailedError, prefix_groups, route  # noqa: E402
+from lm_eval_minisgl.replicas import make_engine  # noqa: E402
 from lm_eval_minisgl.seeds import RequestSeeds, derive_seed  # noqa: E402
 
-from minisgl_backend import ConfigError, SamplingParams  # noqa: E402
+from minisgl_backend import ConfigError, EngineConfig, SamplingParams  # noqa: E402
+from minisgl_backend.cluster import ReplicaFailedError, prefix_groups, route  # noqa: E402
 from minisgl_backend.errors import MissingExtraError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,7 +168,7 @@ def test_seeds_follow_run_order_not_content():
 def test_missing_ray_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'minisgl\[ray\]'"):
-        replicas._import_ray()
+        make_engine(EngineConfig(), 2, None, None)
 
 
 # ----------------------------------------------------------------------------------------- failures

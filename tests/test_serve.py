@@ -925,7 +925,7 @@ def test_many_concurrent_streaming_clients_with_random_disconnects(server):
 
 @pytest.mark.parametrize("rate", [float("inf"), 200.0])
 def test_bench_serve_closed_loop_and_poisson_with_check(server, rate):
-    from minisgl_backend.serve.bench import bench_serve, format_row
+    from minisgl_backend.bench.serve import bench_serve, format_row
 
     row = bench_serve(
         server.url,

@@ -34,8 +34,8 @@ psutil = pytest.importorskip("psutil")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from minisgl_backend import cli  # noqa: E402
-from minisgl_backend.cluster import loopback_only  # noqa: E402
-from minisgl_backend.serve.ray_app import APP_NAME, PrefixRouter  # noqa: E402
+from minisgl_backend.cluster import PrefixRouter, loopback_only  # noqa: E402
+from minisgl_backend.serve.ray_app import APP_NAME  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-ray"
@@ -362,7 +362,7 @@ def test_streaming_clients_with_random_disconnects_through_the_ingress(served):
     """16 concurrent streaming clients, 160 requests, ~20% hanging up after their first chunk:
     every completed response equals its solo reference, every hung-up request was aborted (or had
     finished first) on its replica, and after drain every KV block of both replicas is FREE."""
-    from minisgl_backend.serve.bench import bench_serve, format_row
+    from minisgl_backend.bench.serve import bench_serve, format_row
 
     row = bench_serve(
         served.url,

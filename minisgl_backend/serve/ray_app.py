@@ -15,51 +15,28 @@ grammars, OpenAI error objects, --api-key): only the Backend differs. Each engin
 Serve deployment of one replica (`engine-<i>`), so the ingress, not Serve's own random choice,
 decides where a request goes, and tests and metrics can name a replica.
 
-Routing (`PrefixRouter`): a prompt with at least one full KV block of tokens goes to the replica that
-rendezvous-hashing picks for that first block (so prompts sharing a system prompt, a few-shot stem
-or a document land on the replica whose prefix cache holds it; a replica that dies moves only its
-own keys), unless that replica already has more than `balance` requests in flight beyond the least
-loaded one; shorter prompts and overflow go to the least loaded replica (in-flight requests, ties
-by fewest routed so far). `balance` defaults to the engine's `max_num_seqs`: below that the
-preferred replica can still batch the extra requests.
-
-A replica call is a Ray streaming generator: its first item (empty) says the engine accepted the
-request, so validation errors and a full queue still become 400 / 503 before the response starts;
-then lists of events, as many as were ready together. A client that disconnects makes the app abort
-the stream, which cancels the call; the replica's generator then aborts its engine request, whose
-blocks return to the pool. `/metrics` merges every replica's series with a `replica` label;
-`/health` asks every replica and answers 503 naming those that are dead or silent.
+The pieces: ray_replica.py (the engine deployments), ray_ingress.py (the ingress and its routing);
+this module deploys them as one application and runs it for the command.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import hashlib
 import logging
 import os
 import signal
 import socket
 import threading
-import time
-from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl_backend.chat import GrammarError, GrammarProcessor
 from minisgl_backend.cluster import connect, import_ray, import_serve, replica_resources
+from minisgl_backend.cluster.placement import check_count
 from minisgl_backend.config import EngineConfig
-from minisgl_backend.engine import Engine
-from minisgl_backend.errors import ConfigError, EngineDeadError, InvalidSamplingParamsError, MiniSGLError
-from minisgl_backend.serve.backend import (
-    Backend,
-    EngineBackend,
-    Event,
-    ServerShuttingDownError,
-    Stream,
-    public_model_ref,
-)
-from minisgl_backend.types import RequestOutput, SamplingParams
+from minisgl_backend.errors import ConfigError, MiniSGLError
+from minisgl_backend.serve.backend import public_model_ref
+from minisgl_backend.serve.ray_ingress import Ingress
+from minisgl_backend.serve.ray_replica import FEATURE, ServeReplica
 
 log = logging.getLogger("minisgl.serve")
 
@@ -69,405 +46,11 @@ class DeployError(MiniSGLError, RuntimeError):
 
 
 APP_NAME = "minisgl"
-FEATURE = "minisgl serve --replicas"
-PROBE_TIMEOUT_S = 5.0  # a replica that does not answer /health's or /metrics' probe this fast is reported
 # Concurrent calls Serve lets through to one deployment replica before queueing them in the handle;
 # the engine's own bound (max_waiting_requests -> 503) is the one that should apply.
 MAX_ONGOING = 100_000
 
 
-# ------------------------------------------------------------------------------------------ routing
-class PrefixRouter:
-    """Chooses a replica per prompt (see the module doc); counts the requests in flight on each."""
-
-    def __init__(self, n: int, block_size: int, balance: int) -> None:
-        self.n, self.block_size, self.balance = n, block_size, balance
-        self.load = [0] * n
-        self.routed = [0] * n
-
-    def pick(self, prompt_ids: Sequence[int] | None, alive: Sequence[int]) -> int:
-        if not alive:
-            raise EngineDeadError("every engine replica is dead")
-        least = min(alive, key=lambda r: (self.load[r], self.routed[r], r))
-        choice = least
-        if prompt_ids is not None and len(prompt_ids) >= self.block_size:
-            # Any ints hash (ids are validated only on the replica): no fixed-width packing.
-            key = ",".join(map(str, prompt_ids[: self.block_size])).encode()
-            preferred = max(alive, key=lambda r: hashlib.blake2b(key + r.to_bytes(4, "little")).digest())
-            if self.load[preferred] - self.load[least] <= self.balance:
-                choice = preferred
-        self.load[choice] += 1
-        self.routed[choice] += 1
-        return choice
-
-    def release(self, r: int) -> None:
-        self.load[r] -= 1
-
-
-# ------------------------------------------------------------------------------------------ transport
-def _portable(params: SamplingParams) -> tuple[SamplingParams, list[str]]:
-    """SamplingParams without its logits processors, plus the grammars to rebuild them from: a
-    processor holds native parser state that does not pickle, so only grammar processors can cross
-    to a replica (as their grammar source)."""
-    grammars = []
-    for p in params.logits_processors:
-        if not isinstance(p, GrammarProcessor):
-            raise InvalidSamplingParamsError(
-                f"a {type(p).__name__} logits processor cannot be sent to a Ray replica "
-                "(only grammar constraints can)"
-            )
-        grammars.append(p.grammar)
-    return dataclasses.replace(params, logits_processors=()), grammars
-
-
-# ------------------------------------------------------------------------------------------ replicas
-def _replica_grpc_on_loopback() -> None:
-    """On a node whose address is 127.0.0.1 (the loopback-only cluster `cluster.connect` starts),
-    make this Serve replica's inter-deployment gRPC server listen there too: Ray Serve binds it to
-    `[::]:0` whatever the node's address (ray/serve/_private/replica.py). Called from a deployment's
-    constructor, which Serve runs before it starts that server; a no-op elsewhere."""
-    ray = import_ray(FEATURE)
-    from ray.serve._private import replica as serve_replica
-
-    add_port = getattr(serve_replica, "add_port_to_grpc_server", None)
-    if add_port is None or getattr(add_port, "loopback", False):
-        return
-    if ray.util.get_node_ip_address() != "127.0.0.1":
-        return
-
-    def loopback_port(server: Any, address: str) -> Any:
-        return add_port(
-            server, "127.0.0.1:" + address[len("[::]:") :] if address.startswith("[::]:") else address
-        )
-
-    loopback_port.loopback = True  # type: ignore[attr-defined]
-    serve_replica.add_port_to_grpc_server = loopback_port
-
-
-class EngineReplica:
-    """One engine replica (a Serve deployment of one replica): an Engine and its server books."""
-
-    def __init__(self, config: dict[str, Any], index: int, model_name: str) -> None:
-        from minisgl_backend.serve.metrics import ServeMetrics
-
-        _replica_grpc_on_loopback()
-        self.index = index
-        engine = Engine(EngineConfig.from_dict(config))
-        self.backend = EngineBackend(engine, ServeMetrics(engine, model_name), owns_engine=True)
-
-    def info(self) -> dict[str, Any]:
-        import torch
-
-        engine = self.backend.engine
-        return {
-            "index": self.index,
-            "model_dir": str(engine.model_dir),
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.vocab_size,
-            "num_blocks": engine.num_blocks,
-            "pid": os.getpid(),
-            "num_threads": torch.get_num_threads(),
-        }
-
-    async def run(
-        self,
-        prompt: Any,
-        params: SamplingParams,
-        grammars: list[str],
-        request_id: str,
-        user: str | None,
-        stream: bool,
-    ) -> AsyncIterator[list[Event]]:
-        # The engine's typed errors travel as items, not raised: Serve would log each bad request
-        # as a replica failure with its traceback.
-        try:
-            if grammars:
-                procs = tuple(GrammarProcessor(self.backend.tokenizer, g) for g in grammars)
-                params = dataclasses.replace(params, logits_processors=procs)
-            (s,) = self.backend.submit_now([prompt], [params], [request_id], user)
-        except (MiniSGLError, GrammarError) as e:
-            yield [e]
-            return
-        yield []  # accepted
-        try:
-            if stream:
-                async for items in s.batches():
-                    yield items
-            else:
-                yield [await s.result()]
-        except MiniSGLError as e:
-            yield [e]
-        finally:  # finished, failed, or cancelled by the ingress (its client went away)
-            s.abort()
-
-    def check_health(self) -> None:
-        """Serve's periodic probe: a replica whose engine died is restarted by Serve."""
-        self.health()
-
-    def health(self) -> None:
-        engine = self.backend.engine
-        if not engine.is_alive:
-            raise engine.dead or EngineDeadError("the engine is not running")
-
-    def metric_families(self) -> list[Any]:
-        return self.backend.metric_families()
-
-    def begin_shutdown(self) -> None:
-        self.backend.begin_shutdown()
-
-    async def drain(self, timeout: float = 60, flush_cache: bool = False) -> dict[str, int]:
-        """Engine.drain's block counts plus `num_blocks` (tests: every block FREE after a load)."""
-        engine = self.backend.engine
-        counts = await asyncio.to_thread(engine.drain, timeout, flush_cache)
-        return {**counts, "num_blocks": engine.num_blocks}
-
-    def finished(self) -> list[Any]:
-        """The newest finished requests' records (FinishedRecord), oldest first."""
-        self.backend.collect()
-        return list(self.backend.finished)
-
-    def __del__(self) -> None:
-        backend = getattr(self, "backend", None)
-        if backend is not None:
-            backend.close()
-
-
-# ------------------------------------------------------------------------------------------ ingress side
-class RayStream(Stream):
-    def __init__(self, backend: RayBackend, replica: int, call: Any, request_id: str) -> None:
-        self.backend, self.replica, self.request_id = backend, replica, request_id
-        self._call = call
-        self._released = False
-        self._finished = False
-
-    def _release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.backend.router.release(self.replica)
-            self.backend.live.discard(self)
-
-    def _raise(self, e: BaseException) -> None:
-        mapped = self.backend.replica_error(self.replica, e)
-        if mapped is e:
-            raise e
-        raise mapped from e
-
-    async def accepted(self) -> None:
-        try:
-            first = await self._call.__anext__()
-        except BaseException as e:
-            self._release()
-            self._raise(e)
-        if first:  # the engine refused it
-            self._finished = True
-            self._release()
-            self._raise(first[0])
-
-    async def events(self) -> AsyncIterator[Event]:
-        try:
-            async for items in self._call:
-                for item in items:
-                    if isinstance(item, BaseException):
-                        self._finished = True
-                        raise item
-                    if isinstance(item, RequestOutput):
-                        self._finished = True
-                    yield item
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._raise(e)
-        finally:
-            self._release()
-
-    async def result(self) -> RequestOutput:
-        out = None
-        async for ev in self.events():
-            out = ev
-        if not isinstance(out, RequestOutput):
-            raise EngineDeadError(f"engine replica {self.replica} ended request {self.request_id} early")
-        return out
-
-    def abort(self) -> None:
-        if not self._finished:
-            self._call.cancel()
-        self._release()
-
-
-class RayBackend(Backend):
-    """The ingress's view of the engine replicas (DeploymentHandles `engine-0` ...)."""
-
-    def __init__(
-        self,
-        handles: Sequence[Any],
-        infos: Sequence[dict[str, Any]],
-        config: EngineConfig,
-        model_name: str | None,
-    ) -> None:
-        from minisgl_backend.model.loader import load_tokenizer, resolve_model_dir
-
-        self.ray = import_ray(FEATURE)
-        self.handles = list(handles)
-        self._streaming = [h.options(stream=True) for h in self.handles]  # made once: options() copies
-        self.n = len(self.handles)
-        self.model_ref = str(config.model)
-        self.model_name = model_name or public_model_ref(self.model_ref)  # the metrics' model_name label
-        self.model_dir = infos[0]["model_dir"]
-        self.max_model_len = min(i["max_model_len"] for i in infos)
-        self.vocab_size = infos[0]["vocab_size"]
-        # Resolved on this node (the replicas' model_dir is a path on theirs).
-        self.tokenizer = load_tokenizer(resolve_model_dir(config.model))
-        self.router = PrefixRouter(self.n, config.block_size, balance=config.max_num_seqs)
-        self.dead: dict[int, str] = {}  # replica -> why, until a probe finds it serving again
-        self.live: set[RayStream] = set()
-        self.shutting_down = False
-        self._reprobe: asyncio.Task | None = None
-        self._shutdown_calls: list[Any] = []
-
-    # ---------------------------------------------------------------- requests
-    def _route_ids(self, prompt: Any) -> list[int] | None:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt) if isinstance(prompt, list) else None
-
-    async def submit(self, prompts, params, request_ids, user, stream) -> list[Stream]:
-        if self.shutting_down:
-            raise ServerShuttingDownError("the server is shutting down")
-        streams: list[RayStream] = []
-        try:
-            for p, sp, rid in zip(prompts, params, request_ids):
-                bare, grammars = _portable(sp)
-                alive = [r for r in range(self.n) if r not in self.dead]
-                r = self.router.pick(self._route_ids(p), alive)
-                try:
-                    call = self._streaming[r].run.remote(p, bare, grammars, rid, user, stream)
-                except BaseException:
-                    self.router.release(r)
-                    raise
-                s = RayStream(self, r, call, rid)
-                self.live.add(s)
-                streams.append(s)
-            await asyncio.gather(*(s.accepted() for s in streams))
-        except BaseException:
-            for s in streams:
-                s.abort()
-            raise
-        return list(streams)
-
-    def replica_error(self, r: int, e: BaseException) -> BaseException:
-        """The error a route should see for a failed replica call: the engine's own typed error
-        (a bad request stays a 400), or EngineDeadError naming the replica when it died."""
-        exc = self.ray.exceptions
-        cause = getattr(e, "cause", None) if isinstance(e, exc.RayTaskError) else None
-        cause = cause if isinstance(cause, BaseException) else e
-        if isinstance(cause, EngineDeadError):
-            return self._mark_dead(r, f"its engine stopped: {cause}")
-        if isinstance(cause, MiniSGLError | asyncio.CancelledError | exc.TaskCancelledError):
-            return cause
-        if isinstance(cause, exc.RayActorError):
-            return self._mark_dead(r, f"its actor died: {type(cause).__name__}")
-        return cause
-
-    def _mark_dead(self, r: int, why: str) -> EngineDeadError:
-        self.dead[r] = why
-        if self._reprobe is None or self._reprobe.done():  # until it serves again (Serve restarts it)
-            self._reprobe = asyncio.ensure_future(self._reprobe_dead())
-        return EngineDeadError(f"engine replica {r}: {why}")
-
-    async def _reprobe_dead(self) -> None:
-        while self.dead and not self.shutting_down:
-            await asyncio.sleep(1.0)
-            await self.probe()
-
-    # ---------------------------------------------------------------- probes
-    async def _ask(self, r: int, method: str) -> Any:
-        call = getattr(self.handles[r], method).remote()
-        try:
-            return await asyncio.wait_for(_await(call), PROBE_TIMEOUT_S)
-        except TimeoutError:
-            call.cancel()
-            raise TimeoutError(f"no answer within {PROBE_TIMEOUT_S:g} s") from None
-
-    async def probe(self) -> dict[int, str]:
-        """Ask every replica whether its engine serves; updates and returns `dead`."""
-        results = await asyncio.gather(
-            *(self._ask(r, "health") for r in range(self.n)), return_exceptions=True
-        )
-        for r, res in enumerate(results):
-            if isinstance(res, BaseException):
-                cause = getattr(res, "cause", None) or res
-                self.dead[r] = f"{type(cause).__name__}: {cause}"
-            else:
-                self.dead.pop(r, None)
-        return dict(self.dead)
-
-    async def unhealthy(self) -> str | None:
-        dead = await self.probe()
-        if not dead:
-            return None
-        return "; ".join(f"engine replica {r} is not serving ({why})" for r, why in sorted(dead.items()))
-
-    async def render_metrics(self) -> tuple[bytes, str]:
-        from minisgl_backend.serve.metrics import render_replicas
-
-        results = await asyncio.gather(
-            *(self._ask(r, "metric_families") for r in range(self.n)), return_exceptions=True
-        )
-        per_replica = [None if isinstance(res, BaseException) else res for res in results]
-        return render_replicas(per_replica, self.model_name)
-
-    # ---------------------------------------------------------------- lifecycle
-    def begin_shutdown(self) -> None:
-        self.shutting_down = True
-        self._shutdown_calls = [h.begin_shutdown.remote() for h in self.handles]
-
-    async def wait_idle(self, timeout: float) -> int:
-        """Wait up to `timeout` for the replicas to take the shutdown and every stream to end;
-        returns how many streams are still open."""
-        deadline = time.monotonic() + timeout
-        await asyncio.gather(*(_await(c) for c in self._shutdown_calls), return_exceptions=True)
-        while self.live and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return len(self.live)
-
-    def close(self) -> None:
-        pass  # the replicas belong to Serve, which stops them with the application
-
-
-async def _await(call: Any) -> Any:
-    return await call
-
-
-class Ingress:
-    """The ingress deployment: the single server's app over a RayBackend."""
-
-    async def __init__(
-        self,
-        config: dict[str, Any],
-        model_name: str | None,
-        api_key: str | None,
-        *handles: Any,
-        limits: Any = None,
-    ) -> None:
-        from minisgl_backend.serve.app import build_app
-
-        _replica_grpc_on_loopback()
-        cfg = EngineConfig.from_dict(config)
-        infos = await asyncio.gather(*(_await(h.info.remote()) for h in handles))
-        self.backend = RayBackend(handles, infos, cfg, model_name)
-        self._app = build_app(self.backend, model_name, api_key, limits=limits)
-
-    def __serve_build_asgi_app__(self) -> Any:
-        return self._app
-
-    async def begin_shutdown(self, timeout: float) -> int:
-        """Refuse new requests, abort the running ones on every replica and wait for the open
-        streams to end (with finish_reason "abort"); returns how many did not end in time."""
-        self.backend.begin_shutdown()
-        return await self.backend.wait_idle(timeout)
-
-
-# ------------------------------------------------------------------------------------------ deployment
 @dataclass
 class RayServer:
     """A deployed `minisgl` Serve application: `.url`, `.replicas` (DeploymentHandles of the engine
@@ -524,8 +107,7 @@ def deploy(
     Connects to Ray first (`cluster.connect`: the session already initialised, `ray_address` /
     RAY_ADDRESS, or a new local cluster). Serve is started with `host:port` unless it already runs on
     the cluster, in which case its proxies' address applies."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError(f"--replicas must be an integer >= 1, got {replicas!r}")
+    check_count(replicas, "--replicas")
     ray = import_ray(FEATURE)
     serve = import_serve(FEATURE)
     from minisgl_backend.model.loader import resolve_model_dir
@@ -557,7 +139,7 @@ def deploy(
             )
             owns_serve = True
         engine_cls = serve.deployment(
-            EngineReplica,
+            ServeReplica,
             ray_actor_options={"num_cpus": num_cpus, "num_gpus": gpus},
             max_ongoing_requests=MAX_ONGOING,
             health_check_period_s=2,
@@ -624,22 +206,11 @@ def _running_http_address(host: str, port: int) -> tuple[str, int]:
         return host, port
 
 
-def run_ray_server(
-    config: EngineConfig,
-    replicas: int,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    model_name: str | None = None,
-    ray_address: str | None = None,
-    limits: Any = None,
-) -> None:
-    """`minisgl serve --replicas N`: deploy, serve until SIGINT/SIGTERM, then stop (streams end with
-    finish_reason "abort", the application is deleted, the Ray cluster this command started is shut
-    down). Blocks. `limits`: the ingress app's ServeLimits (body size, prompts, sequences, streams;
-    connections and header timeouts are Serve's proxy's own)."""
+def serve_until_signalled(server: RayServer, model: str, model_name: str | None) -> None:
+    """`minisgl serve --replicas N` once `deploy` returned: serve until SIGINT/SIGTERM, then stop
+    (streams end with finish_reason "abort", the application is deleted, the Ray cluster this
+    command started is shut down). Blocks. `model`: the engine's model reference, for the banner."""
     stop = threading.Event()
-    server = deploy(config, replicas, host, port, api_key, model_name, ray_address, limits)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     ray = import_ray(FEATURE)
@@ -647,10 +218,10 @@ def run_ray_server(
         log.setLevel(logging.INFO)
     log.info(
         "minisgl serve: %s on %s/v1, %d engine replicas on Ray Serve (model %r); Ray cluster %s (%s)",
-        config.model,
+        model,
         server.url,
-        replicas,
-        model_name or str(config.model),
+        server.n,
+        model_name or model,
         ray.get_runtime_context().gcs_address,
         "started by this command" if server.started_cluster else "joined",
     )

@@ -1,7 +1,7 @@
 """Micro-benchmark of one bf16 linear: the packed kernel against oneDNN and the few-row AVX-512 kernel.
 
-    python scripts/bench_linear.py [--n 3072] [--k 576] [--rows 1 4 8 32 512] [--threads 1]
-    python scripts/bench_linear.py --stream [--threads 2]
+    python -m minisgl_backend.bench.linear [--n 3072] [--k 576] [--rows 1 4 8 32 512] [--threads 1]
+    python -m minisgl_backend.bench.linear --stream [--threads 2]
 
 Prints one JSON line per row count with GFLOP/s (2 * rows * n * k per call; at one row that is
 also GB/s of weights), best of 5 by the calling thread's CPU time at one thread (robust on a shared

@@ -1,7 +1,7 @@
 """lm-eval on the local tasks at data_parallel_size=1 vs N (Ray replicas): wall time, scores, prefix hits.
 
-    .venv/bin/python scripts/bench_lm_eval_dp.py                         # minisgl_mc, 5-shot, dp 1 vs 2
-    .venv/bin/python scripts/bench_lm_eval_dp.py --num-fewshot 0 --dp 1,2,4 --tasks minisgl_mc,minisgl_gen
+    python -m minisgl_backend.bench.lm_eval_dp                         # minisgl_mc, 5-shot, dp 1 vs 2
+    python -m minisgl_backend.bench.lm_eval_dp --num-fewshot 0 --dp 1,2,4 --tasks minisgl_mc,minisgl_gen
 
 Each run is a fresh interpreter (start-up, Ray start and model load included in `wall s`; `eval s` is
 lm_eval.simple_evaluate alone, `engine s` the time inside the adapter's engine calls), offline, fp32,
@@ -20,18 +20,21 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from minisgl_backend.bench.lm_eval import OFFLINE, task_metrics
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: configs/tasks, adapters/
 
 
 def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     import lm_eval
+    import lm_eval.models  # noqa: F401 - its import registers `minisgl` (the adapter's .pth hook)
+    from lm_eval.api.registry import get_model
     from lm_eval.tasks import TaskManager
-    from lm_eval_minisgl.model import MiniSGLLM
 
     model_args = {"pretrained": args.model, "dtype": "float32", "metrics_exact": True, "stats_interval_s": 0}
     model_args.update(json.loads(args.model_args))
-    lm = MiniSGLLM(data_parallel_size=args.worker, **model_args)
+    lm = get_model("minisgl")(data_parallel_size=args.worker, **model_args)
     t_load = time.perf_counter()
     engine_s = [0.0]  # time inside the adapter's engine calls (lm-eval's own task set-up excluded)
     run = lm._run
@@ -54,10 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     t_eval = time.perf_counter()
     m = lm.engine.metrics()
     lm.close()
-    scores = {
-        task: {k: v for k, v in vals.items() if isinstance(v, (int, float)) and "stderr" not in k}
-        for task, vals in results["results"].items()
-    }
+    scores = task_metrics(results["results"])
     query, hit = m.get("prefix_query_tokens", 0), m.get("prefix_hit_tokens", 0)
     print(
         "RESULT "
@@ -91,11 +91,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker is not None:
         return worker(args)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, **OFFLINE}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "adapters"), env.get("PYTHONPATH", "")])
     runs: dict[int, dict] = {}
     for dp in (int(x) for x in args.dp.split(",")):
-        cmd = [sys.executable, __file__, "--worker", str(dp), "--tasks", args.tasks, "--model", args.model]
+        cmd = [
+            sys.executable,
+            "-m",
+            __spec__.name,
+            "--worker",
+            str(dp),
+            "--tasks",
+            args.tasks,
+            "--model",
+            args.model,
+        ]
         cmd += ["--num-fewshot", str(args.num_fewshot), "--model-args", args.model_args]
         if args.limit:
             cmd += ["--limit", str(args.limit)]

@@ -1,6 +1,6 @@
 """Micro-benchmark of paged attention: the native kernel on each of its scorers, and SDPA beside it.
 
-    python scripts/bench_attention.py [--threads 1] [--dtype bfloat16]
+    python -m minisgl_backend.bench.attention [--threads 1] [--dtype bfloat16]
 
 SmolLM2's attention shape (9 heads, 3 KV heads, head_dim 64, block size 16) over a paged pool with
 shuffled blocks. Prints one JSON line per case, milliseconds per layer, best of 5 (the calling
@@ -23,8 +23,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_linear import best_of  # scripts/ is sys.path[0] when run as a script
 
+from minisgl_backend.bench.linear import best_of
 from minisgl_backend.model import cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -41,6 +41,14 @@ def sdpa_chunk(q, k, v, table, start, ctx) -> torch.Tensor:
     mask = torch.ones(q.shape[0], ctx, dtype=torch.bool).tril(start) if start else None
     qr = q.transpose(0, 1)[None]
     return F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+
+def kernel_calls(scorers: list[str], *args: object) -> dict[str, functools.partial[object]]:
+    """paged_attention(*args) on each scorer, as calls without arguments (no mask, no sinks)."""
+    return {
+        name: functools.partial(cpu_kernels.paged_attention, *args, None, None, scorer=name)
+        for name in scorers
+    }
 
 
 def main() -> None:
@@ -68,22 +76,7 @@ def main() -> None:
         table = torch.randperm(nb + 4, generator=g)[:nb]
         q = torch.randn(rows, HEADS, HEAD_DIM, generator=g).to(dtype)
         row_table, pos = torch.zeros(rows, dtype=torch.int64), torch.arange(start, ctx)
-        fns = {
-            name: functools.partial(
-                cpu_kernels.paged_attention,
-                q,
-                k,
-                v,
-                table[None],
-                row_table,
-                pos,
-                scale,
-                None,
-                None,
-                scorer=name,
-            )
-            for name in scorers
-        }
+        fns = kernel_calls(scorers, q, k, v, table[None], row_table, pos, scale)
         fns["sdpa_gathered"] = functools.partial(sdpa_chunk, q, k, v, table, start, ctx)
         ms = {name: round(best_of(fn, clock) * 1e3, 3) for name, fn in fns.items()}
         print(json.dumps({"case": "prefill", "start": start, "rows": rows, "threads": a.threads, "ms": ms}))
@@ -93,22 +86,7 @@ def main() -> None:
         tables = torch.randperm(batch * nb + 4, generator=g)[: batch * nb].view(batch, nb)
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)
         pos = torch.full((batch,), context - 1)
-        fns = {
-            name: functools.partial(
-                cpu_kernels.paged_attention,
-                q,
-                k,
-                v,
-                tables,
-                torch.arange(batch),
-                pos,
-                scale,
-                None,
-                None,
-                scorer=name,
-            )
-            for name in scorers
-        }
+        fns = kernel_calls(scorers, q, k, v, tables, torch.arange(batch), pos, scale)
         ms = {name: round(best_of(fn, clock) * 1e3, 3) for name, fn in fns.items()}
         print(
             json.dumps({"case": "decode", "batch": batch, "context": context, "threads": a.threads, "ms": ms})

@@ -1,6 +1,6 @@
 """Microbenchmark of the completion path (S13/S14/S19): Python tracker vs the native extension.
 
-  .venv/bin/python scripts/bench_callbacks.py [--completions 100000] [--work-items 3000] [--matrix 96]
+  python -m minisgl_backend.bench.callbacks [--completions 100000] [--work-items 3000] [--matrix 96]
 
 Rows, per implementation:
 - complete() only: the raw call from one thread, nobody waiting.

@@ -1,7 +1,7 @@
 """Serving throughput of `minisgl serve` at 1 vs N replicas, measured with `minisgl bench-serve`.
 
-    .venv/bin/python scripts/bench_serve_replicas.py                    # SmolLM2 bf16, the four servers below
-    .venv/bin/python scripts/bench_serve_replicas.py --tiny --num-requests 400 --concurrency 32
+    python -m minisgl_backend.bench.serve_replicas                    # SmolLM2 bf16, the four servers below
+    python -m minisgl_backend.bench.serve_replicas --tiny --num-requests 400 --concurrency 32
 
 Each server is a fresh `minisgl serve` process on a free port (stopped with SIGTERM after its run):
   single, all cores      the in-process server (torch threads = cores)
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: adapters/ for the servers
 
 
 def _free_port() -> int:

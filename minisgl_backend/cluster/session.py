@@ -1,5 +1,5 @@
-"""Ray for engine replicas, shared by lm-eval's `data_parallel_size=N` and `minisgl serve --replicas N`:
-importing it (the `ray` extra), joining or starting a cluster, and each replica's share of it.
+"""The Ray session of the engine replicas: importing Ray (the `ray` extra), joining or starting a
+cluster, and keeping every socket of a cluster started here on loopback.
 
 Ray is imported only here and only when replicas are asked for, so a single-engine run never loads it.
 """
@@ -7,13 +7,10 @@ Ray is imported only here and only when replicas are asked for, so a single-engi
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
-from minisgl_backend.config import EngineConfig
-from minisgl_backend.errors import ConfigError, MissingExtraError
-
-RESOURCE_WAIT_S = 5.0  # how long to wait for free CPUs/GPUs before saying the replicas do not fit
+from minisgl_backend.cluster.placement import local_cpus
+from minisgl_backend.errors import MissingExtraError
 
 
 def import_ray(feature: str) -> Any:
@@ -76,44 +73,24 @@ def loopback_only(ray: Any) -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def local_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+def serve_grpc_on_loopback(feature: str) -> None:
+    """On a node whose address is 127.0.0.1 (the loopback-only cluster `connect` starts), make this
+    Serve replica's inter-deployment gRPC server listen there too: Ray Serve binds it to `[::]:0`
+    whatever the node's address (ray/serve/_private/replica.py). Called from a deployment's
+    constructor, which Serve runs before it starts that server; a no-op elsewhere."""
+    ray = import_ray(feature)
+    from ray.serve._private import replica as serve_replica
 
+    add_port = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if add_port is None or getattr(add_port, "loopback", False):
+        return
+    if ray.util.get_node_ip_address() != "127.0.0.1":
+        return
 
-def cpu_share(n: int, cluster_cpus: float, max_node_cpus: float) -> int:
-    """Threads (and Ray CPUs) per replica: an equal share of the cluster, at most one node's CPUs."""
-    return max(1, min(int(cluster_cpus) // n, int(max_node_cpus)))
-
-
-def replica_resources(ray: Any, config: EngineConfig, n: int, what: str) -> tuple[EngineConfig, int, int]:
-    """(the replicas' config, num_cpus, num_gpus of each) for `n` replicas on the connected cluster.
-    The config gets `num_threads` = the replica's core share unless it sets one, and `device="cuda"`
-    on GPUs (Ray shows each replica its own GPU as cuda:0). Waits up to RESOURCE_WAIT_S for
-    just-released resources, then raises ConfigError if the replicas do not fit: Ray would otherwise
-    leave them pending forever. `what` names the knob in that message (`data_parallel_size`)."""
-    nodes = [nd for nd in ray.nodes() if nd.get("Alive")]
-    max_node = max((nd.get("Resources", {}).get("CPU", 0) for nd in nodes), default=1)
-    share = cpu_share(n, ray.cluster_resources().get("CPU", 1), max_node)
-    if config.num_threads is None:
-        config = config.replace(num_threads=share)
-    num_cpus = min(config.num_threads, max(1, int(max_node)))
-    gpus = 1 if config.device.startswith("cuda") else 0
-    if gpus:
-        config = config.replace(device="cuda")
-    deadline = time.monotonic() + RESOURCE_WAIT_S
-    while True:
-        free = ray.available_resources()
-        fits = free.get("CPU", 0) >= n * num_cpus and free.get("GPU", 0) >= n * gpus
-        if fits or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    if not fits:
-        raise ConfigError(
-            f"{what}={n} needs {n} x (num_cpus={num_cpus}, num_gpus={gpus}) free in the "
-            f"Ray cluster, which has {free.get('CPU', 0):g} CPUs and {free.get('GPU', 0):g} GPUs "
-            f"free: lower {what} or num_threads, or close the other replicas"
+    def loopback_port(server: Any, address: str) -> Any:
+        return add_port(
+            server, "127.0.0.1:" + address[len("[::]:") :] if address.startswith("[::]:") else address
         )
-    return config, num_cpus, gpus
+
+    loopback_port.loopback = True  # type: ignore[attr-defined]
+    serve_replica.add_port_to_grpc_server = loopback_port

@@ -1,6 +1,6 @@
 """Time and profile decode steps of the model alone (no scheduler): the per-op split in docs/performance.md.
 
-    python scripts/profile_decode.py [--dtype bfloat16] [--batch 1] [--context 100] [--steps 40]
+    python -m minisgl_backend.bench.decode_profile [--dtype bfloat16] [--batch 1] [--context 100] [--steps 40]
                                      [--deterministic] [--int8] [--threads N] [--cpu-time] [--profile]
                                      [--layer-loop]
 

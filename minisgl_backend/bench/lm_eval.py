@@ -1,9 +1,9 @@
 """Same lm_eval run, `--model hf` vs `--model minisgl`: wall time, metrics and per-request parity.
 
-    .venv/bin/python scripts/bench_lm_eval.py                      # speed: minisgl_mc (600 requests), fp32
-    .venv/bin/python scripts/bench_lm_eval.py --tasks minisgl_mc,minisgl_gen,minisgl_ppl   # full parity
-    .venv/bin/python scripts/bench_lm_eval.py --hf-batch-sizes "" --variant prefix_cache=off  # cache gain
-    .venv/bin/python scripts/bench_lm_eval.py --hf-batch-sizes "" --tasks minisgl_mc,minisgl_gen,minisgl_ppl \
+    python -m minisgl_backend.bench.lm_eval                      # speed: minisgl_mc (600 requests), fp32
+    python -m minisgl_backend.bench.lm_eval --tasks minisgl_mc,minisgl_gen,minisgl_ppl   # full parity
+    python -m minisgl_backend.bench.lm_eval --hf-batch-sizes "" --variant prefix_cache=off  # cache gain
+    python -m minisgl_backend.bench.lm_eval --hf-batch-sizes "" --tasks minisgl_mc,minisgl_gen,minisgl_ppl \
         --variant deterministic=false --repeat 2        # the cost of the adapter's deterministic default
 
 Each run is the stock CLI in a fresh subprocess (start-up and model load included), offline, on the
@@ -24,8 +24,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: configs/tasks
+
+# Every run reads the local caches only: timings without downloads, and no run on a changed dataset.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def task_metrics(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """lm-eval's `results` section without its stderr entries and labels: task -> metric -> value."""
+    return {
+        task: {k: v for k, v in vals.items() if isinstance(v, (int, float)) and "stderr" not in k}
+        for task, vals in results.items()
+    }
 
 
 def _children_cpu_s() -> float:
@@ -54,17 +66,14 @@ def run_lm_eval(
         "--log_samples",
         *extra,
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, **OFFLINE}
     t0, cpu0 = time.perf_counter(), _children_cpu_s()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
-    metrics = {
-        task: {k: v for k, v in vals.items() if isinstance(v, (int, float)) and "stderr" not in k}
-        for task, vals in results.items()
-    }
+    metrics = task_metrics(results)
     responses: dict = {}
     for f in out.rglob("samples_*.jsonl"):
         task = f.name.removeprefix("samples_").rsplit("_", 1)[0]
@@ -128,7 +137,6 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = ap.parse_args()
 
-    sys.path.insert(0, str(ROOT))
     from minisgl_backend.model.loader import resolve_model_dir
 
     hf_dir = resolve_model_dir(args.model)

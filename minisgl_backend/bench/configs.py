@@ -1,0 +1,130 @@
+"""`minisgl bench --scenario seed-table|prefix` and `--sweep`: one closed-loop workload under each of
+several engine configs, one engine at a time (optionally with each run's timeline for --trace/--plot)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from minisgl_backend.bench.measure import summarize
+from minisgl_backend.config import EngineConfig
+from minisgl_backend.engine import Engine
+from minisgl_backend.types import RequestOutput, SamplingParams
+
+# The seed's four rows (section 5.3) as plain config overrides.
+SEED_TABLE: dict[str, dict[str, Any]] = {
+    "serial, no chunking": {"overlap": False, "chunk_size": None, "mixed_batches": False, "max_inflight": 1},
+    "overlap, chunk too small": {"overlap": True, "chunk_size": 32, "mixed_batches": True, "max_inflight": 4},
+    "overlap, moderate chunk": {"overlap": True, "chunk_size": 256, "mixed_batches": True, "max_inflight": 4},
+    "overlap, over-synchronised": {
+        "overlap": True,
+        "chunk_size": 256,
+        "mixed_batches": True,
+        "max_inflight": 1,
+    },
+}
+
+
+def mixed_prompts(
+    n: int, vocab: int, short: int = 64, long: int = 768, long_every: int = 4, seed: int = 0
+) -> list[list[int]]:
+    """Mostly short prompts with a long one every `long_every`: long prefills arrive while others decode."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(100, vocab - 1) for _ in range(long if i % long_every == long_every - 1 else short)]
+        for i in range(n)
+    ]
+
+
+# The prefix-cache scenario: every mode on one shared-prefix workload, in one run.
+PREFIX_TABLE: dict[str, dict[str, Any]] = {
+    f"prefix_cache={m}": {"prefix_cache": m} for m in ("off", "sync", "async")
+}
+
+
+def shared_prefix_prompts(
+    n: int, vocab: int, num_stems: int = 4, stem_len: int = 512, tail_len: int = 32, seed: int = 0
+) -> list[list[int]]:
+    """Few-shot shape: each prompt is one of a few long shared stems plus its own short question."""
+    rng = random.Random(seed)
+    stems = [[rng.randrange(100, vocab - 1) for _ in range(stem_len)] for _ in range(num_stems)]
+    return [stems[i % num_stems] + [rng.randrange(100, vocab - 1) for _ in range(tail_len)] for i in range(n)]
+
+
+def run_closed_loop(
+    engine: Engine, prompts: list[list[int]], output_len: int, concurrency: int
+) -> dict[str, float]:
+    """`concurrency` clients, each sending its next request when the previous one finished."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    queue_ = list(reversed(prompts))
+    lock = threading.Lock()
+    outs: list[RequestOutput] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue_:
+                    return
+                prompt = queue_.pop()
+            out = engine.submit(prompt, params).result()
+            with lock:
+                outs.append(out)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return summarize(outs, time.perf_counter() - t0)
+
+
+def bench_configs(
+    base: EngineConfig,
+    variants: dict[str, dict[str, Any]],
+    num_requests: int,
+    output_len: int,
+    concurrency: int,
+    trace_events: list[dict] | None = None,
+    workload: Callable[[int, int], list[list[int]]] = mixed_prompts,
+) -> dict[str, dict[str, Any]]:
+    """The same workload (`workload(num_requests, vocab)`) under each config variant, one engine at
+    a time. With `trace_events`, every run's timeline is appended (one trace process per variant) and
+    each row reports how much of the scheduler thread's busy time overlapped a running forward pass."""
+    rows: dict[str, dict[str, Any]] = {}
+    for i, (name, overrides) in enumerate(variants.items()):
+        cfg = base.replace(
+            **overrides, metrics_exact=True, **({"trace": True} if trace_events is not None else {})
+        )
+        with Engine(cfg) as engine:
+            prompts = workload(num_requests, engine.vocab_size)
+            warm = [[101, 102, 103]]  # shares no prefix with the workload: the cache starts cold
+            engine.generate(warm, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+            engine.tracer.spans.clear()
+            before = engine.metrics()
+            rows[name] = run_closed_loop(engine, prompts, output_len, concurrency)
+            engine.drain()
+            rows[name].update(_prefill_stats(before, engine.metrics()))
+            if trace_events is not None:
+                trace_events.extend(engine.tracer.chrome_events(pid=i, process_name=name))
+                rows[name]["sched_overlap"] = engine.tracer.busy_overlap()
+        print(f"  {name}: {rows[name]['req_per_s']:.2f} req/s", flush=True)
+    return rows
+
+
+def _prefill_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Prefill work and prefix-cache effect of one run: tokens computed, tokens and requests served
+    from the cache, evictions, and the scheduler time spent inserting into the tree."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return {
+        "prefill_tokens": d.get("prefill_tokens", 0.0),
+        "prefix_hit_tokens": d.get("prefix_hit_tokens", 0.0),
+        "prefix_token_hit_rate": d.get("prefix_hit_tokens", 0.0)
+        / max(d.get("prefix_query_tokens", 0.0), 1.0),
+        "prefix_request_hit_rate": d.get("prefix_hits", 0.0) / max(d.get("prefix_queries", 0.0), 1.0),
+        "prefix_evicted_blocks": d.get("prefix_evicted_blocks", 0.0),
+        "prefix_insert_ms": 1000 * d.get("prefix_insert_s", 0.0),
+    }
