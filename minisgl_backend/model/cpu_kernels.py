@@ -343,7 +343,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool, add: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(RMSNorm of s, s) with s = x + add (or x): over the last dim, row by row, rounded as the
-    torch expressions of model/llama.py RMSNorm / GemmaRMSNorm (gemma: the (1 + weight) form).
+    torch expressions of model/layers.py RMSNorm / GemmaRMSNorm (gemma: the (1 + weight) form).
     None where the kernel cannot run."""
     operands = (x, weight) if add is None else (x, weight, add)
     if not _rowwise_ok(*operands) or (add is not None and add.shape != x.shape):
