@@ -25,8 +25,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-try:  # built by setup.py when a C++ compiler is present (optional, like minisgl_backend._native)
-    from minisgl_backend import _kernels as _native  # type: ignore[attr-defined]
+try:  # built by setup.py when a C++ compiler is present (optional, like the in-flight tracker)
+    from minisgl_backend.native import _kernels as _native  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
 
