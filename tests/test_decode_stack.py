@@ -163,6 +163,23 @@ def test_decode_stack_is_skipped_where_it_does_not_run():
     assert _stack(_model(_spec(gemma=True), "packed"), kv) is None
 
 
+def test_decode_stack_is_rebuilt_when_the_weights_change():
+    """The stack points into the weights: after quantize_int8 replaces them it is built again, and
+    still gives the layer loop's bits."""
+    model = _model(_spec(), "unpacked")
+    kv, tables = _prefilled(model, 1)
+    before = _stack(model, kv)
+    assert before is not None and _stack(model, kv) is before
+    model.quantize_int8()
+    after = _stack(model, kv)
+    assert after is not None and after is not before
+    loop_kv = _copy(kv)
+    batch = _decode_batch(tables, 0, seed=5)
+    native = model(batch, kv)
+    model.forward_strategy = _stacked(model).inner
+    assert torch.equal(native, model(batch, loop_kv))
+
+
 def test_decode_stack_refuses_a_slot_outside_the_pool():
     model = _model(_spec(), "unpacked")
     kv, tables = _prefilled(model, 1)
