@@ -60,10 +60,14 @@ class BuildPyWithPth(build_py):
 # executor uses the pure-Python tracker (minisgl_backend/executor/tracker.py), so a machine without a
 # compiler still installs.
 # optional=True also makes an editable install skip copying a .so that was never built.
-NATIVE = Extension("minisgl_backend._native", ["csrc/inflight_tracker.cpp"], language="c++", optional=True)
+NATIVE = Extension(
+    "minisgl_backend.native._native", ["csrc/inflight_tracker.cpp"], language="c++", optional=True
+)
 # The CPU decode kernels (csrc/cpu_kernels.cpp, docs/architecture.md §11d). Optional too: without them the
 # model runs torch's own ops (minisgl_backend/model/cpu_kernels.py decides per call).
-KERNELS = Extension("minisgl_backend._kernels", ["csrc/cpu_kernels.cpp"], language="c++", optional=True)
+KERNELS = Extension(
+    "minisgl_backend.native._kernels", ["csrc/cpu_kernels.cpp"], language="c++", optional=True
+)
 SKIP_NATIVE_ENV = "MINISGL_SKIP_NATIVE"
 FALLBACKS = {
     NATIVE.name: "the Python callback path (PyInflightTracker), which is slower (docs/requirements.md, S14)",

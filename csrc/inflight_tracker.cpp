@@ -1,4 +1,4 @@
-// minisgl_backend._native: the completion-callback core of the executor (S13, S14, S19; see
+// minisgl_backend.native._native: the completion-callback core of the executor (S13, S14, S19; see
 // docs/requirements.md).
 //
 // S13: at most `max_inflight` submitted-but-unfinished iterations; the completion callback only

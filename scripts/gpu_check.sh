@@ -44,7 +44,7 @@ import torch
 print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}",
       f"({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "")
 PY
-if ! "$PY" -c "import minisgl_backend._native" 2>/dev/null; then
+if ! "$PY" -c "import minisgl_backend.native._native" 2>/dev/null; then
   echo "native tracker not importable for this Python: building it (log: $OUT/build.log)"
   if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
     echo "WARNING: build failed; the engine uses the Python callback path (see $OUT/build.log)"

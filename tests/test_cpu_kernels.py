@@ -19,7 +19,7 @@ from minisgl_backend.model.rope import apply_rotary
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(),
-    reason="minisgl_backend._kernels not built, disabled, or this CPU lacks AVX-512",
+    reason="minisgl_backend.native._kernels not built, disabled, or this CPU lacks AVX-512",
 )
 
 

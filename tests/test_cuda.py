@@ -83,7 +83,7 @@ def test_model_and_kv_live_on_the_device(tiny_model_dir):
 def test_native_host_callback_drives_the_copy_worker(tiny_model_dir, cpu_reference):
     """The copy worker gets its work only from cudaLaunchHostFunc callbacks into the native tracker:
     if they did not fire, nothing would complete."""
-    from minisgl_backend import _native
+    from minisgl_backend.native import _native
 
     assert _native.cuda_runtime_available()
     prompts, greedy, _ = cpu_reference

@@ -12,12 +12,14 @@ import torch
 
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
-from minisgl_backend.model import batch_invariant, cpu_kernels
+from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.decode_stack import DecodeStack, DecodeStackForward
 from minisgl_backend.model.llama import CausalLM, ForwardBatch, Linear, ModelSpec
+from minisgl_backend.model.loader import forward_strategy
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(),
-    reason="minisgl_backend._kernels not built, disabled, or this CPU lacks AVX-512",
+    reason="minisgl_backend.native._kernels not built, disabled, or this CPU lacks AVX-512",
 )
 
 BLOCK, BLOCKS_PER_SEQ = 16, 4
@@ -66,9 +68,18 @@ def _model(spec: ModelSpec, mode: str) -> CausalLM:
         model.quantize_int8()
     if mode != "unpacked":
         model.pack_weights()
-    if mode == "deterministic":
-        batch_invariant.enable(model)
+    model.forward_strategy = forward_strategy(model, mode == "deterministic")  # as the engine's loader
     return model
+
+
+def _stacked(model: CausalLM) -> DecodeStackForward:
+    forward = model.forward_strategy
+    assert isinstance(forward, DecodeStackForward)
+    return forward
+
+
+def _stack(model: CausalLM, kv: KVCache) -> DecodeStack | None:
+    return _stacked(model).stack(model, kv)
 
 
 def _prefilled(model: CausalLM, rows: int) -> tuple[KVCache, torch.Tensor]:
@@ -123,17 +134,16 @@ def test_decode_stack_has_the_layer_loops_bits(mode, over, rows):
     model = _model(_spec(**over), mode)
     kv, tables = _prefilled(model, rows)
     loop_kv = _copy(kv)
-    loop_kv_stack = model.decode_stack(loop_kv)
-    model._stack = (loop_kv, None)  # this pool: the layer loop
-    assert loop_kv_stack is not None
+    stacked = _stacked(model)
     for step in range(3):
         batch = _decode_batch(tables, step, seed=10 + step)
-        stack = model.decode_stack(kv)
+        stack = stacked.stack(model, kv)
         # Without packs the stack takes only the few-row kernel's row counts.
         assert stack.runs(batch) == (mode != "unpacked" or rows <= cpu_kernels.MAX_KERNEL_ROWS)
         native = model(batch, kv)
-        model._stack = (loop_kv, None)
+        model.forward_strategy = stacked.inner  # the layer loop, over the copy of the pool
         plain = model(batch, loop_kv)
+        model.forward_strategy = stacked
         assert torch.equal(native, plain), f"step {step}: logits differ"
         for layer in range(model.spec.num_layers):
             assert torch.equal(kv.k[layer], loop_kv.k[layer]) and torch.equal(kv.v[layer], loop_kv.v[layer])
@@ -148,9 +158,26 @@ def test_decode_stack_is_skipped_where_it_does_not_run():
     decode = _decode_batch(tables, 0, seed=3)
     chunk = PrefillChunk(2, 1, 1, tables[1][:1])
     mixed = decode._replace(prefill_chunks=(chunk,), input_ids=torch.tensor([1, 2, 3]))
-    assert model.decode_stack(kv).runs(decode) and not model.decode_stack(kv).runs(mixed)
-    assert _model(_spec(), "packed").float().decode_stack(_copy(kv)) is None
-    assert _model(_spec(gemma=True), "packed").decode_stack(kv) is None
+    assert _stack(model, kv).runs(decode) and not _stack(model, kv).runs(mixed)
+    assert _stack(_model(_spec(), "packed").float(), _copy(kv)) is None
+    assert _stack(_model(_spec(gemma=True), "packed"), kv) is None
+
+
+def test_decode_stack_is_rebuilt_when_the_weights_change():
+    """The stack points into the weights: after quantize_int8 replaces them it is built again, and
+    still gives the layer loop's bits."""
+    model = _model(_spec(), "unpacked")
+    kv, tables = _prefilled(model, 1)
+    before = _stack(model, kv)
+    assert before is not None and _stack(model, kv) is before
+    model.quantize_int8()
+    after = _stack(model, kv)
+    assert after is not None and after is not before
+    loop_kv = _copy(kv)
+    batch = _decode_batch(tables, 0, seed=5)
+    native = model(batch, kv)
+    model.forward_strategy = _stacked(model).inner
+    assert torch.equal(native, model(batch, loop_kv))
 
 
 def test_decode_stack_refuses_a_slot_outside_the_pool():

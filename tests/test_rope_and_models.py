@@ -282,8 +282,8 @@ def test_rope_frequencies_equal_transformers():
     import transformers as t
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from minisgl_backend.model.llama import _rope_specs
     from minisgl_backend.model.rope import Rotary
+    from minisgl_backend.model.spec import _rope_specs
 
     variants = [
         dict(

@@ -15,7 +15,7 @@ import torch
 from minisgl_backend.executor import tracker as tracker_mod
 from minisgl_backend.executor.tracker import PyInflightTracker, make_tracker, native_available
 
-NEEDS_NATIVE = "minisgl_backend._native is not built (pip install -e . with a C++ compiler)"
+NEEDS_NATIVE = "minisgl_backend.native._native is not built (pip install -e . with a C++ compiler)"
 
 
 @pytest.fixture(params=["native", "python"])

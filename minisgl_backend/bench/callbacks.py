@@ -91,7 +91,7 @@ def main() -> None:
 
     impls = ["python"] + (["native"] if native_available() else [])
     if not native_available():
-        print("NOTE: minisgl_backend._native is not built; only the Python tracker is measured.")
+        print("NOTE: minisgl_backend.native._native is not built; only the Python tracker is measured.")
     a = np.random.default_rng(0).standard_normal((args.matrix, args.matrix)).astype(np.float32)
     producer_rate(None, min(200, args.work_items), a)  # warm BLAS
     alone = producer_rate(None, args.work_items, a)

@@ -23,7 +23,7 @@ import torch
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
-from minisgl_backend.model.decode_stack import DecodeStack
+from minisgl_backend.model.decode_stack import DecodeStackForward
 from minisgl_backend.model.llama import ForwardBatch
 from minisgl_backend.model.loader import load_model, prepare
 
@@ -44,12 +44,14 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--layer-loop", action="store_true", help="no native decode stack")
     a = ap.parse_args()
-    if a.layer_loop:
-        DecodeStack.supports = staticmethod(lambda *args: False)
     if a.threads:
         torch.set_num_threads(a.threads)
     model = load_model(a.model, a.dtype, "cpu").model
     prepare(model, "int8" if a.int8 else None, a.deterministic)
+    stacked = model.forward_strategy
+    assert isinstance(stacked, DecodeStackForward)  # what prepare picks
+    if a.layer_loop:
+        model.forward_strategy = stacked.inner
     s = model.spec
     per_seq = -(-(a.context + a.steps + 20) // BLOCK)
     kv = KVCache(
@@ -101,7 +103,7 @@ def main() -> None:
                 "threads": torch.get_num_threads(),
                 "cpu_kernels": cpu_kernels.available(),
                 "amx": cpu_kernels.amx_available(),
-                "decode_stack": model.decode_stack(kv) is not None,
+                "decode_stack": not a.layer_loop and stacked.stack(model, kv) is not None,
                 "clock": "thread_cpu" if a.cpu_time else "wall",
                 "step_ms_min": round(best * 1e3, 2),
                 "step_ms_median": round(median * 1e3, 2),

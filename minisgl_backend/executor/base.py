@@ -33,7 +33,8 @@ from minisgl_backend.executor.tracker import InflightTracker
 from minisgl_backend.iteration import IterationInputs, IterationOutput, PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.metrics import Metrics, Tracer
-from minisgl_backend.model.llama import CausalLM, ForwardBatch
+from minisgl_backend.model.batch import ForwardBatch
+from minisgl_backend.model.llama import CausalLM
 
 STOP = None
 

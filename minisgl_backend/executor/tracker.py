@@ -6,8 +6,8 @@ a worker thread, or the scheduler itself — and the scheduler's main thread col
 with ``wait``/``drain``. Slot state changes only after that hand-over, on the main thread (S7).
 
 Two implementations with one interface:
-- ``native``: ``minisgl_backend._native.InflightTracker`` (csrc/inflight_tracker.cpp). ``wait`` releases
-  the GIL; on CUDA the completion is a C host function that only counts and pushes (S14).
+- ``native``: ``minisgl_backend.native._native.InflightTracker`` (csrc/inflight_tracker.cpp). ``wait``
+  releases the GIL; on CUDA the completion is a C host function that only counts and pushes (S14).
 - ``python``: :class:`PyInflightTracker`, kept selectable (``callback_impl: python``) so the seed's
   Python-callback measurement (S19) can be reproduced, and used when the extension was not built.
 """
@@ -148,7 +148,7 @@ def _native() -> Any:
     global _native_module, _native_checked
     if not _native_checked:
         try:
-            import minisgl_backend._native as mod  # type: ignore[import-not-found]
+            from minisgl_backend.native import _native as mod  # type: ignore[attr-defined]
         except ImportError:
             mod = None
         _native_module, _native_checked = mod, True
@@ -156,7 +156,7 @@ def _native() -> Any:
 
 
 def native_available() -> bool:
-    """True if the C++ extension ``minisgl_backend._native`` was built and imports."""
+    """True if the C++ extension ``minisgl_backend.native._native`` was built and imports."""
     return _native() is not None
 
 
@@ -172,8 +172,8 @@ def make_tracker(impl: str, max_inflight: int) -> InflightTracker:
         if not _warned_fallback:
             _warned_fallback = True
             warnings.warn(
-                "callback_impl='native' but minisgl_backend._native is not built (see the install log); "
-                "using the slower Python callback path (PyInflightTracker)",
+                "callback_impl='native' but minisgl_backend.native._native is not built (see the install "
+                "log); using the slower Python callback path (PyInflightTracker)",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -42,7 +42,9 @@ from torch import nn
 
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
-from minisgl_backend.model.llama import Attention, CausalLM, ForwardBatch, Linear, row_tables
+from minisgl_backend.model.batch import ForwardBatch, row_tables
+from minisgl_backend.model.layers import Attention, Linear
+from minisgl_backend.model.llama import CausalLM, Ropes
 
 ROW_MULTIPLE = 4  # attention's matmul row counts are padded to this (see attend)
 ROW_TILE = 16  # every linear call has this many rows, or one of LARGER_TILES that the probe accepted
@@ -201,7 +203,7 @@ def attend(
 
 
 class BatchInvariantForward:
-    """The deterministic forward of one CausalLM (holds its RoPE tables)."""
+    """The deterministic forward of one CausalLM (a model/llama.py Forward; holds its RoPE tables)."""
 
     def __init__(self, model: CausalLM) -> None:
         positions = torch.arange(model.spec.max_position_embeddings, device=model.lm_head.weight.device)
@@ -241,15 +243,12 @@ class BatchInvariantForward:
                 out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale, window, cap)[0]
         return attn.o_proj(out.view(x.shape[0], attn.h * attn.d))
 
-    def forward(self, model: CausalLM, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Same contract as CausalLM.forward: logits [len(batch.logits_index), vocab], model dtype."""
-        x = model.embed(batch.input_ids)
-        ropes = [
-            (cos[batch.positions].to(x.dtype), sin[batch.positions].to(x.dtype)) for cos, sin in self.tables
-        ]
-        stack = model.decode_stack(kv)
-        if stack is not None and stack.runs(batch):
-            return model.logits(stack(x, ropes, batch)[batch.logits_index])
+    def ropes(self, model: CausalLM, positions: torch.Tensor, dtype: torch.dtype) -> Ropes:
+        return [(cos[positions].to(dtype), sin[positions].to(dtype)) for cos, sin in self.tables]
+
+    def layers(
+        self, model: CausalLM, x: torch.Tensor, ropes: Ropes, batch: ForwardBatch, kv: KVCache
+    ) -> torch.Tensor:
         scratch: Scratch = {}
 
         def attend_layer(attn: Attention, h: torch.Tensor) -> torch.Tensor:
@@ -257,16 +256,16 @@ class BatchInvariantForward:
 
         for layer in model.model.layers:
             x = layer(x, attend_layer)
-        return model.logits(x[batch.logits_index])
+        return x
 
 
 def _row_invariant(lin: nn.Linear) -> bool:
     return isinstance(lin, Linear) and lin.packed is not None and lin.qweight is None
 
 
-def enable(model: CausalLM) -> None:
-    """Switch `model` to the batch-invariant forward (call on the compute thread: builds a table and
-    probes the tile sizes of each distinct linear shape)."""
+def enable(model: CausalLM) -> BatchInvariantForward:
+    """Make `model`'s linears row-invariant and return the batch-invariant forward that runs it (call
+    on the compute thread: builds a table and probes the tile sizes of each distinct linear shape)."""
     probed: dict[tuple, tuple[int, ...]] = {}
     # A packed Linear (AMX kernel at every row count, no int8 path) is row-invariant as it is. Any
     # other linear would send few-row calls to the AVX-512 kernel, whose bits differ from oneDNN's:
@@ -279,4 +278,4 @@ def enable(model: CausalLM) -> None:
                 probed[key] = tiles_for(lin.weight, lin.bias)
         lin.__class__ = TiledLinear
         lin.tiles = probed[key]
-    model.batch_invariant = BatchInvariantForward(model)
+    return BatchInvariantForward(model)

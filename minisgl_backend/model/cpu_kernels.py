@@ -25,8 +25,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-try:  # built by setup.py when a C++ compiler is present (optional, like minisgl_backend._native)
-    from minisgl_backend import _kernels as _native  # type: ignore[attr-defined]
+try:  # built by setup.py when a C++ compiler is present (optional, like the in-flight tracker)
+    from minisgl_backend.native import _kernels as _native  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
 
@@ -343,7 +343,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool, add: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(RMSNorm of s, s) with s = x + add (or x): over the last dim, row by row, rounded as the
-    torch expressions of model/llama.py RMSNorm / GemmaRMSNorm (gemma: the (1 + weight) form).
+    torch expressions of model/layers.py RMSNorm / GemmaRMSNorm (gemma: the (1 + weight) form).
     None where the kernel cannot run."""
     operands = (x, weight) if add is None else (x, weight, add)
     if not _rowwise_ok(*operands) or (add is not None and add.shape != x.shape):

@@ -10,25 +10,24 @@ It serves a model whose every layer the kernels cover: bf16 on a CPU with the na
 Llama-style block (Qwen3's q/k norm included; not Gemma's), SiLU, and every linear packed for the
 packed kernel (AMX or AVX512-BF16: any row count) or, where neither runs, batches of up to
 cpu_kernels.MAX_KERNEL_ROWS rows (the few-row kernel).
-The default and the batch-invariant forward both use it: each passes its own RoPE tables.
+It runs under the default and the batch-invariant forward alike (DecodeStackForward wraps either),
+with that forward's RoPE tables.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
-
-if TYPE_CHECKING:
-    from minisgl_backend.model.llama import CausalLM, ForwardBatch, Linear
+from minisgl_backend.model.batch import ForwardBatch
+from minisgl_backend.model.layers import Linear
+from minisgl_backend.model.llama import CausalLM, Forward, Ropes
 
 
 class DecodeStack:
     """The native stack of one model over one KV pool. It holds raw pointers into the model's
-    weights and the pool: build it again after changing either (CausalLM.decode_stack does)."""
+    weights and the pool: build it again after changing either (DecodeStackForward.stack does)."""
 
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
         s = model.spec
@@ -68,11 +67,11 @@ class DecodeStack:
             )
 
     @staticmethod
-    def supports(model: CausalLM, kv: KVCache, linear: type) -> bool:
+    def supports(model: CausalLM, kv: KVCache) -> bool:
         """Whether every layer of `model` is one the stack runs, over this pool (decided by the
-        model and the machine alone: the same for every batch). `linear`: the class whose forward
-        the stack reproduces (model/llama.py's Linear; a subclass, such as the batch-invariant
-        TiledLinear, runs other kernels)."""
+        model and the machine alone: the same for every batch). Its linears must be Linear itself,
+        whose forward the stack reproduces (a subclass, such as the batch-invariant TiledLinear,
+        runs other kernels)."""
         s = model.spec
         w = model.lm_head.weight
         return (
@@ -85,7 +84,7 @@ class DecodeStack:
             and s.head_dim <= 256
             and kv.k[0].dtype == torch.bfloat16
             and all(kv.k[i].is_contiguous() and kv.v[i].is_contiguous() for i in range(s.num_layers))
-            and all(type(lin) is linear and _native_ready(lin) for lin in _linears(model))
+            and all(type(lin) is Linear and _native_ready(lin) for lin in _linears(model))
         )
 
     def runs(self, batch: ForwardBatch) -> bool:
@@ -99,9 +98,7 @@ class DecodeStack:
             and (self.packed or n <= cpu_kernels.MAX_KERNEL_ROWS)
         )
 
-    def __call__(
-        self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch
-    ) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ropes: Ropes, batch: ForwardBatch) -> torch.Tensor:
         """The residual stream after the last layer, for x = the embeddings of batch's rows (a
         fresh tensor: the layers overwrite it) and ropes = (cos, sin) [n, 1, rot] per RoPE of the
         model, in the model dtype."""
@@ -145,6 +142,35 @@ class DecodeStack:
             n,
             k,
         )
+
+
+class DecodeStackForward:
+    """A forward strategy: the decode-only batches the stack runs go through it, with `inner`'s RoPE
+    tables; every other batch, and every batch of a model or pool it does not run, goes through
+    `inner` (the default or the batch-invariant forward), whose bits the stack's are."""
+
+    def __init__(self, inner: Forward) -> None:
+        self.inner = inner
+        self._built: tuple[KVCache, int, DecodeStack | None] | None = None  # (pool, weights_version, stack)
+
+    def stack(self, model: CausalLM, kv: KVCache) -> DecodeStack | None:
+        """The stack of `model` over `kv`, built on first use and again after the pool or the
+        weights change (it points into both); None where it does not run them."""
+        if self._built is None or self._built[0] is not kv or self._built[1] != model.weights_version:
+            stack = DecodeStack(model, kv) if DecodeStack.supports(model, kv) else None
+            self._built = (kv, model.weights_version, stack)
+        return self._built[2]
+
+    def ropes(self, model: CausalLM, positions: torch.Tensor, dtype: torch.dtype) -> Ropes:
+        return self.inner.ropes(model, positions, dtype)
+
+    def layers(
+        self, model: CausalLM, x: torch.Tensor, ropes: Ropes, batch: ForwardBatch, kv: KVCache
+    ) -> torch.Tensor:
+        stack = self.stack(model, kv)
+        if stack is not None and stack.runs(batch):
+            return stack(x, ropes, batch)
+        return self.inner.layers(model, x, ropes, batch, kv)
 
 
 def _linears(model: CausalLM) -> list[Linear]:

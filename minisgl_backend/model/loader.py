@@ -20,7 +20,9 @@ import torch
 
 from minisgl_backend.errors import ConfigError, MiniSGLError, ModelLoadError, ModelNotFoundError
 from minisgl_backend.model import batch_invariant, cpu_kernels
-from minisgl_backend.model.llama import CausalLM, ModelSpec, build_rotary
+from minisgl_backend.model.decode_stack import DecodeStackForward
+from minisgl_backend.model.llama import CausalLM, Forward, LayerLoop, build_rotary
+from minisgl_backend.model.spec import ModelSpec
 
 log = logging.getLogger("minisgl")
 
@@ -178,12 +180,11 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
 def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> None:
     """The load-time transforms, in their one valid order: int8 weights (`weight_dtype: int8`; their
     dequantized copy is what gets packed), AMX packing of the bf16 linears (CausalLM.pack_weights),
-    then the batch-invariant forward (`deterministic`), which keeps packed linears as they are."""
+    then the forward strategy over those final weights (forward_strategy)."""
     if weight_dtype == "int8":
         model.quantize_int8()
     packed = model.pack_weights()
-    if deterministic:
-        batch_invariant.enable(model)
+    model.forward_strategy = forward_strategy(model, deterministic)
     if model.lm_head.weight.device.type == "cpu":
         log.info(
             "CPU kernels: %s (this CPU runs up to %s; MINISGL_KERNELS=%s caps it); %d linear layers packed",
@@ -192,6 +193,13 @@ def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> N
             "|".join(cpu_kernels.FAMILIES),
             packed,
         )
+
+
+def forward_strategy(model: CausalLM, deterministic: bool) -> Forward:
+    """The forward `model` runs: the batch-invariant one for `deterministic` (batch_invariant.enable,
+    which keeps packed linears as they are) or the default layer loop, either under the native decode
+    stack for the decode-only batches it runs (with the same bits, tests/test_decode_stack.py)."""
+    return DecodeStackForward(batch_invariant.enable(model) if deterministic else LayerLoop())
 
 
 def load_tokenizer(model_dir: Path) -> object:

@@ -1,0 +1,304 @@
+"""The layers of the Llama-family decoder (`model/llama.py`): the linear layer over the native CPU
+kernels, RMSNorm (and Gemma's), attention over the paged KV cache, the MLP and the decoder block
+that chains them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.batch import ForwardBatch
+from minisgl_backend.model.rope import apply_rotary
+from minisgl_backend.model.spec import ACTIVATIONS, ModelSpec
+
+
+class Linear(nn.Linear):
+    """nn.Linear over the native CPU kernels (`model/cpu_kernels.py`). After pack() (the engine calls
+    it on a bf16 CPU model), every bf16 call runs the packed kernel (AMX tiles, or AVX512-BF16 panels
+    where there is no AMX) on a packed copy of the weight, at any row count; where neither runs,
+    few-row bf16 calls (decode steps) run the AVX-512 kernel and the rest F.linear. After
+    quantize_int8() the few-row calls (one row where packed) read int8 weights instead (half the
+    bytes), and the rest runs on their dequantized bf16 copy, so prefill and decode use the same
+    quantized weights."""
+
+    qweight: torch.Tensor | None = None  # int8 [out, in], set by quantize_int8
+    qscale: torch.Tensor | None = None  # float32 [out]: weight ~ qweight * qscale[:, None]
+    packed: torch.Tensor | None = None  # the weight in the packed kernel's layout, set by pack
+    gated: bool = False  # packed for linear_packed_silu (MLP.forward), which only MLP reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Where packed, the int8 kernel wins only at one row (measured with AMX: 2-4 rows run ~1.7x
+        # faster on the tile unit over the dequantized bf16 weight than on the int8 FMA kernel).
+        if self.qweight is not None and (self.packed is None or x.shape[0] == 1):
+            out = cpu_kernels.linear_int8(x, self.qweight, self.qscale, self.bias)
+            if out is not None:
+                return out
+        if self.packed is not None and not self.gated:
+            out = cpu_kernels.linear_packed(x, self.packed, self.weight.shape, self.bias)
+            if out is not None:
+                return out
+        return cpu_kernels.linear(x, self.weight, self.bias)
+
+    @torch.no_grad()
+    def pack(self, gated: bool = False) -> bool:
+        """Pack the current weight for the packed kernel (a copy: call again after changing the
+        weight). False where it cannot run (neither AMX nor AVX512-BF16, not bf16 on the CPU).
+        gated: a SiLU MLP's [gate | up] weight, packed for the fused linear_packed_silu where that
+        runs (AVX512-BF16, no bias, not int8); Linear.forward then reads the weight itself."""
+        self.packed = None
+        if gated and self.bias is None and self.qweight is None:
+            self.packed = cpu_kernels.pack(self.weight, gated=True)
+        self.gated = self.packed is not None
+        if not self.gated:
+            self.packed = cpu_kernels.pack(self.weight)
+        return self.packed is not None
+
+    @torch.no_grad()
+    def quantize_int8(self) -> None:
+        """Symmetric per-output-channel int8 (absmax / 127), the weight-only scheme of gpt-fast; the
+        bf16 weight is replaced by its dequantized value (a new tensor: a tied embedding keeps its own)."""
+        w = self.weight.float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.qweight, self.qscale = q.contiguous(), scale.contiguous()
+        self.weight = nn.Parameter((q.float() * scale[:, None]).to(self.weight.dtype), requires_grad=False)
+        if self.packed is not None:  # the pack holds the old weight
+            self.pack()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    gemma = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = cpu_kernels.rms_norm(x, self.weight, self.eps, self.gemma)
+        return self.norm(x) if native is None else native[0]
+
+    def add_and_norm(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + add), x + add): the residual add fused with the norm that reads it."""
+        native = cpu_kernels.rms_norm(x, self.weight, self.eps, self.gemma, add)
+        if native is not None:
+            return native
+        x = x + add
+        return self.norm(x), x
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch expression (the native kernel rounds the same steps)."""
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the stored weight is an offset from 1, and the scale is applied in float32."""
+
+    gemma = True
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def norm_layer(spec: ModelSpec, dim: int) -> RMSNorm:
+    return (GemmaRMSNorm if spec.gemma else RMSNorm)(dim, spec.rms_norm_eps)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    cap: float | None,
+) -> torch.Tensor:
+    """SDPA with soft-capped scores (which SDPA cannot do), as transformers' eager attention:
+    q [1, h, L, d], k/v [1, kvh, S, d], mask [L, S] bool or None (causal)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, cap)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.h, self.kvh, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.window = spec.window(layer_id)  # None: full attention
+        self.rope_index = spec.rope_index(layer_id)
+        self.sdpa_scale = spec.attn_scale  # None: SDPA's default 1/sqrt(d)
+        self.scale = spec.attn_scale or self.d**-0.5
+        self.softcap = spec.attn_softcap
+        self.qkv_proj = Linear(spec.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.h * self.d, spec.hidden_size, bias=False)
+        if spec.qk_norm:
+            self.q_norm = norm_layer(spec, self.d)
+            self.k_norm = norm_layer(spec, self.d)
+        self.qk_norm = spec.qk_norm
+
+    def qkv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], n: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections of the first n rows of x (the rest is row padding), normed and rotated: views
+        into one qkv_proj output (rows of stride (h + 2 kvh) d)."""
+        qkv = self.qkv_proj(x)[:n].view(n, self.h + 2 * self.kvh, self.d)
+        v = qkv[:, self.h + self.kvh :]
+        cos, sin = rope
+        if self.qk_norm:
+            q, k = self.q_norm(qkv[:, : self.h]), self.k_norm(qkv[:, self.h : self.h + self.kvh])
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        qk = apply_rotary(qkv[:, : self.h + self.kvh], cos, sin)  # q and k heads in one pass
+        return qk[:, : self.h], qk[:, self.h :], v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        kv: KVCache,
+        masks: list[torch.Tensor | None],
+        decode: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """masks: chunk_mask(chunk, self.window) per prefill chunk; decode: decode_window(batch,
+        self.window, block_size) (None: the batch's decode block tables and mask); rows:
+        row_tables(batch), where the native paged attention runs for this model and pool (it then
+        serves every row: no prefill chunk's context is gathered)."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x, rope, n)
+        kv.write(self.layer_id, batch.slot_mapping, k, v)
+        if rows is not None:
+            kpool, vpool = kv.k[self.layer_id], kv.v[self.layer_id]
+            o = cpu_kernels.paged_attention(q, kpool, vpool, *rows, self.scale, self.window, self.softcap)
+            return self.o_proj(o.view(n, self.h * self.d))
+
+        b = batch.num_decode
+        out = None if b == n else torch.empty_like(q)
+        if b:
+            tables, mask = (batch.decode_block_tables, batch.decode_mask) if decode is None else decode
+            full, pos = batch.decode_block_tables, batch.positions[:b]
+            o = self._decode_attention(q[:b], tables, mask, kv, full, pos)
+            if out is None:  # a decode-only batch: the attention output is the whole output
+                return self.o_proj(o.reshape(n, self.h * self.d))
+            out[:b] = o
+        for chunk, mask in zip(batch.prefill_chunks, masks):
+            s, e = chunk.start, chunk.start + chunk.length
+            qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
+            if chunk.ctx_len == chunk.length:  # first chunk: its own K/V are the whole context
+                kr, vr = k[s:e], v[s:e]
+            else:
+                kr, vr = kv.gather(self.layer_id, chunk.block_table)
+                kr, vr = kr[: chunk.ctx_len], vr[: chunk.ctx_len]
+            kr, vr = kr.transpose(0, 1)[None], vr.transpose(0, 1)[None]
+            if self.softcap is None:
+                o = F.scaled_dot_product_attention(
+                    qr, kr, vr, attn_mask=mask, is_causal=mask is None, scale=self.sdpa_scale, enable_gqa=True
+                )
+            else:
+                o = eager_attention(qr, kr, vr, mask, self.scale, self.softcap)
+            out[s:e] = o[0].transpose(0, 1)
+        return self.o_proj(out.reshape(n, self.h * self.d))
+
+    def _decode_attention(
+        self,
+        q: torch.Tensor,
+        tables: torch.Tensor,
+        mask: torch.Tensor,
+        kv: KVCache,
+        full_tables: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """All decode rows at once. On CPU the native kernel reads each row's keys in place through
+        `full_tables` (the batch's block tables; the window is applied by position). Otherwise each
+        row's context is gathered through `tables`, padded and masked by `mask` (decode_window):
+        plain batched matmuls grouped by KV head, which for one query token per row are several times
+        faster on CPU than SDPA's flash kernel and never materialise repeated K/V heads.
+        """
+        native = cpu_kernels.decode_attention(
+            q,
+            kv.k[self.layer_id],
+            kv.v[self.layer_id],
+            full_tables,
+            positions,
+            self.scale,
+            self.window,
+            self.softcap,
+        )
+        if native is not None:
+            return native
+        bsz, group = q.shape[0], self.h // self.kvh
+        kc, vc = kv.gather(self.layer_id, tables)  # [B, L, kvh, d]
+        qg = q.view(bsz, self.kvh, group, self.d)
+        scores = softcap(
+            torch.matmul(qg, kc.permute(0, 2, 3, 1)) * self.scale, self.softcap
+        )  # [B, kvh, group, L]
+        scores = scores.float().masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, vc.transpose(1, 2)).view(bsz, self.h, self.d)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.hidden_act = spec.hidden_act
+        self.act = ACTIVATIONS[spec.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lin = self.gate_up_proj
+        if lin.gated:  # the GEMM and silu_and_mul in one pass (the same bits as the two in turn)
+            h = cpu_kernels.linear_packed_silu(x, lin.packed, lin.weight.shape)
+            if h is not None:
+                return self.down_proj(h)
+        gate_up = lin(x)
+        h = cpu_kernels.silu_and_mul(gate_up) if self.hidden_act == "silu" else None
+        if h is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        return self.down_proj(h)
+
+
+# attend(attention module, normed hidden states) -> attention output: the forward pass's attention
+# (default or batch-invariant), with that layer's RoPE and masks already bound.
+Attend = Callable[[Attention, torch.Tensor], torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, layer_id)
+        self.mlp = MLP(spec)
+        self.input_layernorm = norm_layer(spec, spec.hidden_size)
+        self.post_attention_layernorm = norm_layer(spec, spec.hidden_size)
+        self.gemma = spec.gemma
+        if spec.gemma:
+            self.pre_feedforward_layernorm = norm_layer(spec, spec.hidden_size)
+            self.post_feedforward_layernorm = norm_layer(spec, spec.hidden_size)
+
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        a = attend(self.self_attn, self.input_layernorm(x))
+        if not self.gemma:  # post_attention_layernorm is the MLP's input norm
+            h, x = self.post_attention_layernorm.add_and_norm(x, a)
+            return x + self.mlp(h)
+        # Gemma: post_attention_layernorm normalises the attention output; the MLP has its own pair.
+        h, x = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(a))
+        return x + self.post_feedforward_layernorm(self.mlp(h))
