@@ -44,7 +44,7 @@ def build_app(
     `limits`: the per-request bounds (ServeLimits' defaults unless given).
     `app.state.minisgl` is the backend (tests and the runner reach the engine side through it)."""
     limits = limits or ServeLimits()
-    state = ServerState.over(backend, model_name, api_key, owns_backend, limits)
+    state = ServerState.for_backend(backend, model_name, api_key, owns_backend, limits)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
@@ -78,6 +78,11 @@ class APIError(Exception):
 
 class SlowClientError(Exception):
     """A streaming client left more undelivered output than `stream_buffer_events` allows."""
+
+
+class ClientGone(Exception):
+    """The client went away before its non-streamed answer was ready: nobody reads the answer, which
+    is an empty 499 (nginx's "client closed request") for the access log."""
 
 
 # The one place where the engine's typed errors become HTTP statuses (most specific first).
@@ -157,9 +162,10 @@ def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
 
 
 class MappedRoute(APIRoute):
-    """A route whose failures become OpenAI error objects (an unmapped one a generic 500). Mapped
-    here rather than in a handler for `Exception`: Starlette hands those to its server-error
-    middleware, which answers and then re-raises them into the server's log as a crash."""
+    """A route whose failures become OpenAI error objects (an unmapped one a generic 500), and whose
+    client's leaving (ClientGone) an empty 499. Mapped here rather than in a handler for `Exception`:
+    Starlette hands those to its server-error middleware, which answers and then re-raises them into
+    the server's log as a crash."""
 
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         handler = super().get_route_handler()
@@ -169,6 +175,8 @@ class MappedRoute(APIRoute):
                 return await handler(request)
             except (APIError, StarletteHTTPException, RequestValidationError):
                 raise
+            except ClientGone:
+                return PlainTextResponse("", status_code=499)
             except Exception as e:  # noqa: BLE001 - mapped to a status code
                 raise api_error(e) from e
 

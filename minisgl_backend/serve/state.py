@@ -67,7 +67,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def over(
+    def for_backend(
         cls,
         backend: Backend,
         model_name: str | None,

@@ -14,14 +14,10 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from minisgl_backend.serve.backend import Event, Stream
-from minisgl_backend.serve.errors import SlowClientError, api_error, error_body
+from minisgl_backend.serve.errors import ClientGone, SlowClientError, api_error, error_body
 from minisgl_backend.serve.guard import GuardedStreamingResponse
 from minisgl_backend.serve.state import ServerState
 from minisgl_backend.types import RequestOutput, SamplingParams
-
-
-class ClientGone(Exception):
-    """The client went away before its non-streamed answer was ready."""
 
 
 def abort_all(streams: Sequence[Stream]) -> None:

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Depends, Request, Response
-from fastapi.responses import PlainTextResponse
 
 from minisgl_backend.chat import (
     ChatPrompt,
@@ -25,7 +24,7 @@ from minisgl_backend.chat.logprobs import chat_logprobs
 from minisgl_backend.chat.tools import ParsedCall
 from minisgl_backend.serve.backend import Stream
 from minisgl_backend.serve.bodies import documented_body, json_body
-from minisgl_backend.serve.protocol import ChatCompletionRequest
+from minisgl_backend.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from minisgl_backend.serve.responses import (
     AssistantMessage,
     AssistantToolCall,
@@ -44,7 +43,6 @@ from minisgl_backend.serve.state import AppState, ServerState, keyed_router
 from minisgl_backend.serve.streams import (
     DONE,
     SSE_RESPONSES,
-    ClientGone,
     Merged,
     results_or_disconnect,
     sse,
@@ -73,7 +71,9 @@ async def chat_completions(
     chars = sum(len(m.text()) for m in body.messages)
     state.check_chars(chars, "the conversation", "messages")
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-    choice = body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice
+    choice = (
+        body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+    )
     guide = body.guide
     fmt = body.response_format.as_dict() if body.response_format is not None else None
     if guide is not None and guide.kind in ("json", "json_object"):
@@ -108,10 +108,7 @@ async def chat_completions(
     streams = await submit(state, [prompt.token_ids], [params], rid, body.user, body.stream)
     if body.stream:
         return sse_response(state, _stream(state, streams[0], body, rid, prompt), streams)
-    try:
-        (out,) = await results_or_disconnect(request, streams)
-    except ClientGone:
-        return PlainTextResponse("", status_code=499)
+    (out,) = await results_or_disconnect(request, streams)
     choices = []
     for s in out.samples:  # one choice per sample (n)
         content, calls, invalid = (

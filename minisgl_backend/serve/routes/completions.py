@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any
 
 from fastapi import Depends, Request, Response
-from fastapi.responses import PlainTextResponse
 
 from minisgl_backend.chat import GrammarProcessor, guide_grammar
 from minisgl_backend.chat.logprobs import TokenText
@@ -28,7 +27,6 @@ from minisgl_backend.serve.state import AppState, ServerState, keyed_router
 from minisgl_backend.serve.streams import (
     DONE,
     SSE_RESPONSES,
-    ClientGone,
     Merged,
     abort_all,
     results_or_disconnect,
@@ -107,10 +105,7 @@ async def completions(
     streams = await submit(state, ids, params, rid, body.user, body.stream)
     if body.stream:
         return sse_response(state, _stream(state, streams, body, rid, echo_text, drop), streams)
-    try:
-        outs = await results_or_disconnect(request, streams)
-    except ClientGone:
-        return PlainTextResponse("", status_code=499)
+    outs = await results_or_disconnect(request, streams)
 
     def respond() -> bytes:
         token_text = state.token_text

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
+from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
 
-from minisgl_backend.serve.errors import ErrorResponse, error_body
+from minisgl_backend.serve.errors import APIError, ErrorResponse
 from minisgl_backend.serve.responses import HealthResponse, VersionResponse
 from minisgl_backend.serve.state import AppState
 
@@ -26,15 +26,16 @@ def _package_version() -> str:
 VERSION = _package_version()
 
 
-@router.api_route(
-    "/health", methods=["GET"], response_model=HealthResponse, responses={503: {"model": ErrorResponse}}
-)
-@router.get("/ping", response_model=None)
-@router.post("/ping", response_model=None)
-async def health(state: AppState) -> HealthResponse | JSONResponse:
+UNHEALTHY: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse}}
+
+
+@router.get("/health", responses=UNHEALTHY)
+@router.get("/ping", responses=UNHEALTHY)
+@router.post("/ping", responses=UNHEALTHY)
+async def health(state: AppState) -> HealthResponse:
     why = await state.backend.unhealthy()
     if why is not None:
-        return JSONResponse(error_body(why, "service_unavailable", None, "engine_dead").model_dump(), 503)
+        raise APIError(503, why, "service_unavailable", code="engine_dead")
     return HealthResponse()
 
 
