@@ -1,4 +1,6 @@
-"""Request models of the OpenAI-compatible API (pydantic, strict types, unknown fields rejected).
+"""Request models of the OpenAI-compatible API (pydantic, strict types, unknown fields rejected);
+a completion or chat request turns itself into the engine's `SamplingParams` (`to_sampling_params`).
+The response models are in serve/responses.py.
 
 Fields OpenAI defines that the engine cannot honour are accepted only at their neutral value
 (`best_of: 1`, ...), so a client that relies on them gets a 400 instead of a silently

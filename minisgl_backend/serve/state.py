@@ -165,7 +165,7 @@ AppState = Annotated[ServerState, Depends(server_state)]
 
 
 async def require_api_key(request: Request, state: AppState) -> None:
-    """With an API key set, every route but the probes needs `Authorization: Bearer <key>`."""
+    """With an API key set, every route but the probes and the docs needs `Authorization: Bearer <key>`."""
     if state.api_key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")

@@ -107,7 +107,7 @@ async def completions(
         return sse_response(state, _stream(state, streams, body, rid, echo_text, drop), streams)
     outs = await results_or_disconnect(request, streams)
 
-    def respond() -> bytes:
+    def respond() -> str:
         token_text = state.token_text
         choices = []
         for i, out in enumerate(outs):
@@ -133,7 +133,7 @@ async def completions(
             choices=choices,
             usage=Usage.of(outs, drop),
         )
-        return answer.model_dump_json().encode()
+        return answer.model_dump_json()
 
     small = len(outs) * body.n <= SMALL_ANSWER and k is None
     return Response(respond() if small else await pool.run(respond), media_type="application/json")
