@@ -532,6 +532,136 @@ def test_models_tokenize_detokenize_tokenizer_info(server, client):
     assert rt.eos_token_id == tok.eos_token_id and rt.decode(rt.encode("abc def")) == "abc def"
 
 
+# ------------------------------------------------------------------------------------------- OpenAPI
+ENDPOINTS = {
+    "/health": {"get"},
+    "/ping": {"get", "post"},
+    "/version": {"get"},
+    "/v1/models": {"get"},
+    "/v1/models/{model_id}": {"get"},
+    "/tokenizer_info": {"get"},
+    "/tokenize": {"post"},
+    "/detokenize": {"post"},
+    "/metrics": {"get"},
+    "/v1/completions": {"post"},
+    "/v1/chat/completions": {"post"},
+}
+
+
+def _openapi(server) -> dict:
+    with httpx.Client(base_url=server.url, timeout=10) as c:  # no key: the docs are open, as vLLM's
+        docs = c.get("/docs")
+        assert docs.status_code == 200 and docs.headers["content-type"].startswith("text/html")
+        r = c.get("/openapi.json")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _refs(obj) -> set[str]:
+    if isinstance(obj, dict):
+        return {obj["$ref"]} if "$ref" in obj else set().union(*map(_refs, obj.values()))
+    if isinstance(obj, list):
+        return set().union(*map(_refs, obj))
+    return set()
+
+
+def test_openapi_lists_every_endpoint_and_every_reference_resolves(server):
+    doc = _openapi(server)
+    assert {path: set(ops) for path, ops in doc["paths"].items()} == ENDPOINTS
+    schemas = doc["components"]["schemas"]
+    assert {ref.removeprefix("#/components/schemas/") for ref in _refs(doc)} <= set(schemas)
+
+
+def test_openapi_request_bodies_are_what_the_server_accepts(server, client):
+    from minisgl_backend.serve.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        DetokenizeRequest,
+        TokenizeRequest,
+    )
+
+    doc = _openapi(server)
+    for path, model in [
+        ("/v1/completions", CompletionRequest),
+        ("/v1/chat/completions", ChatCompletionRequest),
+        ("/tokenize", TokenizeRequest),
+        ("/detokenize", DetokenizeRequest),
+    ]:
+        body = doc["paths"][path]["post"]["requestBody"]
+        schema = body["content"]["application/json"]["schema"]
+        fields = {f.alias or name for name, f in model.model_fields.items()}
+        assert body["required"] and set(schema["properties"]) == fields, path
+        assert schema["additionalProperties"] is False, path  # unknown fields are a 400
+    props = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert props["required"] == ["prompt"]
+    assert {"max_tokens", "logprobs", "echo", "n", "stop", "stream_options", "logit_bias", "seed"} <= set(
+        props["properties"]
+    )
+    assert {"top_k", "min_p", "repetition_penalty", "guided_json", "structured_outputs"} <= set(
+        props["properties"]
+    )
+    # Every field at the default the schema documents is accepted.
+    defaults = {k: v["default"] for k, v in props["properties"].items() if "default" in v}
+    r = client.post("/v1/completions", json={**defaults, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def _conforms(doc: dict, model, raw) -> None:
+    """`raw` (a JSON text) is an instance of the response model and of its schema in /openapi.json,
+    and the model describes all of it (a round trip through the model gives the same JSON)."""
+    import jsonschema
+
+    obj = json.loads(raw)
+    ref = {"$ref": f"#/components/schemas/{model.__name__}", "components": doc["components"]}
+    jsonschema.validate(obj, ref)
+    assert json.loads(model.model_validate_json(raw).model_dump_json()) == obj
+
+
+def test_responses_conform_to_their_response_models(server, client):
+    from minisgl_backend.serve import responses
+
+    doc = _openapi(server)
+    ops = doc["paths"]
+    for path, method, model in [
+        ("/v1/completions", "post", responses.CompletionResponse),
+        ("/v1/chat/completions", "post", responses.ChatCompletionResponse),
+        ("/v1/models", "get", responses.ModelList),
+        ("/tokenize", "post", responses.TokenizeResponse),
+    ]:
+        schema = ops[path][method]["responses"]["200"]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": f"#/components/schemas/{model.__name__}"}, path
+    prompt = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    _conforms(doc, responses.CompletionResponse, client.post("/v1/completions", json=prompt).content)
+    scored = {**prompt, "echo": True, "logprobs": 2}
+    _conforms(doc, responses.CompletionResponse, client.post("/v1/completions", json=scored).content)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 24}
+    for extra in ({"logprobs": True, "top_logprobs": 2}, {"tools": tools, "tool_choice": "required"}):
+        r = client.post("/v1/chat/completions", json={**chat, **extra})
+        _conforms(doc, responses.ChatCompletionResponse, r.content)
+    _conforms(doc, responses.ModelList, client.get("/v1/models").content)
+    _conforms(doc, responses.TokenizeResponse, client.post("/tokenize", json={"prompt": "hi"}).content)
+    # Stream chunks (not in the schema: the event stream has none) against their models.
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    for path, body, chunk in [
+        ("/v1/completions", {**scored, **usage}, responses.CompletionChunk),
+        (
+            "/v1/chat/completions",
+            {**chat, **usage, "tools": tools, "tool_choice": "required"},
+            responses.ChatCompletionChunk,
+        ),
+    ]:
+        with client.stream("POST", path, json=body) as r:
+            events = [line[len("data: ") :] for line in r.iter_lines() if line]
+        assert events[-1] == "[DONE]"
+        *chunks, last = events[:-1]
+        for raw in chunks:
+            assert json.loads(chunk.model_validate_json(raw).model_dump_json()) == json.loads(raw)
+        assert json.loads(responses.UsageChunk.model_validate_json(last).model_dump_json()) == json.loads(
+            last
+        )
+
+
 # ------------------------------------------------------------------------------------------- bad input
 LONG = "hello " * 2000  # > max_model_len (1024) tokens
 BAD_REQUESTS = [

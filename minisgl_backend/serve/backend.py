@@ -1,6 +1,6 @@
 """What the HTTP routes run against: a `Backend` that accepts requests and hands back `Stream`s.
 
-The routes in `serve/app.py` never touch an Engine directly, so the same handlers serve one
+The routes (`serve/routes/`) never touch an Engine directly, so the same handlers serve one
 in-process engine (`EngineBackend`, `minisgl serve`) or engine replicas on Ray Serve
 (`serve/ray_app.py`, `minisgl serve --replicas N`, whose replicas each run an `EngineBackend`).
 

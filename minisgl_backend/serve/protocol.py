@@ -1,4 +1,6 @@
-"""Request models of the OpenAI-compatible API (pydantic, strict types, unknown fields rejected).
+"""Request models of the OpenAI-compatible API (pydantic, strict types, unknown fields rejected);
+a completion or chat request turns itself into the engine's `SamplingParams` (`to_sampling_params`).
+The response models are in serve/responses.py.
 
 Fields OpenAI defines that the engine cannot honour are accepted only at their neutral value
 (`best_of: 1`, ...), so a client that relies on them gets a 400 instead of a silently
@@ -9,10 +11,13 @@ token ids) go to the engine, as do vLLM's extensions `repetition_penalty`, `top_
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from minisgl_backend.types import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -185,6 +190,44 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per generated token (None: no logprobs); each endpoint spells it its way."""
+        raise NotImplementedError
+
+    def to_sampling_params(
+        self,
+        max_tokens: int,
+        vocab_size: int,
+        processors: Sequence[Callable[..., Any]] = (),
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """The engine's parameters for this request (the defaults where the client sent none), with
+        the `max_tokens` the route settled on against the context; checked against the vocabulary
+        now, so a bad token id is a 400 rather than a failed request at its first draw."""
+        params = SamplingParams(
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=0 if self.top_k is None else int(self.top_k),
+            min_p=0.0 if self.min_p is None else float(self.min_p),
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=self.stops,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            logits_processors=tuple(processors),
+            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            logit_bias=self.logit_bias_ids,
+            n=self.n,
+        )
+        params.check_vocab(vocab_size)
+        return params
+
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -196,6 +239,10 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
     suffix: str | None = Field(None, max_length=0, description="not supported")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
@@ -259,6 +306,25 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             return "".join(p["text"] for p in self.content)
         return self.content or ""
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (a developer message is a system one to them)."""
+        d: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.role == "tool":
+            d["tool_call_id"] = self.tool_call_id
+        return d
 
 
 class FunctionDef(BaseModel):
@@ -338,6 +404,10 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

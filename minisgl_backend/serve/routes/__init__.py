@@ -1,0 +1,1 @@
+"""The API's routers, one per endpoint family; `serve/app.py` includes them."""

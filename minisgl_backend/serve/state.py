@@ -1,0 +1,185 @@
+"""What the routes of one app share (`ServerState`, on `app.state.server`), the dependencies that hand
+it to them (`AppState`, `require_api_key`), and the checks of a request against its limits."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, Request
+
+from minisgl_backend.chat.logprobs import TokenText
+from minisgl_backend.serve.backend import Backend, public_model_ref
+from minisgl_backend.serve.errors import ERROR_RESPONSES, APIError, MappedRoute
+from minisgl_backend.serve.guard import ServeLimits
+
+T = TypeVar("T")
+
+
+class CPUPool:
+    """The bounded executor for request-sized CPU work (JSON of large bodies, tokenising, chat
+    templates, grammar compilation, detokenising): the event loop only does I/O. Each worker thread
+    encodes with its own copy of the tokenizer (a fast tokenizer is not meant for concurrent use);
+    the Rust encoder releases the GIL, so a long encode does not hold the loop up either."""
+
+    def __init__(self, tokenizer: Any, workers: int) -> None:
+        self._base = tokenizer
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="minisgl-serve-cpu")
+
+    def tokenizer(self) -> Any:
+        """This worker's tokenizer (call it on a worker thread)."""
+        tok = getattr(self._local, "tok", None)
+        if tok is None:
+            with self._lock:
+                tok = self._local.tok = copy.deepcopy(self._base)
+        return tok
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class ServerState:
+    """The backend and the app's own settings."""
+
+    backend: Backend
+    model_name: str
+    tokenizer: Any  # the event loop's own copy (the engine's may be encoding on other threads)
+    pool: CPUPool
+    token_text: TokenText  # per-token strings for logprobs, cached
+    # The most characters one token stands for (the longest vocabulary entry): a text longer than
+    # max_model_len times this cannot fit the context, whatever it tokenises to.
+    max_token_chars: int
+    api_key: str | None = None
+    owns_backend: bool = False
+    limits: ServeLimits = field(default_factory=ServeLimits)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def for_backend(
+        cls,
+        backend: Backend,
+        model_name: str | None,
+        api_key: str | None,
+        owns_backend: bool,
+        limits: ServeLimits,
+    ) -> ServerState:
+        tokenizer = copy.deepcopy(backend.tokenizer)
+        return cls(
+            backend=backend,
+            model_name=model_name or public_model_ref(backend.model_ref),
+            tokenizer=tokenizer,
+            pool=CPUPool(backend.tokenizer, limits.cpu_workers),
+            token_text=TokenText(tokenizer),
+            max_token_chars=max(1, max(map(len, tokenizer.get_vocab()), default=1)),
+            api_key=api_key,
+            owns_backend=owns_backend,
+            limits=limits,
+        )
+
+    # ------------------------------------------------------------------ checks of a request
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_sequences(self, prompts: int, n: int) -> None:
+        lim = self.limits
+        if prompts > lim.max_prompts:
+            raise APIError(
+                400,
+                f"{prompts} prompts in one request; this server takes at most {lim.max_prompts} "
+                "(--max-prompts)",
+                param="prompt",
+                code="too_many_prompts",
+            )
+        if prompts * n > lim.max_sequences:
+            raise APIError(
+                400,
+                f"{prompts} prompts x n={n} = {prompts * n} sequences; this server takes at most "
+                f"{lim.max_sequences} per request (--max-sequences)",
+                param="n",
+                code="too_many_sequences",
+            )
+
+    def check_chars(self, chars: int, what: str, param: str) -> None:
+        """The cheap bound before tokenising: more characters than max_model_len tokens can hold."""
+        limit = self.backend.max_model_len
+        if chars > limit * self.max_token_chars:
+            raise _context_error(
+                f"{what} has {chars} characters, more than max_model_len ({limit}) "
+                f"tokens can hold (at most {self.max_token_chars} characters each)",
+                param,
+            )
+
+    def room(self, prompt_len: int, requested: int | None, what: str) -> int:
+        """max_tokens for a prompt of `prompt_len` tokens: `requested` if it fits the context (else
+        a 400, as vLLM), or all the room left when the client asked for no particular number."""
+        limit = self.backend.max_model_len
+        if prompt_len > limit:
+            raise _context_error(
+                f"the {what} has {prompt_len} tokens but the context limit (max_model_len) is {limit}"
+            )
+        if requested is None:
+            if prompt_len >= limit:
+                raise _context_error(
+                    f"the {what} has {prompt_len} tokens: no room for a reply in max_model_len ({limit})"
+                )
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise _context_error(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the "
+                "completion). Please reduce the length of the prompt or completion.",
+                "max_tokens",
+            )
+        return requested
+
+
+def _context_error(msg: str, param: str | None = None) -> APIError:
+    return APIError(400, msg, param=param, code="context_length_exceeded")
+
+
+# ---------------------------------------------------------------------------------------------- dependencies
+def server_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+AppState = Annotated[ServerState, Depends(server_state)]
+
+
+async def require_api_key(request: Request, state: AppState) -> None:
+    """With an API key set, every route but the probes and the docs needs `Authorization: Bearer <key>`."""
+    if state.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or token.strip() != state.api_key:
+        raise APIError(
+            401,
+            "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def keyed_router() -> APIRouter:
+    """A router whose routes need the API key and answer every failure with OpenAI's error object."""
+    return APIRouter(
+        route_class=MappedRoute, dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES
+    )
