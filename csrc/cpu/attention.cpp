@@ -128,6 +128,67 @@ inline BlockKeys block_keys(const int64_t* table, const int64_t* pos, int64_t ro
     return b;
 }
 
+// The keys of the 16-key tile from key t that lie in [first, last], as lanes.
+inline __mmask16 tile_lanes(int64_t first, int64_t last, int64_t t) {
+    const int64_t a = std::max<int64_t>(first - t, 0), e = std::min<int64_t>(last - t, 15);
+    return static_cast<__mmask16>(((1u << (e + 1)) - 1) & ~((1u << a) - 1));
+}
+
+// The V sum of a block's rows x g query vectors whose probabilities are ready ([vector][span] from
+// key `base`), for the FMA and the dp sum alike: up to 64 dims of up to 6 vectors of a row at a time
+// in 24 accumulators, each output element one chain over the row's steps in order, each V chunk
+// loaded once for the group (the accumulators in memory had made this loop half of decode
+// attention's time, measured). `Steps` says what one step is (FmaSteps: a key; DpSteps: a key pair).
+template <typename Steps, typename T>
+AVX512 inline void value_sum(const Steps& steps, int64_t rows, const BlockKeys& b, const int64_t* pos, int64_t kvh,
+                             T* out, const AttnShape& s) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h0 = 0; h0 < g; h0 += 6) {
+            const int64_t nv = std::min<int64_t>(6, g - h0);
+            const auto* p = steps.p + (r * g + h0) * steps.span;  // p[v * span + key]
+            T* o = out + r * s.heads * d + (kvh * g + h0) * d;
+            for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+                const int64_t nc = std::min<int64_t>(4, chunks - c0);
+                __m512 acc[6][4];
+                for (auto& a : acc)
+                    for (auto& x : a) x = _mm512_setzero_ps();
+                for (int64_t t = Steps::step(b.first[r]); t <= Steps::step(pos[r]); ++t) {
+                    const auto* vr = steps.values(t) + c0 * 16;
+                    typename Steps::Vec vv[4];
+                    for (int c = 0; c < 4; ++c)
+                        if (c < nc) vv[c] = Steps::load(vr + c * 16);
+                    for (int v = 0; v < 6; ++v) {
+                        if (v >= nv) break;
+                        const typename Steps::Vec pv = Steps::prob(p + v * steps.span, t);
+                        for (int c = 0; c < 4; ++c)
+                            if (c < nc) acc[v][c] = Steps::add(acc[v][c], vv[c], pv);
+                    }
+                }
+                for (int64_t v = 0; v < nv; ++v)
+                    for (int64_t c = 0; c < nc; ++c) store16m(o + v * d + (c0 + c) * 16, acc[v][c], 0xffff);
+            }
+        }
+}
+
+// value_sum's step with the FMA scorer: one key, its V row converted to float32, the vector's
+// probability broadcast, one FMA per key (as attend_lanes').
+template <typename T>
+struct FmaSteps {
+    using Vec = __m512;
+    const T* v;  // the KV head's V rows: key `key`'s at v + offsets[key - lo]
+    const int64_t* offsets;
+    int64_t lo;
+    const float* p;  // the probabilities, p[vector * span + key]
+    int64_t span;
+
+    static int64_t step(int64_t key) { return key; }
+    const T* values(int64_t key) const { return v + offsets[key - lo]; }
+    AVX512 static __m512 load(const T* vr) { return load16(vr); }
+    AVX512 static __m512 prob(const float* pv, int64_t key) { return _mm512_set1_ps(pv[key]); }
+    AVX512 static __m512 add(__m512 acc, __m512 vv, __m512 pv) { return _mm512_fmadd_ps(pv, vv, acc); }
+};
+
 // ---- the V sum on vdpbf16ps (the avx512bf16 family's attention) ----
 //
 // With the dp scorer the probabilities are rounded to bf16 and each output element is one vdpbf16ps
@@ -160,11 +221,34 @@ DPBF16 void stage_value_pairs(const uint16_t* vpool, const BlockKeys& b, int64_t
 // 16 float32 as bf16 in the low halves of 16 uint32 (vcvtneps2bf16: both V sums round the same way).
 DPBF16 inline __m512i bf16_lanes(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
 
+// value_sum's step with the dp scorer: the key pair t = (2t, 2t + 1), the pair's V rows interleaved
+// by stage_value_pairs, the vector's two bf16 probabilities broadcast as one 32-bit pair.
+struct DpSteps {
+    using Vec = __m512bh;
+    const uint32_t* vpair;  // [t - p0][dim]
+    int64_t p0, d;
+    const uint16_t* p;  // the probabilities, p[vector * span + key]
+    int64_t span;
+
+    static int64_t step(int64_t key) { return key / 2; }
+    const uint32_t* values(int64_t t) const { return vpair + (t - p0) * d; }
+    AVX512 static __m512bh load(const uint32_t* vr) { return (__m512bh)_mm512_loadu_si512(vr); }
+    AVX512 static __m512bh prob(const uint16_t* pv, int64_t t) {
+        int32_t pair;
+        std::memcpy(&pair, pv + 2 * t, 4);
+        return (__m512bh)_mm512_set1_epi32(pair);
+    }
+    DPBF16 static __m512 add(__m512 acc, __m512bh vv, __m512bh pv) { return _mm512_dpbf16_ps(acc, vv, pv); }
+};
+
 // The decode blocks' V sum (softmax_and_sum's, with the dp scorer): lanes = 16 dims; each vector's
 // probabilities rounded to bf16 over the span (zero outside its keys), each pair broadcast.
-DPBF16 void dp_value_sum(const uint16_t* vpool, int64_t rows, const int64_t* pos, int64_t kvh, uint16_t* out,
-                         const AttnShape& s, const BlockKeys& b, AttnScratch& w) {
-    const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16;
+// flatten: value_sum is AVX512 (it is the FMA sum's too), and DpSteps::add's vdpbf16ps can be inlined
+// only into a function compiled for AVX512-BF16; flattened into this one, the loop keeps it inline.
+DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t rows, const int64_t* pos,
+                                                  int64_t kvh, uint16_t* out, const AttnShape& s, const BlockKeys& b,
+                                                  AttnScratch& w) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
     const int64_t base = b.lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base, p0 = b.lo / 2;
     stage_value_pairs(vpool, b, kvh, s, w);
     w.pb.assign(static_cast<size_t>(rows * g * span), 0);
@@ -173,40 +257,11 @@ DPBF16 void dp_value_sum(const uint16_t* vpool, int64_t rows, const int64_t* pos
             const float* sh = w.scores.data() + (r * g + h) * span;
             uint16_t* ph = w.pb.data() + (r * g + h) * span;
             for (int64_t t = b.first[r] / 16 * 16; t <= pos[r]; t += 16) {
-                const int64_t a = std::max<int64_t>(b.first[r] - t, 0), e = std::min<int64_t>(pos[r] - t, 15);
-                const auto lanes = static_cast<__mmask16>(((1u << (e + 1)) - 1) & ~((1u << a) - 1));
-                const __m512 x = _mm512_maskz_loadu_ps(lanes, sh + t - base);
+                const __m512 x = _mm512_maskz_loadu_ps(tile_lanes(b.first[r], pos[r], t), sh + t - base);
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + t - base), (__m256i)_mm512_cvtneps_pbh(x));
             }
         }
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t h0 = 0; h0 < g; h0 += 6) {
-            const int64_t nv = std::min<int64_t>(6, g - h0);
-            const uint16_t* p = w.pb.data() + (r * g + h0) * span - base;  // p[v * span + key]
-            uint16_t* o = out + r * s.heads * d + (kvh * g + h0) * d;
-            for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-                const int64_t nc = std::min<int64_t>(4, chunks - c0);
-                __m512 acc[6][4];
-                for (auto& a : acc)
-                    for (auto& x : a) x = _mm512_setzero_ps();
-                for (int64_t t = b.first[r] / 2; t <= pos[r] / 2; ++t) {
-                    const uint32_t* vr = w.vpair.data() + (t - p0) * d + c0 * 16;
-                    __m512bh vv[4];
-                    for (int c = 0; c < 4; ++c)
-                        if (c < nc) vv[c] = (__m512bh)_mm512_loadu_si512(vr + c * 16);
-                    for (int v = 0; v < 6; ++v) {
-                        if (v >= nv) break;
-                        int32_t pair;
-                        std::memcpy(&pair, p + v * span + 2 * t, 4);
-                        const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
-                        for (int c = 0; c < 4; ++c)
-                            if (c < nc) acc[v][c] = _mm512_dpbf16_ps(acc[v][c], vv[c], pv);
-                    }
-                }
-                for (int64_t v = 0; v < nv; ++v)
-                    for (int64_t c = 0; c < nc; ++c) store16m(o + v * d + (c0 + c) * 16, acc[v][c], 0xffff);
-            }
-        }
+    value_sum(DpSteps{w.vpair.data(), p0, d, w.pb.data() - base, span}, rows, b, pos, kvh, out, s);
 }
 
 // A prefill block's V sum for one lane group (attend_lanes', with the dp scorer): sc[key * 16 + lane]
@@ -243,14 +298,11 @@ DPBF16 void dp_lanes_value_sum(const float* sc, const BlockKeys& b, const AttnSh
 template <typename T>
 AVX512 void softmax_and_sum(const T* vpool, int64_t rows, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
                             const BlockKeys& b, AttnScratch& w, bool dp = false) {
-    const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16;
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
     const int64_t lo = b.lo, hi = b.hi, base = lo / 16 * 16, span = (hi / 16 + 1) * 16 - base;
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t t0 = b.first[r] / 16 * 16, t1 = pos[r] / 16 * 16;
-        const auto lanes = [&](int64_t t) {  // the tile's keys in [first, pos]
-            const int64_t a = std::max<int64_t>(b.first[r] - t, 0), e = std::min<int64_t>(pos[r] - t, 15);
-            return static_cast<__mmask16>(((1u << (e + 1)) - 1) & ~((1u << a) - 1));
-        };
+        const auto lanes = [&](int64_t t) { return tile_lanes(b.first[r], pos[r], t); };
         for (int64_t h = 0; h < g; ++h) {
             float* sh = w.scores.data() + (r * g + h) * span - base;
             __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -268,35 +320,8 @@ AVX512 void softmax_and_sum(const T* vpool, int64_t rows, const int64_t* pos, in
     }
     if constexpr (std::is_same_v<T, uint16_t>)
         if (dp) return dp_value_sum(vpool, rows, pos, kvh, out, s, b, w);
-    // Up to 64 dims of up to 6 vectors at a time in 24 accumulators, keys in order (each output
-    // element one FMA per key, as attend_lanes'), each V chunk converted once for the group: the
-    // accumulators in memory had made this loop half of decode attention's time (measured).
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t h0 = 0; h0 < g; h0 += 6) {
-            const int64_t nv = std::min<int64_t>(6, g - h0);
-            const float* p = w.scores.data() + (r * g + h0) * span - base;  // p[v * span + key]
-            T* o = out + r * s.heads * d + (kvh * g + h0) * d;
-            for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-                const int64_t nc = std::min<int64_t>(4, chunks - c0);
-                __m512 acc[6][4];
-                for (auto& a : acc)
-                    for (auto& x : a) x = _mm512_setzero_ps();
-                for (int64_t key = b.first[r]; key <= pos[r]; ++key) {
-                    const T* vp = vpool + w.offsets[key - lo] + kvh * d + c0 * 16;
-                    __m512 vv[4];
-                    for (int c = 0; c < 4; ++c)
-                        if (c < nc) vv[c] = load16(vp + c * 16);
-                    for (int v = 0; v < 6; ++v) {
-                        if (v >= nv) break;
-                        const __m512 pv = _mm512_set1_ps(p[v * span + key]);
-                        for (int c = 0; c < 4; ++c)
-                            if (c < nc) acc[v][c] = _mm512_fmadd_ps(pv, vv[c], acc[v][c]);
-                    }
-                }
-                for (int64_t v = 0; v < nv; ++v)
-                    for (int64_t c = 0; c < nc; ++c) store16m(o + v * d + (c0 + c) * 16, acc[v][c], 0xffff);
-            }
-        }
+    value_sum(FmaSteps<T>{vpool + kvh * d, w.offsets.data(), lo, w.scores.data() - base, span}, rows, b, pos, kvh,
+              out, s);
 }
 
 // One query vector at a time (lanes = 16 dims of head_dim): for blocks of few query vectors (decode).
