@@ -96,6 +96,15 @@ struct alignas(64) TileConfig {
 
 // ---- the few-row linears' tiles (linear_fma.cpp, linear_int8.cpp) -----------------------------
 
+// A tile's MM input rows x 4 weight rows of float32 accumulators, zeroed.
+template <int MM>
+AVX512 inline void zero_tile(__m512 (&acc)[MM][4]) {
+#pragma GCC unroll 4
+    for (int i = 0; i < MM; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+}
+
 // [sum(a), sum(b), sum(c), sum(d)]: a transpose-and-add tree (fixed order, so fixed bits).
 AVX512 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d

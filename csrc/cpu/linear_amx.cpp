@@ -47,8 +47,7 @@ AMX void configure_tiles(int ra, int rb) {
 // rows x 32 float32 sums (row stride 32) + bias, rounded, into y's columns n0.. (the valid ones).
 AMX void store_sums(const float* sums, int rows, int64_t n0, int64_t N, const uint16_t* bias, uint16_t* y) {
     const int64_t left = N - n0;
-    const auto lanes = [](int64_t n) { return n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1); };
-    const __mmask16 lo = lanes(left), hi = left > 16 ? lanes(left - 16) : 0;
+    const __mmask16 lo = first_lanes(left), hi = left > 16 ? first_lanes(left - 16) : 0;
     const __m512 b0 = bias ? load_bf16x16(bias + n0, lo) : _mm512_setzero_ps();
     const __m512 b1 = bias ? load_bf16x16(bias + n0 + 16, hi) : _mm512_setzero_ps();
     for (int r = 0; r < rows; ++r) {

@@ -32,10 +32,7 @@ template <int MM>
 AVX512 inline void tile_bf16(const float* xe, const float* xo, int64_t xs, const uint16_t* w,
                              const uint16_t* bias, uint16_t* y, int64_t K, int64_t N) {
     __m512 acc[MM][4];
-#pragma GCC unroll 4
-    for (int i = 0; i < MM; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+    zero_tile(acc);
     for (int64_t k = 0; k < K; k += 32) {
         const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (K - k)) - 1;
         __m512 we[4], wo[4];

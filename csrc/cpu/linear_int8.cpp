@@ -20,10 +20,7 @@ template <int MM>
 AVX512 inline void tile_int8(const float* x, int64_t xs, const int8_t* w, const float* scale, const uint16_t* bias,
                              uint16_t* y, int64_t K, int64_t N) {
     __m512 acc[MM][4];
-#pragma GCC unroll 4
-    for (int i = 0; i < MM; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+    zero_tile(acc);
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1);
         __m512 wf[4];
