@@ -63,10 +63,13 @@ class BuildPyWithPth(build_py):
 NATIVE = Extension(
     "minisgl_backend.native._native", ["csrc/inflight_tracker.cpp"], language="c++", optional=True
 )
-# The CPU decode kernels (csrc/cpu_kernels.cpp, docs/architecture.md §11d). Optional too: without them the
-# model runs torch's own ops (minisgl_backend/model/cpu_kernels.py decides per call).
+# The CPU decode kernels (csrc/cpu/: one file per kernel family, docs/architecture.md §11d). Optional too:
+# without them the model runs torch's own ops (minisgl_backend/model/cpu_kernels.py decides per call).
+# The headers are `depends`: a change to one rebuilds every file, and the sdist ships them.
+KERNEL_SOURCES = sorted(str(p) for p in Path("csrc/cpu").glob("*.cpp"))
+KERNEL_HEADERS = sorted(str(p) for p in Path("csrc/cpu").glob("*.h"))
 KERNELS = Extension(
-    "minisgl_backend.native._kernels", ["csrc/cpu_kernels.cpp"], language="c++", optional=True
+    "minisgl_backend.native._kernels", KERNEL_SOURCES, depends=KERNEL_HEADERS, language="c++", optional=True
 )
 SKIP_NATIVE_ENV = "MINISGL_SKIP_NATIVE"
 FALLBACKS = {

@@ -1,4 +1,4 @@
-"""The native CPU kernels (csrc/cpu_kernels.cpp via minisgl_backend/model/cpu_kernels.py) against the
+"""The native CPU kernels (csrc/cpu/ via minisgl_backend/model/cpu_kernels.py) against the
 torch expressions they replace: fp32 within 1e-6, bf16 within bf16 rounding (bitwise where the kernel
 rounds the same steps), the few-row and AMX linears' bits independent of the other rows, and bad
 block tables refused. Skipped (with the reason) where the extension is not built or the CPU lacks

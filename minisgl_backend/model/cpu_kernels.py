@@ -1,4 +1,4 @@
-"""The CPU kernels of csrc/cpu_kernels.cpp, behind torch-shaped functions with a torch fallback.
+"""The CPU kernels of csrc/cpu/ (one file per family), behind torch-shaped functions with a torch fallback.
 
 Each wrapper takes and returns torch tensors and checks what the native code assumes (device,
 dtype, contiguity, shapes). Where a check fails, or the extension was not built, or the process's
@@ -239,7 +239,7 @@ def paged_attention(
     [N] (a row sees keys 0..position of its table, or the last `window` of them; its own K/V must
     already be in the cache). Returns [N, h, d], or None where the kernel cannot run (the caller
     keeps its torch path). A row's bits depend only on its query, position and keys, never on the
-    other rows (csrc/cpu_kernels.cpp, attend_block). IndexError (from the native bounds check) if a
+    other rows (csrc/cpu/attention.cpp, attend_block). IndexError (from the native bounds check) if a
     row's table, position or block id lies outside the tables or the pool. scorer: which unit scores
     bf16 rows, "fma" (AVX-512 float32), "amx" (the tile unit) or "dp" (vdpbf16ps); None: the
     process's kernel family's (default_scorer()). Their bits differ; float32 rows always take "fma"."""
@@ -281,7 +281,7 @@ def paged_attention(
     return out
 
 
-# csrc/cpu_kernels.cpp's Scorer values.
+# csrc/cpu/attention.cpp's Scorer values.
 SCORERS = {"fma": 0, "amx": 1, "dp": 2}
 _SCORER_FAMILY = {"fma": "avx512", "amx": "amx", "dp": "avx512bf16"}
 

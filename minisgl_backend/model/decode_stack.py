@@ -1,4 +1,4 @@
-"""Every layer of a decode-only batch in one native call (csrc/cpu_kernels.cpp, DecodeStack).
+"""Every layer of a decode-only batch in one native call (csrc/cpu/decode_stack.cpp, DecodeStack).
 
 A decode step runs ~11 kernels per layer, and at batch 1-32 on a 2-core CPU the Python around them
 (wrappers, views, module calls, small torch ops) took 10-14 ms of a 20-55 ms SmolLM2 step (measured,

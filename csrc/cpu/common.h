@@ -1,0 +1,217 @@
+// The helpers every CPU kernel family shares (csrc/cpu/*.cpp, built into minisgl_backend._kernels):
+// bf16 <-> float32 conversion, the CPU feature checks, the target attributes each family compiles
+// under, and the 16-lane loads, stores, exp and sums they are written with.
+//
+// Bit-exactness: every helper here is a fixed sequence of operations (fixed reduction trees, one
+// rounding rule), inlined into each kernel, so a kernel's bits do not depend on which file it is in.
+// Every file is compiled with the same flags (setup.py); the ISA comes from these attributes only,
+// so one .so runs on any x86-64 CPU and each family checks its CPU at run time.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl")))
+#define DPBF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+namespace minisgl::cpu {
+
+// ---- bf16 <-> float32, one element --------------------------------------------------------------
+
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 conversion (NaN stays a quiet NaN).
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+// Element i of a float32 or bf16 array as float32, and back (rounded to the array's dtype).
+template <typename T>
+inline float load(const T* p, int64_t i);
+template <>
+inline float load<float>(const float* p, int64_t i) {
+    return p[i];
+}
+template <>
+inline float load<uint16_t>(const uint16_t* p, int64_t i) {
+    return bf16_to_f32(p[i]);
+}
+
+template <typename T>
+inline void store(T* p, int64_t i, float v);
+template <>
+inline void store<float>(float* p, int64_t i, float v) {
+    p[i] = v;
+}
+template <>
+inline void store<uint16_t>(uint16_t* p, int64_t i, float v) {
+    p[i] = f32_to_bf16(v);
+}
+
+// ---- CPU features: each family's kernels run only where its check passes -------------------------
+
+inline bool cpu_has_avx512() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+// Linux hands the tile registers to a process only after it asks (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction is SIGILL. Asked once at import.
+inline bool cpu_has_amx() {
+    __builtin_cpu_init();
+    if (!cpu_has_avx512() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16"))
+        return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+inline bool cpu_has_avx512_bf16() {
+    __builtin_cpu_init();
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+// The tile unit's configuration (ldtilecfg's 64-byte operand): linear_amx and the AMX scorer.
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// ---- the few-row linears' tiles (linear_fma.cpp, linear_int8.cpp) -----------------------------
+
+// A tile's MM input rows x 4 weight rows of float32 accumulators, zeroed.
+template <int MM>
+AVX512 inline void zero_tile(__m512 (&acc)[MM][4]) {
+#pragma GCC unroll 4
+    for (int i = 0; i < MM; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+}
+
+// [sum(a), sum(b), sum(c), sum(d)]: a transpose-and-add tree (fixed order, so fixed bits).
+AVX512 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    // per lane: [a, b, c, d] partial sums
+    const __m512 abcd = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// The few-row kernels read 4 weight rows at a time, 4 interleaved streams per thread, which the
+// hardware prefetcher alone kept at ~4-5 GB/s per core: each 64 bytes of a row request the same line
+// of the next block's 4 rows (the rows the thread reads next; past the matrix a prefetch never
+// faults). Measured on one decode step's SmolLM2 weights at one row, 2 threads: int8 (135 MB)
+// 16 -> 10 ms, bf16 without AMX (270 MB) 25 -> 16 ms.
+template <typename W>
+AVX512 inline void prefetch_next_tile(const W* w, int64_t K, int64_t k) {
+    for (int j = 4; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k), _MM_HINT_T0);
+}
+
+// ---- 16 lanes at a time ------------------------------------------------------------------------
+
+// The first min(n, 16) lanes (n >= 1).
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1); }
+
+// 16 float32 to bf16 with round-to-nearest-even (f32_to_bf16, sixteen at a time).
+AVX512 inline __m256i round_to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+AVX512 inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// The same for 16 elements: load16/load16m (masked) widen, store16m rounds (round_to_bf16).
+template <typename T>
+AVX512 inline __m512 load16(const T* p);
+template <>
+AVX512 inline __m512 load16<float>(const float* p) {
+    return _mm512_loadu_ps(p);
+}
+template <>
+AVX512 inline __m512 load16<uint16_t>(const uint16_t* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <typename T>
+AVX512 inline __m512 load16m(const T* p, __mmask16 m);
+template <>
+AVX512 inline __m512 load16m<float>(const float* p, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, p);
+}
+template <>
+AVX512 inline __m512 load16m<uint16_t>(const uint16_t* p, __mmask16 m) {
+    return load_bf16x16(p, m);
+}
+
+template <typename T>
+AVX512 inline void store16m(T* p, __m512 v, __mmask16 m);
+template <>
+AVX512 inline void store16m<float>(float* p, __m512 v, __mmask16 m) {
+    _mm512_mask_storeu_ps(p, m, v);
+}
+template <>
+AVX512 inline void store16m<uint16_t>(uint16_t* p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, round_to_bf16(v));
+}
+
+template <typename T>
+AVX512 inline __m512 round16(__m512 v) {  // to the dtype and back, as storing and loading it
+    if constexpr (std::is_same_v<T, float>) return v;
+    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(v)), 16));
+}
+
+// exp(x): 2^(x log2 e) split into 2^n (scalef) times 2^f, |f| <= 1/2, from its degree-7 Taylor
+// polynomial (relative error below 1e-8 before rounding). Softmax calls it on scores minus their
+// maximum (x <= 0), SiLU on any x: past 89 it is inf, below -87 it stays at exp(-87).
+AVX512 inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(89.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    static constexpr float c[8] = {1.0f,         1.0f,          0.5f,          1.0f / 6.0f,
+                                   1.0f / 24.0f, 1.0f / 120.0f, 1.0f / 720.0f, 1.0f / 5040.0f};
+    __m512 p = _mm512_set1_ps(c[7]);
+    for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+// The fixed reduction order of a score's and a softmax sum's 16 lanes: lane j with lane j+8, then
+// j with j+4, j with j+2, j with j+1. hsum16 applies it across one vector's lanes (attention.cpp's
+// vsum16 applies the same tree across 16 vectors, lane by lane).
+AVX512 inline float hsum16(__m512 v) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+}  // namespace minisgl::cpu

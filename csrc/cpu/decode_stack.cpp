@@ -1,0 +1,124 @@
+// DecodeStack: every layer of a decode-only batch in one call. A decode step calls ~11 kernels per
+// layer, each through its Python wrapper and torch's tensor glue: on this 2-core machine that glue was
+// 10-14 ms of a 20-55 ms SmolLM2 step at batch 1-32 (measured, README "Speed"). For a decode-only bf16
+// batch of a Llama-style layer (pre-norm, fused qkv and gate/up, SiLU, Qwen3's q/k norm; not Gemma's
+// block) DecodeStack::run calls the same kernels (the other files' entry points) on the same
+// operands, in the same order, with each linear taking the kernel Linear.forward would take at that
+// row count (model/llama.py). Python builds it once per model and KV pool (model/decode_stack.py)
+// and keeps every tensor it points into alive.
+//
+// Bit-exactness: its bits are those of the layer-by-layer forward (tests/test_decode_stack.py): it
+// adds no arithmetic of its own, only the calls and the K/V copies.
+
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels.h"
+
+namespace minisgl::cpu {
+namespace {
+
+// What StackLinear::packed holds (cpu_kernels.pack_kind()).
+enum PackKind : int { PACK_NONE = 0, PACK_AMX = 1, PACK_DPBF16 = 2 };
+
+// Linear.forward's choice at m rows: int8 at one row where packed (at up to 4 where not), the packed
+// kernel (AMX tiles or AVX512-BF16 panels) where packed, else the few-row AVX-512 kernel (the builder
+// never lets m exceed 4 there).
+void stack_linear(const StackLinear& l, int pack_kind, const uint16_t* x, uint16_t* y, int64_t m, int threads) {
+    const auto xp = reinterpret_cast<uintptr_t>(x), yp = reinterpret_cast<uintptr_t>(y);
+    if (l.qweight && (!l.packed || m == 1) && m <= 4)
+        linear_int8(xp, l.qweight, l.qscale, l.bias, yp, m, l.n, l.k, threads);
+    else if (l.packed && pack_kind == PACK_AMX)
+        linear_amx(xp, l.packed, l.bias, yp, m, l.n, l.k, threads);
+    else if (l.packed && pack_kind == PACK_DPBF16)
+        linear_dpbf16(xp, l.packed, l.bias, yp, m, l.n, l.k, threads);
+    else
+        linear_bf16(xp, l.weight, l.bias, yp, m, l.n, l.k, threads);
+}
+
+}  // namespace
+
+DecodeStack::DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
+                         double eps, double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer,
+                         int pack_kind)
+    : h_(heads), kvh_(kv_heads), d_(head_dim), hidden_(hidden), inter_(intermediate), eps_(static_cast<float>(eps)),
+      scale_(static_cast<float>(scale)), softcap_(static_cast<float>(softcap)), bs_(block_size), blocks_(num_blocks),
+      scorer_(scorer), pack_kind_(pack_kind) {
+    if (heads % kv_heads != 0 || head_dim % 16 != 0 || head_dim > 256)
+        throw std::invalid_argument("DecodeStack: heads must be a multiple of kv_heads, head_dim of 16 (<= 256)");
+}
+
+void DecodeStack::add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down,
+                            uintptr_t input_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm,
+                            uintptr_t kpool, uintptr_t vpool, int64_t window, int64_t rope, bool gated) {
+    layers_.push_back(
+        {qkv, o, gate_up, down, input_norm, post_norm, q_norm, k_norm, kpool, vpool, window, rope, gated});
+}
+
+// x [n, hidden] (the embeddings; overwritten with the residual stream) and mlp_out [n, hidden]:
+// on return the last layer's input to its final add, as DecoderLayer.forward's `x` and `mlp(h)`.
+// Row i is a decode row at positions[i], writing its K/V at slots[i], reading table i.
+void DecodeStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots,
+                      uintptr_t tables, int64_t table_stride, std::vector<uintptr_t> cos, std::vector<uintptr_t> sin,
+                      std::vector<int64_t> rot, int threads) const {
+    const auto* pos = reinterpret_cast<const int64_t*>(positions);
+    const auto* slot = reinterpret_cast<const int64_t*>(slots);
+    const auto* tab = reinterpret_cast<const int64_t*>(tables);
+    std::vector<int64_t> row_table(static_cast<size_t>(n));
+    for (int64_t r = 0; r < n; ++r) {
+        row_table[r] = r;
+        if (slot[r] < 0 || slot[r] >= blocks_ * bs_) throw std::out_of_range("DecodeStack: a KV slot lies outside the pool");
+    }
+    if (!tables_in_bounds(tab, row_table.data(), pos, n, n, table_stride, bs_, blocks_))
+        throw std::out_of_range("DecodeStack: a row's position or block id lies outside its table or the pool");
+    for (const auto& l : layers_)
+        if (l.rope < 0 || l.rope >= static_cast<int64_t>(cos.size()) || cos.size() != sin.size() || sin.size() != rot.size())
+            throw std::invalid_argument("DecodeStack: a layer's RoPE index has no cos/sin pair");
+    const int64_t width = (h_ + 2 * kvh_) * d_, kv_row = kvh_ * d_;
+    std::vector<uint16_t> normed(n * hidden_), qkv(n * width), attn(n * h_ * d_), attn_out(n * hidden_),
+        gate_up(n * 2 * inter_), act(n * inter_);
+    auto* xs = reinterpret_cast<uint16_t*>(x);
+    auto* mlp = reinterpret_cast<uint16_t*>(mlp_out);
+    const AttnShape shape{h_, kvh_, d_, bs_, table_stride, scale_, softcap_, 0};
+    for (size_t i = 0; i < layers_.size(); ++i) {
+        const StackLayer& l = layers_[i];
+        // The previous layer's `x + mlp(h)` fused into this layer's input norm (as add_and_norm).
+        rms_norm_t(xs, i ? mlp : nullptr, i ? xs : nullptr, reinterpret_cast<const uint16_t*>(l.input_norm),
+                   normed.data(), n, hidden_, eps_, false, threads);
+        stack_linear(l.qkv, pack_kind_, normed.data(), qkv.data(), n, threads);
+        for (int64_t r = 0; l.q_norm && r < n; ++r) {  // Qwen3: each head's q and k normed, in place
+            uint16_t *qr = qkv.data() + r * width, *kr = qr + h_ * d_;
+            const auto* qw = reinterpret_cast<const uint16_t*>(l.q_norm);
+            const auto* kw = reinterpret_cast<const uint16_t*>(l.k_norm);
+            rms_norm_t<uint16_t>(qr, nullptr, nullptr, qw, qr, h_, d_, eps_, false, threads);
+            rms_norm_t<uint16_t>(kr, nullptr, nullptr, kw, kr, kvh_, d_, eps_, false, threads);
+        }
+        rope_t(qkv.data(), reinterpret_cast<const uint16_t*>(cos[l.rope]), reinterpret_cast<const uint16_t*>(sin[l.rope]),
+               n, h_ + kvh_, rot[l.rope], width, d_, threads);
+        auto* kp = reinterpret_cast<uint16_t*>(l.kpool);
+        auto* vp = reinterpret_cast<uint16_t*>(l.vpool);
+        for (int64_t r = 0; r < n; ++r) {  // KVCache.write
+            std::memcpy(kp + slot[r] * kv_row, qkv.data() + r * width + h_ * d_, kv_row * 2);
+            std::memcpy(vp + slot[r] * kv_row, qkv.data() + r * width + (h_ + kvh_) * d_, kv_row * 2);
+        }
+        AttnShape ls = shape;
+        ls.window = l.window;
+        paged_attention_t<uint16_t>(reinterpret_cast<uintptr_t>(qkv.data()), width, l.kpool, l.vpool, tables,
+                                    row_table.data(), pos, reinterpret_cast<uintptr_t>(attn.data()), n, ls, scorer_,
+                                    threads);
+        stack_linear(l.o, pack_kind_, attn.data(), attn_out.data(), n, threads);
+        rms_norm_t(xs, attn_out.data(), xs, reinterpret_cast<const uint16_t*>(l.post_norm), normed.data(), n, hidden_,
+                   eps_, false, threads);
+        if (l.gated) {  // MLP.forward's fused path
+            linear_dpbf16_silu(reinterpret_cast<uintptr_t>(normed.data()), l.gate_up.packed,
+                               reinterpret_cast<uintptr_t>(act.data()), n, inter_, hidden_, threads);
+        } else {
+            stack_linear(l.gate_up, pack_kind_, normed.data(), gate_up.data(), n, threads);
+            silu_and_mul_t(gate_up.data(), act.data(), n, inter_, threads);
+        }
+        stack_linear(l.down, pack_kind_, act.data(), mlp, n, threads);
+    }
+}
+
+}  // namespace minisgl::cpu

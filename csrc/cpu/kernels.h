@@ -1,0 +1,107 @@
+// What crosses files in minisgl_backend._kernels: each family's entry points (bound in bindings.cpp,
+// called by decode_stack.cpp) and the typed forms the decode stack calls without Python's wrappers.
+//
+// Pointer-level: tensors arrive as data pointers (uintptr_t) with shapes the Python side has checked
+// (minisgl_backend/model/cpu_kernels.py); bf16 is uint16_t. Each kernel's bit-exactness contract is
+// at the top of the file that defines it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace minisgl::cpu {
+
+// ---- linear_fma.cpp: 1-4 rows on AVX-512 (float32 FMAs over split bf16 pairs) ----
+void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
+                 int threads);
+
+// ---- linear_amx.cpp: any row count on the AMX tile unit, over weights packed at load ----
+int64_t packed_amx_elems(int64_t N, int64_t K);
+void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads);
+void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
+                int threads);
+
+// ---- linear_dpbf16.cpp: any row count on vdpbf16ps (AVX512-BF16), over weights packed at load ----
+int64_t packed_dpbf16_elems(int64_t N, int64_t K);
+void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, int threads);
+void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
+                   int threads);
+void linear_dpbf16_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K, int threads);
+
+// ---- linear_int8.cpp: 1-4 rows over int8 weights with per-channel scales ----
+void linear_int8(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y, int64_t M, int64_t N,
+                 int64_t K, int threads);
+
+// ---- attention.cpp: every query row over its paged K/V, read in place ----
+struct AttnShape {
+    int64_t heads, kv_heads, head_dim, block_size, table_stride;
+    float scale, softcap;  // softcap 0: none
+    int64_t window;        // 0: full attention
+};
+
+bool tables_in_bounds(const int64_t* tables, const int64_t* row_table, const int64_t* positions, int64_t n,
+                      int64_t num_tables, int64_t stride, int64_t block_size, int64_t num_blocks);
+// The checked entry point (bf16 or float32) and, for the decode stack, the unchecked typed one
+// (instantiated for bf16, uint16_t).
+void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t row_table,
+                     uintptr_t positions, uintptr_t out, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     int64_t block_size, int64_t num_blocks, int64_t num_tables, int64_t table_stride, double scale,
+                     double softcap, int64_t window, bool bf16, int scorer, int threads);
+template <typename T>
+void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables,
+                       const int64_t* row_table, const int64_t* positions, uintptr_t out, int64_t n,
+                       const AttnShape& s, int scorer, int threads);
+
+// ---- rowwise.cpp: RMSNorm (+ residual add), RoPE, SiLU x up; the typed forms for the decode
+// stack (instantiated for bf16, uint16_t) ----
+void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t sum_out, uintptr_t weight, uintptr_t out, int64_t rows,
+              int64_t dim, double eps, bool gemma, bool bf16, int threads);
+void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr,
+          int64_t sh, bool bf16, int threads);
+void silu_and_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, bool bf16, int threads);
+template <typename T>
+void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim,
+                float eps, bool gemma, int threads);
+template <typename T>
+void rope_t(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
+            int threads);
+template <typename T>
+void silu_and_mul_t(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads);
+
+// ---- probes.cpp ----
+double stream_read(uintptr_t buf, int64_t bytes, int threads);
+
+// ---- decode_stack.cpp: every layer of a decode-only batch in one call ----
+struct StackLinear {
+    uintptr_t weight, packed, bias, qweight, qscale;  // 0: absent
+    int64_t n, k;
+};
+
+struct StackLayer {
+    StackLinear qkv, o, gate_up, down;
+    uintptr_t input_norm, post_norm, q_norm, k_norm, kpool, vpool;  // q/k norm 0: none
+    int64_t window, rope;  // window 0: full attention; rope: which of run()'s cos/sin pairs
+    bool gated;            // gate_up packed for linear_dpbf16_silu (Linear.gated)
+};
+
+class DecodeStack {
+  public:
+    DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
+                double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind);
+    void add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down, uintptr_t input_norm,
+                   uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t kpool, uintptr_t vpool,
+                   int64_t window, int64_t rope, bool gated);
+    void run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots, uintptr_t tables,
+             int64_t table_stride, std::vector<uintptr_t> cos, std::vector<uintptr_t> sin, std::vector<int64_t> rot,
+             int threads) const;
+
+  private:
+    int64_t h_, kvh_, d_, hidden_, inter_;
+    float eps_, scale_, softcap_;
+    int64_t bs_, blocks_;
+    int scorer_;
+    int pack_kind_;
+    std::vector<StackLayer> layers_;
+};
+
+}  // namespace minisgl::cpu

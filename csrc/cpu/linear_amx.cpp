@@ -1,0 +1,159 @@
+// linear_amx: y = x @ w^T (+ bias) at any row count on the AMX tile unit (AMX-BF16, Sapphire Rapids
+// and later), the `amx` family's linear. The unit multiplies a 16-row x 32-element bf16 tile of x by
+// a 32 x 16 tile of weights into 16 x 16 float32 sums in one instruction. The weights are packed
+// once at load (pack_amx) into the unit's pair-interleaved layout, in the order the kernel streams
+// them: [N/32][K/32][2 tiles][16 k-pairs][16 outputs x 2], zero-padded to whole tiles, so one
+// 32-output block is one contiguous run of memory.
+//
+// Bit-exactness: each output element is the unit's dot product over K in 32-element steps in a
+// fixed order, summed into float32 in the unit; nothing else touches it but the bias add and one
+// rounding to bf16. Its bits therefore depend only on its own input row and weight row: never on the
+// row count, on which tile the row lands in, or on the thread count (measured,
+// tests/test_cpu_kernels.py), which is what the batch-invariant forward needs, at prefill speed.
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace minisgl::cpu {
+namespace {
+
+constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x's chunk stays in L2
+// The weight tiles of the k-step this many steps ahead are prefetched: the hardware prefetcher
+// alone left a 270 MB stream of steps 15-25% slower at 1, 8 and 32 rows (measured, README "Speed").
+constexpr int64_t AMX_PREFETCH_STEPS = 2;
+
+// The 2 KB (32 lines) of weight tiles of one k-step into L1; past the block's end it is the next
+// block's start, which the thread reads next (a prefetch never faults).
+AMX inline void prefetch_kstep(const uint16_t* wb) {
+    for (int line = 0; line < 32; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + line * 32), _MM_HINT_T0);
+}
+
+// tmm0, tmm1: sums for the block's first ra rows (outputs 0-15, 16-31); tmm2, tmm3: the next rb rows;
+// tmm4, tmm5: those rows of x; tmm6, tmm7: the two weight tiles of one k-step.
+AMX void configure_tiles(int ra, int rb) {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
+    c.rows[0] = c.rows[1] = c.rows[4] = static_cast<uint8_t>(ra);
+    c.rows[2] = c.rows[3] = c.rows[5] = static_cast<uint8_t>(rb ? rb : 1);
+    c.rows[6] = c.rows[7] = 16;
+    // GCC 12 treats the field stores as dead before ldtilecfg (it drops them) unless c escapes.
+    asm volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+
+// rows x 32 float32 sums (row stride 32) + bias, rounded, into y's columns n0.. (the valid ones).
+AMX void store_sums(const float* sums, int rows, int64_t n0, int64_t N, const uint16_t* bias, uint16_t* y) {
+    const int64_t left = N - n0;
+    const __mmask16 lo = first_lanes(left), hi = left > 16 ? first_lanes(left - 16) : 0;
+    const __m512 b0 = bias ? load_bf16x16(bias + n0, lo) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? load_bf16x16(bias + n0 + 16, hi) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+        __m512 v0 = _mm512_load_ps(sums + r * 32), v1 = _mm512_load_ps(sums + r * 32 + 16);
+        if (bias) {
+            v0 = _mm512_add_ps(v0, b0);
+            v1 = _mm512_add_ps(v1, b1);
+        }
+        uint16_t* yr = y + r * N + n0;
+        _mm256_mask_storeu_epi16(yr, lo, round_to_bf16(v0));
+        _mm256_mask_storeu_epi16(yr + 16, hi, round_to_bf16(v1));
+    }
+}
+
+// One block of up to 32 rows (x rows xs elements apart) x 32 outputs over the block's packed weights.
+AMX void amx_block(const uint16_t* x, int64_t xs, const uint16_t* wb, int64_t KB, int ra, int rb, float* sums) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (rb) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
+            _tile_loadd(4, x + kb * 32, xs * 2);
+            _tile_loadd(5, x + 16 * xs + kb * 32, xs * 2);
+            _tile_loadd(6, wb + kb * 1024, 64);
+            _tile_loadd(7, wb + kb * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, sums + 16 * 32, 128);
+        _tile_stored(3, sums + 16 * 32 + 16, 128);
+    } else {
+        for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
+            _tile_loadd(4, x + kb * 32, xs * 2);
+            _tile_loadd(6, wb + kb * 1024, 64);
+            _tile_loadd(7, wb + kb * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, sums, 128);
+    _tile_stored(1, sums + 16, 128);
+}
+
+}  // namespace
+
+int64_t packed_amx_elems(int64_t N, int64_t K) { return (N + 31) / 32 * ((K + 31) / 32) * 1024; }
+
+void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads) {
+    const auto* wp = reinterpret_cast<const uint16_t*>(w);
+    auto* op = reinterpret_cast<uint16_t*>(out);
+    const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t nb = 0; nb < NB; ++nb)
+        for (int64_t kb = 0; kb < KB; ++kb)
+            for (int64_t j = 0; j < 2; ++j)
+                for (int64_t pair = 0; pair < 16; ++pair)
+                    for (int64_t n = 0; n < 16; ++n)
+                        for (int64_t e = 0; e < 2; ++e) {
+                            const int64_t row = nb * 32 + j * 16 + n, col = kb * 32 + 2 * pair + e;
+                            op[((((nb * KB + kb) * 2 + j) * 16 + pair) * 16 + n) * 2 + e] =
+                                row < N && col < K ? wp[row * K + col] : 0;
+                        }
+}
+
+AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
+                    int threads) {
+    const auto* xp = reinterpret_cast<const uint16_t*>(x);
+    const auto* wp = reinterpret_cast<const uint16_t*>(packed);
+    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
+    auto* yp = reinterpret_cast<uint16_t*>(y);
+    const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32, xs = KB * 32;
+    std::vector<uint16_t> padded;  // x with K zero-padded to whole k-steps, when it is not already
+    if (xs != K) {
+        padded.assign(static_cast<size_t>(M * xs), 0);
+        for (int64_t m = 0; m < M; ++m) std::memcpy(padded.data() + m * xs, xp + m * K, K * 2);
+        xp = padded.data();
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        alignas(64) float sums[32 * 32];
+        int ra_now = -1, rb_now = -1;  // the thread's tile shape (ldtilecfg only when it changes)
+        for (int64_t c0 = 0; c0 < M; c0 += AMX_ROW_CHUNK) {
+            const int64_t c1 = std::min(M, c0 + AMX_ROW_CHUNK);
+            // Static over weight blocks: each thread streams one contiguous slice of the weights,
+            // and a block's weights stay in L1/L2 while every row of the chunk uses them.
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < NB; ++nb)
+                for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+                    const int rows = static_cast<int>(std::min<int64_t>(32, c1 - m0));
+                    const int ra = std::min(16, rows), rb = rows - ra;
+                    if (ra != ra_now || rb != rb_now) {
+                        configure_tiles(ra, rb);
+                        ra_now = ra;
+                        rb_now = rb;
+                    }
+                    amx_block(xp + m0 * xs, xs, wp + nb * KB * 1024, KB, ra, rb, sums);
+                    store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N);
+                }
+        }
+        if (ra_now >= 0) _tile_release();
+    }
+}
+
+}  // namespace minisgl::cpu
