@@ -1,4 +1,4 @@
-// The Python module minisgl_backend._kernels: pybind11 bindings of every family's entry points
+// The Python module minisgl_backend.native._kernels: pybind11 bindings of every family's entry points
 // (kernels.h). Pointer-level: use minisgl_backend.model.cpu_kernels, which checks shapes and dtypes
 // and falls back to torch where a kernel cannot run. Built without torch headers; OpenMP is the same
 // libgomp torch loads (one soname, one runtime, one thread team), the caller passes torch's thread

@@ -1,4 +1,4 @@
-// The helpers every CPU kernel family shares (csrc/cpu/*.cpp, built into minisgl_backend._kernels):
+// The helpers every CPU kernel family shares (csrc/cpu/*.cpp, built into minisgl_backend.native._kernels):
 // bf16 <-> float32 conversion, the CPU feature checks, the target attributes each family compiles
 // under, and the 16-lane loads, stores, exp and sums they are written with.
 //

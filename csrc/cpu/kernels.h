@@ -1,4 +1,4 @@
-// What crosses files in minisgl_backend._kernels: each family's entry points (bound in bindings.cpp,
+// What crosses files in minisgl_backend.native._kernels: each family's entry points (bound in bindings.cpp,
 // called by decode_stack.cpp) and the typed forms the decode stack calls without Python's wrappers.
 //
 // Pointer-level: tensors arrive as data pointers (uintptr_t) with shapes the Python side has checked

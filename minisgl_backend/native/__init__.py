@@ -2,7 +2,7 @@
 installs without them, and their one importer each falls back to Python or torch):
 
 - `_native`: the in-flight tracker (csrc/inflight_tracker.cpp), loaded by executor/tracker.py;
-- `_kernels`: the CPU kernels (csrc/cpu_kernels.cpp), loaded by model/cpu_kernels.py.
+- `_kernels`: the CPU kernels (csrc/cpu/), loaded by model/cpu_kernels.py.
 
 They live in a package of their own at the bottom of the layering (pyproject.toml,
 [tool.importlinter]): the import graph cannot see into a compiled module, so importing one reads as
