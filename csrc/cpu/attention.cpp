@@ -444,8 +444,8 @@ enum Scorer : int { SCORE_FMA = 0, SCORE_AMX = 1, SCORE_DP = 2 };
 // each key's (dim 2i, dim 2i+1) pair broadcast against the lanes' pairs, one chain over the pairs
 // in order per score (so a score's bits depend on its query and key alone, as the tile unit's).
 // Sixteen keys at a time keep sixteen chains in flight (eight left the unit idle: 1.34 -> 1.17 ms per
-// layer for a 256-row chunk at 256 cached, README "Speed"); keys of the 16-key tiles outside [lo, hi] score
-// zero, as amx_scores' staged zeros. Read in place, whatever the block size.
+// layer for a 256-row chunk at 256 cached, docs/performance.md "Speed"); keys of the 16-key tiles
+// outside [lo, hi] score zero, as amx_scores' staged zeros. Read in place, whatever the block size.
 DPBF16 void dp_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
                       int64_t hi, const uint32_t* qb, float* sc) {
     const int64_t d = s.head_dim, row = s.kv_heads * d, bs = s.block_size, base = lo / 16 * 16;
@@ -638,7 +638,7 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
 // A decode block's V rows are requested into L2 before its scores are computed, so that their
 // memory latencies overlap the scoring instead of stalling the V sum key by key (the rows of one KV
 // head are 2-4 lines every kv_heads * head_dim elements, a stride the hardware prefetcher does not
-// follow across shuffled blocks): decode attention at batch 8-32 ~20% faster (README "Speed").
+// follow across shuffled blocks): decode attention at batch 8-32 ~20% faster (docs/performance.md "Speed").
 template <typename T>
 AVX512 inline void prefetch_values(const T* vpool, const BlockKeys& b, int64_t kvh, const AttnShape& s,
                                    const AttnScratch& w) {

@@ -1,11 +1,11 @@
 // DecodeStack: every layer of a decode-only batch in one call. A decode step calls ~11 kernels per
 // layer, each through its Python wrapper and torch's tensor glue: on this 2-core machine that glue was
-// 10-14 ms of a 20-55 ms SmolLM2 step at batch 1-32 (measured, README "Speed"). For a decode-only bf16
-// batch of a Llama-style layer (pre-norm, fused qkv and gate/up, SiLU, Qwen3's q/k norm; not Gemma's
-// block) DecodeStack::run calls the same kernels (the other files' entry points) on the same
-// operands, in the same order, with each linear taking the kernel Linear.forward would take at that
-// row count (model/llama.py). Python builds it once per model and KV pool (model/decode_stack.py)
-// and keeps every tensor it points into alive.
+// 10-14 ms of a 20-55 ms SmolLM2 step at batch 1-32 (measured, docs/performance.md "Speed"). For a
+// decode-only bf16 batch of a Llama-style layer (pre-norm, fused qkv and gate/up, SiLU, Qwen3's q/k
+// norm; not Gemma's block) DecodeStack::run calls the same kernels (the other files' entry points) on
+// the same operands, in the same order, with each linear taking the kernel Linear.forward would take
+// at that row count (model/layers.py). Python builds it per model and KV pool, again when the weights
+// change (DecodeStackForward, model/decode_stack.py), and keeps every tensor it points into alive.
 //
 // Bit-exactness: its bits are those of the layer-by-layer forward (tests/test_decode_stack.py): it
 // adds no arithmetic of its own, only the calls and the K/V copies.

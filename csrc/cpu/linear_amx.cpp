@@ -22,7 +22,8 @@ namespace {
 
 constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x's chunk stays in L2
 // The weight tiles of the k-step this many steps ahead are prefetched: the hardware prefetcher
-// alone left a 270 MB stream of steps 15-25% slower at 1, 8 and 32 rows (measured, README "Speed").
+// alone left a 270 MB stream of steps 15-25% slower at 1, 8 and 32 rows (measured,
+// docs/performance.md "Speed").
 constexpr int64_t AMX_PREFETCH_STEPS = 2;
 
 // The 2 KB (32 lines) of weight tiles of one k-step into L1; past the block's end it is the next

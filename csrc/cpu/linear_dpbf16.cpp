@@ -176,7 +176,7 @@ DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr
 // y [M, I] = silu(gate) * up over a fused gate/up weight packed `gated` (N = 2I, pack_dpbf16): the
 // GEMM and silu_and_mul in one pass, rounding as the two do in turn (the gate and up sums to bf16,
 // SiLU to bf16, then the product), so the same bits without writing [M, 2I] out and reading it
-// back (silu_and_mul was ~6% of a SmolLM2 prefill forward, README "Speed").
+// back (silu_and_mul was ~6% of a SmolLM2 prefill forward, docs/performance.md "Speed").
 DPBF16 void linear_dpbf16_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K,
                                int threads) {
     auto* yp = reinterpret_cast<uint16_t*>(y);

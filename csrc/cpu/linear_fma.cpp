@@ -1,8 +1,8 @@
 // linear_bf16: y = x @ w^T (+ bias) for 1-4 rows of bf16 on AVX-512 (float32 FMAs), the `avx512`
 // family's linear (the CPU has neither AMX nor AVX512-BF16). At 1-8 rows a decode step is a weight
 // stream: every weight byte is read once per step and used by M rows. oneDNN's bf16 path reaches
-// ~6 GB/s there (measured, README "Speed"); this kernel reads each weight row once for up to four
-// input rows, over the bf16 weights as stored (no packing).
+// ~6 GB/s there (measured, docs/performance.md "Speed"); this kernel reads each weight row once
+// for up to four input rows, over the bf16 weights as stored (no packing).
 //
 // Bit-exactness: each output is one dot product over K in a fixed order (16-lane FMAs in k order,
 // then reduce4's tree), plus the bias, rounded once to bf16; its bits depend only on its input row

@@ -4,7 +4,7 @@
 //
 // Bit-exactness: each row is computed alone in a fixed order, so its bits never depend on the other
 // rows: these are shared by the default and the batch-invariant forward. Roundings follow the torch
-// expressions they replace (model/llama.py RMSNorm / GemmaRMSNorm, model/rope.py apply_rotary,
+// expressions they replace (model/layers.py RMSNorm / GemmaRMSNorm, model/rope.py apply_rotary,
 // F.silu(gate) * up) step by step. The AVX-512 loops keep those roundings (RoPE and SiLU keep each
 // element's operations; RMSNorm's sum of squares is summed by lanes, then by hsum16's tree: a fixed
 // order, not the scalar one).

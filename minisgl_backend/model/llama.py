@@ -87,8 +87,9 @@ class LayerLoop:
     ) -> torch.Tensor:
         layers = model.model.layers
         # The native paged attention reads every row's keys in place (prefill chunks included: on
-        # this CPU it beats SDPA over a gathered context, measured in README "Speed"); otherwise
-        # masks are built once per window size and shared by every layer with that window.
+        # this CPU it beats SDPA over a gathered context, measured in docs/performance.md, "Speed
+        # (CPU kernels)"); otherwise masks are built once per window size and shared by every layer
+        # with that window.
         masks: dict[int | None, tuple] = {}
         rows = None
         if cpu_kernels.attention_runs(x, kv.k[0], kv.v[0]):
