@@ -258,7 +258,7 @@ def test_bad_config_and_model_paths(tmp_path):
 def test_yaml_presets_load_with_overrides():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent / "configs" / "engine"
+    root = Path(__file__).resolve().parents[2] / "configs" / "engine"
     serial = EngineConfig.from_yaml(root / "serial.yaml", block_size=8)
     assert serial.chunk_size is None and not serial.mixed_batches and serial.block_size == 8
     assert EngineConfig.from_yaml(root / "default.yaml") == EngineConfig()

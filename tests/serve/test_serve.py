@@ -29,7 +29,7 @@ KEY = "sk-test-key"
 MODEL = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_WAITING = 48
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 from minisgl_backend import Engine, EngineConfig  # noqa: E402
 from minisgl_backend.serve import start_in_thread  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-clients"
 MODEL = "smollm2"
 ENGINE = dict(

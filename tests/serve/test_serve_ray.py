@@ -37,7 +37,7 @@ from minisgl_backend import cli  # noqa: E402
 from minisgl_backend.cluster import loopback_only  # noqa: E402
 from minisgl_backend.serve.ray_app import APP_NAME, PrefixRouter  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-ray"
 MODEL = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -15,7 +15,7 @@ from minisgl_backend import ConfigError, EngineConfig
 from minisgl_backend import config as config_mod
 from minisgl_backend.model.loader import gguf_cache_key
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "requirements.md"
 SCANNED = ["minisgl_backend", "adapters", "tests", "scripts", "csrc", "docs", "configs", "examples", ".ci"]
 SCANNED_FILES = ["README.md", "setup.py", "pyproject.toml", "Makefile"]

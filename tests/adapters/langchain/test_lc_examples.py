@@ -9,7 +9,7 @@ import langchain_minisgl
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def _load(name: str):

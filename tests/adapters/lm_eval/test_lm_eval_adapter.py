@@ -19,7 +19,7 @@ from lm_eval_minisgl.model import MiniSGLLM, build_engine_config  # noqa: E402
 
 from minisgl_backend import ConfigError, Engine, EngineConfig, InvalidSamplingParamsError  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 LL_TOL = 1e-3
