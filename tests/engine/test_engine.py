@@ -18,41 +18,21 @@ from minisgl_backend import (
     RequestFailedError,
     SamplingParams,
 )
+from tests.helpers import SMALL_POOL, assert_drained, drained_engine, token_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def _prompts(n: int, base: int = 0) -> list[list[int]]:
-    # Token-id prompts of different lengths (3..40) so chunks and blocks fall in different places.
-    return [[100 + (base + i * 7 + j * 13) % 4000 for j in range(3 + (i * 11) % 38)] for i in range(n)]
-
-
-def _assert_drained(engine: Engine) -> None:
-    counts = engine.drain(timeout=60, flush_cache=True)
-    assert counts["FREE"] == engine.num_blocks, counts
-    assert counts["running"] == counts["waiting"] == 0
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    with Engine(
-        EngineConfig(
-            model=str(tiny_model_dir),
-            num_blocks=256,
-            block_size=4,
-            chunk_size=16,
-            max_num_batched_tokens=64,
-            max_model_len=128,
-        )
-    ) as eng:
+    with drained_engine(tiny_model_dir, **SMALL_POOL) as eng:
         yield eng
-        _assert_drained(eng)
 
 
 @pytest.fixture(scope="module")
 def solo(engine):
     """Reference outputs: each prompt run alone, greedy and seeded."""
-    prompts = _prompts(12)
+    prompts = token_prompts(12)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     greedy = [engine.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts]
     sampled = [engine.generate([p], seeded, use_tqdm=False)[0].token_ids for p in prompts]
@@ -82,24 +62,28 @@ def test_batched_outputs_equal_solo_outputs_under_any_policy(tiny_model_dir, sol
         assert [o.token_ids for o in outs[len(prompts) :]] == sampled
         if "num_blocks" in overrides:
             assert sum(o.num_preemptions for o in outs) > 0, "the small pool should have forced preemption"
-        _assert_drained(eng)
+        assert_drained(eng)
 
 
 def test_abort_mid_decode_frees_blocks(engine):
-    handle = engine.submit(_prompts(1)[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    handle = engine.submit(
+        token_prompts(1)[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    )
     it = iter(handle)
     next(it)  # at least one token decoded: the request holds KV blocks now
     engine.abort(handle.request_id)
     out = handle.result(timeout=30)
     assert out.finish_reason == "abort" and 1 <= len(out.token_ids) < 100
-    _assert_drained(engine)
+    assert_drained(engine)
 
 
 def test_stream_closed_early_aborts(engine):
-    stream = engine.stream(_prompts(1)[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    stream = engine.stream(
+        token_prompts(1)[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    )
     next(stream)
     stream.close()
-    _assert_drained(engine)
+    assert_drained(engine)
 
 
 def test_stream_deltas_concatenate_to_the_final_text(engine):
@@ -133,7 +117,7 @@ def test_many_concurrent_submitters(engine, solo):
 
 
 def test_stop_string_spanning_tokens_is_removed(engine):
-    prompt = _prompts(3)[2]
+    prompt = token_prompts(3)[2]
     free = engine.generate([prompt], GREEDY, use_tqdm=False)[0]
     # A stop string made of the end of token 3's text and the start of token 4's: it spans a boundary.
     t3 = engine.tokenizer.decode(free.token_ids[3:4])
@@ -194,7 +178,7 @@ def test_unseeded_requests_report_a_replayable_seed(engine):
 
 
 def test_logprobs_and_prompt_logprobs(engine):
-    prompt = _prompts(2)[1]
+    prompt = token_prompts(2)[1]
     out = engine.generate(
         [prompt],
         SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2, prompt_logprobs_start=5),
@@ -237,7 +221,7 @@ def test_bad_input_is_rejected_and_the_engine_keeps_serving(engine):
         handle.result(timeout=30)
     assert isinstance(err.value.__cause__, ZeroDivisionError)
     assert engine.generate(["still serving"], GREEDY, use_tqdm=False)[0].finish_reason == "length"
-    _assert_drained(engine)
+    assert_drained(engine)
 
 
 def test_bad_config_and_model_paths(tmp_path):

@@ -16,6 +16,7 @@ from minisgl_backend import (
 )
 from minisgl_backend.sampling.sampler import sample_key
 from minisgl_backend.tools.determinism import Grid, Workload, run_check
+from tests.helpers import QUIET, assert_drained
 
 BLOCK = 16
 PROMPT = list(range(300, 340))  # 40 tokens: two full blocks and an 8-token tail
@@ -62,24 +63,14 @@ def test_sample_keys_are_the_seed_then_splitmix64_outputs():
 # ---------------------------------------------------------------------------------------- the engine
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
+    # Exact metrics: exact prefill / prefix-hit counts between two snapshots. Deterministic: a cache
+    # hit's logits are bitwise a full prefill's.
+    exact = dict(metrics_exact=True, deterministic=True)
     cfg = EngineConfig(
-        model=str(tiny_model_dir),
-        num_threads=1,
-        stats_interval_s=0,
-        num_blocks=160,
-        max_model_len=512,
-        block_size=BLOCK,
-        metrics_exact=True,  # exact prefill / prefix-hit counts between two snapshots
-        deterministic=True,  # a cache hit's logits are bitwise a full prefill's
+        model=str(tiny_model_dir), **QUIET, num_blocks=160, max_model_len=512, block_size=BLOCK, **exact
     )
     with Engine(cfg) as eng:
         yield eng
-
-
-def _free_after_drain(engine) -> None:
-    counts = engine.drain(timeout=60, flush_cache=True)
-    assert counts["running"] == counts["waiting"] == 0
-    assert counts["FREE"] == engine.num_blocks, counts
 
 
 def _alone(engine, prompt, params: SamplingParams) -> list[int]:
@@ -95,7 +86,7 @@ def test_sample_i_is_the_n1_request_seeded_with_its_key_run_alone(engine):
     assert all(s.prompt_token_ids == PROMPT and len(s.token_ids) == 10 for s in out.samples)
     for s in out.samples:
         ref = SamplingParams(temperature=1.0, top_p=0.95, seed=s.seed, **COMMON)
-        _free_after_drain(engine)  # each reference computes its prompt from scratch, by itself
+        assert_drained(engine)  # each reference computes its prompt from scratch, by itself
         assert _alone(engine, PROMPT, ref) == s.token_ids, s.index
     assert len({tuple(s.token_ids) for s in out.samples}) == 4  # distinct keys, distinct samples
     # Sample i does not depend on n: n = 2 gives the first two of n = 4, and n = 1 gives sample 0.
@@ -118,7 +109,7 @@ def test_sample_i_is_the_n1_request_seeded_with_its_key_run_alone(engine):
         use_tqdm=False,
     )
     assert [len(o.samples) for o in mixed] == [1, 2] and mixed[0].token_ids == ref
-    _free_after_drain(engine)
+    assert_drained(engine)
 
 
 def _delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
@@ -130,7 +121,7 @@ def test_the_prompt_is_computed_once_for_all_samples(engine, prompt_logprobs):
     """Sample 0 computes the prompt; samples 1..3 start from its two full blocks (prefix hits) and
     compute only the 8-token tail. Scoring prompt logprobs (sample 0 alone scores them, so it hits
     nothing itself) does not stop the others from sharing its blocks."""
-    _free_after_drain(engine)
+    assert_drained(engine)
     prompt = [1000 + i for i in range(40)]
     params = SamplingParams(seed=5, n=4, prompt_logprobs=prompt_logprobs, **COMMON)
     before = engine.metrics()
@@ -145,7 +136,7 @@ def test_the_prompt_is_computed_once_for_all_samples(engine, prompt_logprobs):
         alone = engine.generate([prompt], SamplingParams(prompt_logprobs=1, **COMMON), use_tqdm=False)[0]
         assert alone.prompt_logprobs[0] is None and alone.prompt_logprobs[1] is not None
         assert all(s.prompt_logprobs == alone.prompt_logprobs for s in out.samples)
-    _free_after_drain(engine)
+    assert_drained(engine)
 
 
 def test_streamed_deltas_carry_their_sample_index_and_samples_finish_on_their_own(engine):
@@ -169,7 +160,7 @@ def test_streamed_deltas_carry_their_sample_index_and_samples_finish_on_their_ow
     assert out.samples[1].token_ids == ref.samples[1].token_ids[:4]
     assert [s.finish_reason for s in out.samples] == ["length", "stop", "length"]
     assert out.samples[0].token_ids == ref.token_ids and out.samples[2].token_ids == ref.samples[2].token_ids
-    _free_after_drain(engine)
+    assert_drained(engine)
 
 
 def test_abort_ends_every_sample(engine):
@@ -178,7 +169,7 @@ def test_abort_ends_every_sample(engine):
     engine.abort(handle.request_id)
     out = handle.result(timeout=30)
     assert [s.finish_reason for s in out.samples] == ["abort"] * 5
-    _free_after_drain(engine)
+    assert_drained(engine)
 
 
 def test_a_failing_sample_fails_its_request_and_the_others_are_aborted(engine):
@@ -196,7 +187,7 @@ def test_a_failing_sample_fails_its_request_and_the_others_are_aborted(engine):
         handle.result(timeout=30)
     with pytest.raises(RequestFailedError):
         list(handle)
-    _free_after_drain(engine)
+    assert_drained(engine)
     assert _alone(engine, PROMPT, SamplingParams(seed=4, **COMMON)) == ref.token_ids  # it goes on
 
 

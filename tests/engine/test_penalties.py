@@ -12,6 +12,7 @@ from minisgl_backend import Engine, EngineConfig, InvalidSamplingParamsError, Sa
 from minisgl_backend.sampling.penalties import apply_penalties, penalise_row
 from minisgl_backend.sampling.sampler import SampleRow, sample
 from minisgl_backend.tools.determinism import Grid, Workload, run_check
+from tests.helpers import QUIET
 
 # ---------------------------------------------------------------------------------------- the math
 LOGITS = np.array([2.0, -1.0, 0.5, -0.5, 0.0, 3.0], dtype=np.float32)
@@ -203,13 +204,9 @@ PROMPTS = ["The capital of France is", "a b c d e f", "Hello", list(range(300, 3
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
+    # Deterministic: a fresh prefill's logits are bitwise a decode's (the stepwise reference).
     cfg = EngineConfig(
-        model=str(tiny_model_dir),
-        num_threads=1,
-        stats_interval_s=0,
-        num_blocks=128,
-        max_model_len=512,
-        deterministic=True,  # a fresh prefill's logits are bitwise a decode's: the stepwise reference
+        model=str(tiny_model_dir), **QUIET, num_blocks=128, max_model_len=512, deterministic=True
     )
     with Engine(cfg) as eng:
         yield eng

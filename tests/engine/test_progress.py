@@ -24,17 +24,8 @@ POLICIES = [
 
 
 def _cfg(tiny_model_dir, **kw) -> EngineConfig:
-    base = dict(
-        model=str(tiny_model_dir),
-        num_blocks=10,
-        block_size=4,
-        chunk_size=4,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        prefix_cache="off",
-        max_model_len=40,
-        num_threads=1,
-    )
+    pool = dict(num_blocks=10, block_size=4, chunk_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    base = dict(model=str(tiny_model_dir), **pool, prefix_cache="off", max_model_len=40, num_threads=1)
     return EngineConfig(**{**base, **kw})
 
 

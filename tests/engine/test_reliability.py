@@ -34,20 +34,13 @@ from minisgl_backend import (
 from minisgl_backend.executor import sample_stage as stage
 from minisgl_backend.executor.tracker import PyInflightTracker, make_tracker, native_available
 from minisgl_backend.sampling.sampler import SampleRow, sample
+from tests.helpers import QUIET, assert_drained
 
 INNOCENT = [100 + (j * 37) % 3000 for j in range(23)]  # 23 tokens: several chunks and blocks
 BAD_PROMPT = [200 + (j * 11) % 3000 for j in range(9)]
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True, logprobs=2)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-CONFIG = dict(
-    num_blocks=64,
-    block_size=4,
-    chunk_size=8,
-    max_num_batched_tokens=32,
-    max_model_len=96,
-    num_threads=1,
-    stats_interval_s=0,
-)
+CONFIG = dict(num_blocks=64, block_size=4, chunk_size=8, max_num_batched_tokens=32, max_model_len=96, **QUIET)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +56,8 @@ def solo(engine):
 
 
 def _assert_drained(engine: Engine) -> None:
-    counts = engine.drain(timeout=60, flush_cache=True)
-    assert counts["FREE"] == engine.num_blocks, counts
-    assert counts["running"] == counts["waiting"] == counts["inflight"] == 0, counts
+    counts = assert_drained(engine)
+    assert counts["inflight"] == 0, counts
 
 
 def _same_as_solo(out, solo) -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.rope import apply_rotary
+from tests.helpers import model_spec
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(),
@@ -235,24 +236,9 @@ def test_paged_attention_rows_do_not_depend_on_the_call(dtype, tol, window, cap,
 def test_decode_attention_matches_the_torch_path(torch_only):
     """The model's own decode attention with and without the kernel (fp32, GQA, paged)."""
     from minisgl_backend.kvcache.storage import KVCache
-    from minisgl_backend.model.llama import Attention, ModelSpec
+    from minisgl_backend.model.llama import Attention
 
-    spec = ModelSpec(
-        vocab_size=10,
-        hidden_size=32,
-        intermediate_size=8,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        mlp_bias=False,
-        qk_norm=False,
-    )
+    spec = model_spec()
     attn = Attention(spec, 0)
     kv = KVCache(1, 12, 4, 2, 8, torch.float32, "cpu")
     g = _gen(3)

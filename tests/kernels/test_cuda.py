@@ -10,6 +10,7 @@ import torch
 from minisgl_backend import Engine, EngineConfig, SamplingParams
 from minisgl_backend.executor.cuda import CUDAExecutor
 from minisgl_backend.executor.tracker import native_available
+from tests.helpers import SMALL_POOL, token_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -17,20 +18,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 SCORED = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3, logprobs=3)
 
 
-def _prompts(n: int) -> list[list[int]]:
-    return [[100 + (i * 7 + j * 13) % 4000 for j in range(3 + (i * 11) % 38)] for i in range(n)]
-
-
 def _config(tiny_model_dir, **overrides) -> EngineConfig:
-    return EngineConfig(
-        model=str(tiny_model_dir),
-        num_blocks=256,
-        block_size=4,
-        chunk_size=16,
-        max_num_batched_tokens=64,
-        max_model_len=128,
-        **overrides,
-    )
+    return EngineConfig(model=str(tiny_model_dir), **SMALL_POOL, **overrides)
 
 
 def _run(cfg: EngineConfig, prompts, params):
@@ -43,7 +32,7 @@ def _run(cfg: EngineConfig, prompts, params):
 
 @pytest.fixture(scope="module")
 def cpu_reference(tiny_model_dir):
-    prompts = _prompts(12)
+    prompts = token_prompts(12)
     greedy, _ = _run(_config(tiny_model_dir), prompts, GREEDY)
     scored, _ = _run(_config(tiny_model_dir), prompts[:4], SCORED)
     return prompts, greedy, scored
@@ -73,7 +62,7 @@ def test_model_and_kv_live_on_the_device(tiny_model_dir):
         ex = eng._executor
         assert next(ex.model.parameters()).device.type == "cuda"
         assert ex.kv.k[0].device.type == "cuda"
-        eng.generate(_prompts(1), GREEDY, use_tqdm=False)
+        eng.generate(token_prompts(1), GREEDY, use_tqdm=False)
         slots = ex._ring._free + ex._ring._reclaim.pending()
         bufs = [buf for slot in slots for buf in slot._bufs.values()]
         assert len(slots) == ex.tracker.max_inflight and bufs and all(b.is_pinned() for b in bufs)
@@ -102,7 +91,7 @@ def test_python_callback_path_on_cuda(tiny_model_dir, cpu_reference):
 
 def test_cuda_trace_has_gpu_forward_spans(tiny_model_dir):
     with Engine(_config(tiny_model_dir, device="cuda", trace=True)) as eng:
-        eng.generate(_prompts(4), GREEDY, use_tqdm=False)
+        eng.generate(token_prompts(4), GREEDY, use_tqdm=False)
         spans = eng.tracer.spans
     forwards = [s for s in spans if s[0] == "compute"]
     samples = {s[1].split()[1]: s for s in spans if s[0] == "copy"}

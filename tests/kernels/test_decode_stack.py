@@ -14,6 +14,7 @@ from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import batch_invariant, cpu_kernels
 from minisgl_backend.model.llama import CausalLM, ForwardBatch, Linear, ModelSpec
+from tests.helpers import model_spec
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(),
@@ -36,23 +37,9 @@ CONTEXTS = [5, 17, 30, 9, 23]  # prompt lengths of the sequences that then decod
 
 
 def _spec(**over) -> ModelSpec:
-    base = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        mlp_bias=False,
-        qk_norm=False,
-    )
-    return ModelSpec(**(base | over))
+    """model_spec() wider and three layers deep (hidden 64, head dim 32, context 256), with `over`."""
+    wide = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3, head_dim=32)
+    return model_spec(**(wide | {"max_position_embeddings": 256} | over))
 
 
 def _model(spec: ModelSpec, mode: str) -> CausalLM:

@@ -5,24 +5,13 @@ import pytest
 import torch
 
 from minisgl_backend import Engine, EngineConfig, SamplingParams
+from tests.helpers import hf_tiny_config
 
 
 def _tiny(kind: str, out, tokenizer_dir):
     import transformers
     from transformers import AutoTokenizer
 
-    common = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-6,
-        initializer_range=0.2,
-    )
     cfg, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -31,7 +20,7 @@ def _tiny(kind: str, out, tokenizer_dir):
     }[kind]
     extra = {"head_dim": 24} if kind == "qwen3" else {}  # Qwen3: head_dim independent of hidden/heads
     torch.manual_seed(0)
-    model = model_cls(cfg(**common, **extra)).eval()
+    model = model_cls(cfg(**hf_tiny_config(**extra))).eval()
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
     return model

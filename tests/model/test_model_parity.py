@@ -8,6 +8,7 @@ import torch
 
 from minisgl_backend import Engine, EngineConfig, SamplingParams
 from minisgl_backend.model import cpu_kernels
+from tests.helpers import model_spec
 
 PROMPTS = [
     "The capital of France is",
@@ -113,25 +114,10 @@ def test_paged_attention_with_scattered_blocks_equals_contiguous():
     contiguous causal pass over the whole sequence (which touches no cache)."""
     from minisgl_backend.iteration import PrefillChunk
     from minisgl_backend.kvcache.storage import KVCache
-    from minisgl_backend.model.llama import Attention, ForwardBatch, ModelSpec, chunk_mask
+    from minisgl_backend.model.llama import Attention, ForwardBatch, chunk_mask
 
     torch.manual_seed(0)
-    spec = ModelSpec(
-        vocab_size=10,
-        hidden_size=32,
-        intermediate_size=8,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        qkv_bias=False,
-        mlp_bias=False,
-        qk_norm=False,
-    )
+    spec = model_spec()
     attn = Attention(spec, 0).eval()
     bs, n = 4, 19
     x = torch.randn(n, spec.hidden_size)

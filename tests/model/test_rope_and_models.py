@@ -19,22 +19,12 @@ import pytest
 import torch
 
 from minisgl_backend import Engine, EngineConfig, SamplingParams
+from tests.helpers import QUIET, hf_tiny_config
 
 WINDOW, ORIG, TOP, NEW = 8, 16, 5, 8
 PROMPTS = [[(7 * i + 3) % 40000 + 100 for i in range(28)], [(11 * i + 5) % 40000 + 100 for i in range(50)]]
 CHUNK = 32  # prompt 0 is one whole-prompt chunk, prompt 1 two chunks (the second reads a cached prefix)
-_COMMON = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-    initializer_range=0.2,
-)
+_COMMON = hf_tiny_config(max_position_embeddings=128)
 
 
 def _cases():
@@ -238,17 +228,8 @@ def test_deterministic_mode_is_bitwise_invariant(case, root, smollm_dir):
     batched = _generate(model_dir, deterministic=True, prefix_cache="off")
     _check_against_hf(case, hf, batched)
     params = SamplingParams(temperature=0, max_tokens=NEW, logprobs=TOP, prompt_logprobs=TOP)
-    cfg = EngineConfig(
-        model=str(model_dir),
-        chunk_size=5,
-        block_size=4,
-        num_blocks=64,
-        num_threads=1,
-        stats_interval_s=0,
-        max_num_seqs=1,
-        deterministic=True,
-        prefix_cache="off",
-    )
+    one_by_one = dict(chunk_size=5, block_size=4, num_blocks=64, max_num_seqs=1)
+    cfg = EngineConfig(model=str(model_dir), **one_by_one, **QUIET, deterministic=True, prefix_cache="off")
     with Engine(cfg) as eng:
         alone = eng.generate(PROMPTS, params, use_tqdm=False)
         full = [p + o.token_ids for p, o in zip(PROMPTS, alone)]

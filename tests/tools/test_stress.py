@@ -9,17 +9,8 @@ from minisgl_backend.tools.stress import run_stress
 
 
 def _config(tiny_model_dir, **kw) -> EngineConfig:
-    return EngineConfig(
-        model=str(tiny_model_dir),
-        num_blocks=40,
-        block_size=4,
-        chunk_size=4,
-        max_num_batched_tokens=64,
-        max_num_seqs=4,
-        max_model_len=64,
-        overlap=True,
-        **kw,
-    )
+    pool = dict(num_blocks=40, block_size=4, chunk_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+    return EngineConfig(model=str(tiny_model_dir), **pool, max_model_len=64, overlap=True, **kw)
 
 
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "prefill-first"])
