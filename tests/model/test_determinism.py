@@ -12,7 +12,6 @@ import dataclasses
 import json
 import random
 import subprocess
-import sys
 
 import pytest
 
@@ -29,6 +28,7 @@ from minisgl_backend.tools.determinism import (
     run_check,
     run_point,
 )
+from tests.helpers import run_minisgl
 
 # Small pools (start-up allocates the KV cache) and one intra-op thread: these grids start many
 # engines, and on a shared 2-core machine a 2-thread OpenMP team stalls whenever another process
@@ -219,23 +219,15 @@ def test_cli_exit_codes(tiny_model_dir, tmp_path):
     out = tmp_path / "report.json"
 
     def cli(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "minisgl_backend.cli",
-                "determinism",
-                "--grid",
-                str(grid),
-                "--prompts",
-                str(prompts),
-                "--model",
-                str(tiny_model_dir),
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
+        return run_minisgl(
+            "determinism",
+            "--grid",
+            str(grid),
+            "--prompts",
+            str(prompts),
+            "--model",
+            str(tiny_model_dir),
+            *extra,
         )
 
     r = cli("--set", "deterministic=true", "--json", str(out))

@@ -13,12 +13,7 @@ import pytest
 from minisgl_backend import EngineConfig
 from minisgl_backend import cli as cli_mod
 from minisgl_backend.errors import MiniSGLError
-
-
-def _minisgl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "minisgl_backend.cli", *args], capture_output=True, text=True, timeout=300
-    )
+from tests.helpers import run_minisgl as _minisgl
 
 
 def test_generate_json(tiny_model_dir):

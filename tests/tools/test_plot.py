@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 
 from minisgl_backend.errors import MissingExtraError
 from minisgl_backend.tools.plot import busy_fraction, lanes_by_config, require_matplotlib
+from tests.helpers import run_minisgl, run_module
 
 
 def test_busy_fraction_is_the_covered_share_of_each_bin() -> None:
@@ -42,61 +42,20 @@ def test_missing_matplotlib_names_the_extra(monkeypatch) -> None:
 def test_bench_plot_writes_a_png_of_every_config(tiny_model_dir, tmp_path) -> None:
     pytest.importorskip("matplotlib")  # in the test extra: CI has it
     png, trace = tmp_path / "ecg.png", tmp_path / "trace.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "minisgl_backend.cli",
-            "bench",
-            "--sweep",
-            "max_inflight=1,4",
-            "--model",
-            str(tiny_model_dir),
-            "--num-requests",
-            "6",
-            "--output-len",
-            "4",
-            "--concurrency",
-            "3",
-            "--plot",
-            str(png),
-            "--trace",
-            str(trace),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    load = ["--num-requests", "6", "--output-len", "4", "--concurrency", "3"]
+    out = ["--plot", str(png), "--trace", str(trace)]
+    r = run_minisgl("bench", "--sweep", "max_inflight=1,4", "--model", str(tiny_model_dir), *load, *out)
     assert r.returncode == 0, r.stderr
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # two drawn rows, not an empty canvas
     # The same PNG can be drawn later from the saved trace.
     again = tmp_path / "again.png"
-    r = subprocess.run(
-        [sys.executable, "-m", "minisgl_backend.tools.plot", str(trace), str(again)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_module("minisgl_backend.tools.plot", str(trace), str(again), timeout=120)
     assert r.returncode == 0, r.stderr
     assert again.stat().st_size > 20_000
     assert len(lanes_by_config(json.loads(trace.read_text())["traceEvents"])) == 2
 
 
 def test_plot_without_a_scenario_is_a_clear_error(tiny_model_dir, tmp_path) -> None:
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "minisgl_backend.cli",
-            "bench",
-            "--model",
-            str(tiny_model_dir),
-            "--plot",
-            str(tmp_path / "x.png"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_minisgl("bench", "--model", str(tiny_model_dir), "--plot", str(tmp_path / "x.png"), timeout=120)
     assert r.returncode == 2 and "--scenario or --sweep" in r.stderr
