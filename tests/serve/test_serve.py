@@ -23,7 +23,8 @@ pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from minisgl_backend import Engine, EngineConfig, SamplingParams  # noqa: E402
-from minisgl_backend.serve import start_in_thread  # noqa: E402
+from tests.helpers import assert_drained  # noqa: E402
+from tests.serve.servers import TINY_ENGINE, assert_serves, checked_bench, serving  # noqa: E402
 
 KEY = "sk-test-key"
 MODEL = "tiny"
@@ -34,29 +35,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    # A tight KV pool (64 blocks of 16 tokens for up to 16 running requests): concurrent clients
-    # preempt each other. Overlap on, prefix cache on (the defaults).
-    engine = Engine(
-        EngineConfig(
-            model=str(tiny_model_dir),
-            num_blocks=64,
-            max_num_seqs=16,
-            num_threads=1,
-            stats_interval_s=0,
-            max_waiting_requests=MAX_WAITING,
-            seed=0,
-        )
-    )
-    srv = start_in_thread(engine, api_key=KEY, model_name=MODEL)
-    yield srv
-    srv.stop()
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
-        yield c
+    config = EngineConfig(model=str(tiny_model_dir), **TINY_ENGINE, max_waiting_requests=MAX_WAITING)
+    with serving(config, key=KEY, model=MODEL) as srv:
+        yield srv
 
 
 def _engine(server) -> Engine:
@@ -64,18 +45,7 @@ def _engine(server) -> Engine:
 
 
 def _drained_free(server) -> None:
-    eng = _engine(server)
-    counts = eng.drain(timeout=60, flush_cache=True)
-    assert counts["running"] == counts["waiting"] == 0
-    assert counts["FREE"] == eng.num_blocks, counts
-
-
-def _good(client) -> None:
-    r = client.post(
-        "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
-    )
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 2
+    assert_drained(_engine(server))
 
 
 def _greedy(engine: Engine, prompt, n: int, **kw):
@@ -723,7 +693,7 @@ def test_bad_request_gets_its_status_and_error_object_and_the_server_keeps_servi
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if fragment is not None:
         assert fragment in f"{err['param']} {err['code']}", err
-    _good(client)
+    assert_serves(client, MODEL)
 
 
 def test_health_needs_no_key_and_everything_else_does(server):
@@ -779,7 +749,7 @@ def test_full_waiting_queue_answers_503_with_retry_after(server, client):
     assert all(r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "queue_full" for r in refused)
     assert all(r.status_code == 200 for r in responses if r not in refused)
     assert total - len(refused) >= MAX_WAITING
-    _good(client)
+    assert_serves(client, MODEL)
 
 
 def test_max_waiting_requests_is_validated():
@@ -925,24 +895,10 @@ def test_many_concurrent_streaming_clients_with_random_disconnects(server):
 
 @pytest.mark.parametrize("rate", [float("inf"), 200.0])
 def test_bench_serve_closed_loop_and_poisson_with_check(server, rate):
-    from minisgl_backend.serve.bench import bench_serve, format_row
-
-    row = bench_serve(
-        server.url,
-        api_key=KEY,
-        model=MODEL,
-        num_requests=60,
-        num_prompts=8,
-        input_len=16,
-        output_len=8,
-        concurrency=8,
-        request_rate=rate,
-        disconnect_prob=0.2,
-        check=True,
-        seed=1,
+    load = dict(num_requests=60, num_prompts=8, input_len=16, output_len=8, concurrency=8)
+    row, text = checked_bench(
+        server.url, key=KEY, model=MODEL, **load, request_rate=rate, disconnect_prob=0.2, seed=1
     )
-    text = format_row(row)
-    assert row["errors"] == 0 and row["mismatches"] == 0, text
     assert row["completed"] + row["disconnected"] == 60 and row["disconnected"] > 0
     assert row["output_tok_per_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_median_ms"] > 0
     assert row["tpot_mean_ms"] > 0 and row["itl_mean_ms"] > 0 and "req/s" in text
@@ -1105,7 +1061,7 @@ def test_graceful_shutdown_on_sigint_and_sigterm(tiny_model_dir):
 
 def test_health_is_503_once_the_engine_is_dead(server, client):
     """Last in the module: closes the engine under the running server."""
-    _good(client)
+    assert_serves(client, MODEL)
     _engine(server).close()
     with httpx.Client(base_url=server.url, timeout=10) as c:
         r = c.get("/health")

@@ -18,6 +18,7 @@ openai = pytest.importorskip("openai")
 
 from minisgl_backend import Engine, EngineConfig  # noqa: E402
 from minisgl_backend.serve import start_in_thread  # noqa: E402
+from tests.serve.servers import streamed_chat, streamed_completion  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-clients"
@@ -61,33 +62,18 @@ def test_lm_eval_local_completions_matches_the_in_process_model(server, monkeypa
     tm = TaskManager(include_path=str(REPO / "configs" / "tasks"))
     tasks = ["minisgl_mc", "minisgl_gen"]
     limit = 8
+    seeds = dict(random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    run = dict(tasks=tasks, task_manager=tm, limit=limit, log_samples=True, **seeds)
     http = lm_eval.simple_evaluate(
         model="local-completions",
         model_args=f"base_url={server.url}/v1/completions,tokenizer_backend=remote,model={MODEL},batch_size=8,num_concurrent=2,auth_token={KEY}",
-        tasks=tasks,
-        task_manager=tm,
-        limit=limit,
-        log_samples=True,
-        random_seed=0,
-        numpy_random_seed=0,
-        torch_random_seed=0,
-        fewshot_random_seed=0,
+        **run,
     )
     local_model = MiniSGLLM(
         pretrained=ENGINE["model"], dtype="float32", deterministic=True, stats_interval_s=0, num_threads=1
     )
     try:
-        local = lm_eval.simple_evaluate(
-            model=local_model,
-            tasks=tasks,
-            task_manager=tm,
-            limit=limit,
-            log_samples=True,
-            random_seed=0,
-            numpy_random_seed=0,
-            torch_random_seed=0,
-            fewshot_random_seed=0,
-        )
+        local = lm_eval.simple_evaluate(model=local_model, **run)
     finally:
         local_model.close()
     a, b = _samples(http, "minisgl_mc"), _samples(local, "minisgl_mc")
@@ -145,34 +131,14 @@ def test_openai_sdk_completions_chat_and_streaming(server):
         model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=2
     )
     assert c.choices[0].text and c.usage.completion_tokens == len(c.choices[0].logprobs.tokens)
-    streamed = "".join(
-        ch.choices[0].text
-        for ch in client.completions.create(
-            model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
-        )
-        if ch.choices
-    )
-    assert streamed == c.choices[0].text
+    assert streamed_completion(client, MODEL, "The capital of France is", 8) == c.choices[0].text
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     r = client.chat.completions.create(
         model=MODEL, messages=msgs, max_completion_tokens=16, temperature=0, seed=1
     )
     assert "Paris" in r.choices[0].message.content and r.usage.prompt_tokens > 5
-    chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=msgs,
-            max_tokens=16,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert (
-        "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-        == r.choices[0].message.content
-    )
+    text, chunks = streamed_chat(client, MODEL, msgs, 16)
+    assert text == r.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong").models.list()

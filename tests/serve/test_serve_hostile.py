@@ -20,9 +20,9 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from minisgl_backend import Engine, EngineConfig  # noqa: E402
-from minisgl_backend.serve import start_in_thread  # noqa: E402
+from minisgl_backend import EngineConfig  # noqa: E402
 from minisgl_backend.serve.guard import ServeLimits  # noqa: E402
+from tests.serve.servers import TINY_ENGINE, assert_serves, serving  # noqa: E402
 
 KEY = "sk-hostile"
 MODEL = "tiny"
@@ -40,34 +40,9 @@ LIMITS = ServeLimits(
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    engine = Engine(
-        EngineConfig(
-            model=str(tiny_model_dir),
-            num_blocks=64,
-            max_num_seqs=16,
-            num_threads=1,
-            stats_interval_s=0,
-            seed=0,
-        )
-    )
-    srv = start_in_thread(engine, api_key=KEY, model_name=MODEL, limits=LIMITS)
-    yield srv
-    srv.stop()
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
-        yield c
-
-
-def _good(client) -> None:
-    r = client.post(
-        "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
-    )
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 2
+    config = EngineConfig(model=str(tiny_model_dir), **TINY_ENGINE)
+    with serving(config, key=KEY, model=MODEL, limits=LIMITS) as srv:
+        yield srv
 
 
 SUR = "a\ud800b"  # a lone surrogate: JSON can carry it (as an escape), UTF-8 cannot
@@ -237,7 +212,7 @@ def test_hostile_input_gets_a_4xx_error_object_and_the_server_keeps_serving(
     if param is not None:
         assert err["param"] == param, err
     assert "Traceback" not in err["message"] and "/" not in (err["param"] or "")
-    _good(client)
+    assert_serves(client, MODEL)
 
 
 def test_a_20_mb_prompt_does_not_hold_up_health(server, client):
@@ -264,7 +239,7 @@ def test_a_20_mb_prompt_does_not_hold_up_health(server, client):
     r = result["r"]
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert worst < 1.0, f"/health took {worst:.2f} s during the 20 MB request"
-    _good(client)
+    assert_serves(client, MODEL)
 
 
 def _connect(server) -> socket.socket:
@@ -313,7 +288,7 @@ def test_half_sent_headers_and_slow_bodies_are_cut_off(server, client):
         _, data = _wait_closed(sock, 5)
         sock.close()
         assert re.match(rb"HTTP/1.1 4(31|00) ", data), data[:100]
-    _good(client)
+    assert_serves(client, MODEL)
 
 
 @pytest.mark.parametrize(
@@ -348,7 +323,7 @@ def test_an_answer_mid_upload_ends_in_a_clean_close_not_a_reset(server, client, 
     sock.close()
     assert data.startswith(b"HTTP/1.1 %d" % status), data[:100]
     assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["code"] == code
-    _good(client)
+    assert_serves(client, MODEL)
 
 
 def test_past_the_connection_cap_a_clean_503_then_service_resumes(server, client):
@@ -373,7 +348,7 @@ def test_past_the_connection_cap_a_clean_503_then_service_resumes(server, client
         time.sleep(0.01)
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=10) as c:
         assert c.get("/health").status_code == 200
-    _good(client)
+    assert_serves(client, MODEL)
 
 
 def test_errors_leak_no_internals(server, client, tiny_model_dir):

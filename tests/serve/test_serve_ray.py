@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from minisgl_backend import cli  # noqa: E402
 from minisgl_backend.cluster import loopback_only  # noqa: E402
 from minisgl_backend.serve.ray_app import APP_NAME, PrefixRouter  # noqa: E402
+from tests.serve.servers import checked_bench, streamed_chat, streamed_completion  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-ray"
@@ -211,31 +212,12 @@ def test_openai_sdk_completions_chat_and_streaming_through_the_ingress(served):
     assert [m.id for m in oc.models.list().data] == [MODEL]
     comp = oc.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0)
     assert comp.usage.completion_tokens == 6 and comp.choices[0].finish_reason == "length"
-    streamed = "".join(
-        c.choices[0].text
-        for c in oc.completions.create(
-            model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0, stream=True
-        )
-        if c.choices
-    )
-    assert streamed == comp.choices[0].text
+    assert streamed_completion(oc, MODEL, "The quick brown fox", 6) == comp.choices[0].text
     msgs = [{"role": "user", "content": "Hi there"}]
     chat = oc.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
-    chunks = list(
-        oc.chat.completions.create(
-            model=MODEL,
-            messages=msgs,
-            max_tokens=6,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-    )
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
-        chat.choices[0].message.content
-    )
+    text, chunks = streamed_chat(oc, MODEL, msgs, 6)
+    assert text == chat.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 6
     forced = oc.chat.completions.create(  # a grammar built on the ingress, rebuilt on the replica
         model=MODEL,
@@ -362,23 +344,8 @@ def test_streaming_clients_with_random_disconnects_through_the_ingress(served):
     """16 concurrent streaming clients, 160 requests, ~20% hanging up after their first chunk:
     every completed response equals its solo reference, every hung-up request was aborted (or had
     finished first) on its replica, and after drain every KV block of both replicas is FREE."""
-    from minisgl_backend.serve.bench import bench_serve, format_row
-
-    row = bench_serve(
-        served.url,
-        api_key=KEY,
-        model=MODEL,
-        num_requests=160,
-        num_prompts=24,
-        input_len=24,
-        output_len=24,
-        concurrency=16,
-        disconnect_prob=0.2,
-        check=True,
-        seed=3,
-    )
-    text = format_row(row)
-    assert row["errors"] == 0 and row["mismatches"] == 0, text
+    load = dict(num_requests=160, num_prompts=24, input_len=24, output_len=24, concurrency=16)
+    row, text = checked_bench(served.url, key=KEY, model=MODEL, **load, disconnect_prob=0.2, seed=3)
     assert row["completed"] + row["disconnected"] == 160 and row["disconnected"] >= 16, text
     served.drained_free()
     recs = served.finished("bench-")
