@@ -20,6 +20,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa:
 
 from minisgl_backend import Engine, EngineConfig  # noqa: E402
 from minisgl_backend.serve import start_in_thread  # noqa: E402
+from tests.adapters.langchain.standard import GREEDY, SmolLM2Integration, assert_drained  # noqa: E402
 
 KEY = "sk-lc"
 MODEL = "smollm2"
@@ -35,18 +36,11 @@ def _server():
     _SERVER["url"] = srv.url
     yield
     srv.stop()
-    counts = engine.drain(timeout=60, flush_cache=True)  # every request finished or aborted, blocks reclaimed
-    assert counts["running"] == counts["waiting"] == 0 and counts["FREE"] == engine.num_blocks
+    assert_drained(engine)
     engine.close()
 
 
-_WRONG_ARG = (
-    "SmolLM2-135M fills magic_function's argument with a wrong value; the forced call itself is "
-    "valid (grammar-constrained) - the same xfail as the in-process suite"
-)
-
-
-class TestChatOpenAIOverMiniSGL(ChatModelIntegrationTests):
+class TestChatOpenAIOverMiniSGL(SmolLM2Integration, ChatModelIntegrationTests):
     @property
     def chat_model_class(self) -> type[BaseChatModel]:
         return lco.ChatOpenAI
@@ -62,49 +56,7 @@ class TestChatOpenAIOverMiniSGL(ChatModelIntegrationTests):
             "base_url": f"{_SERVER['url']}/v1",
             "api_key": KEY,
             "model": MODEL,
-            "temperature": 0,
-            "max_tokens": 64,
+            **GREEDY,
             "stream_usage": True,
             "http_async_client": httpx.AsyncClient(timeout=300),
         }
-
-    @property
-    def has_tool_choice(self) -> bool:
-        return True
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
-
-    @pytest.mark.xfail(reason=_WRONG_ARG, strict=False)
-    def test_tool_calling(self, model: BaseChatModel) -> None:
-        super().test_tool_calling(model)
-
-    @pytest.mark.xfail(reason=_WRONG_ARG, strict=False)
-    async def test_tool_calling_async(self, model: BaseChatModel) -> None:
-        await super().test_tool_calling_async(model)
-
-    @pytest.mark.xfail(
-        reason="with tool_choice='auto' SmolLM2-135M answers in prose instead of calling "
-        "get_weather (the same xfail as the in-process suite)",
-        strict=False,
-    )
-    def test_agent_loop(self, model: BaseChatModel) -> None:
-        super().test_agent_loop(model)
-
-    @pytest.mark.xfail(
-        reason="SmolLM2-135M keeps writing inside the optional 'punchline' string until "
-        "max_tokens=64 cuts the (grammar-valid) call (the same xfail as the in-process suite)",
-        strict=False,
-    )
-    def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
-        super().test_structured_output_optional_param(model)
-
-    @pytest.mark.xfail(
-        reason="json_mode constrains the output to *a* JSON object, not to the schema: greedy SmolLM2-135M "
-        "adds a third key beside setup/punchline where the kernels round it that way (seen with the native "
-        "CPU kernels' bf16 rounding and with prefix-cache state); the JSON itself is grammar-valid",
-        strict=False,
-    )
-    def test_json_mode(self, model: BaseChatModel) -> None:
-        super().test_json_mode(model)
