@@ -1,5 +1,5 @@
 """Fixtures of the serve tests. Each module that serves over HTTP defines its own `server` fixture
-(a BackgroundServer, built with servers.serving); `client` talks to it."""
+(a BackgroundServer, built with servers.serving) and its AUTH header; `client` talks to that server."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    """An httpx client of the module's `server`, with the server's API key as bearer token."""
+def client(server, request):
+    """An httpx client of the module's `server`, sending the module's AUTH header."""
     httpx = pytest.importorskip("httpx")
-    headers = {"Authorization": f"Bearer {server.state.api_key}"}
-    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as c:
+    with httpx.Client(base_url=server.url, headers=request.module.AUTH, timeout=60) as c:
         yield c
