@@ -7,6 +7,10 @@ before the atexit hook, interpreter shutdown unwound that thread through C++ cod
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # slow tier: a child interpreter loads the embedded model
+
 SCRIPT = """
 from minisgl_backend import Engine, EngineConfig, SamplingParams
 eng = Engine(EngineConfig(dtype="bfloat16", stats_interval_s=0))

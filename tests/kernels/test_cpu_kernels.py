@@ -355,6 +355,7 @@ def test_int8_config_is_the_bf16_cpu_decode_path():
         EngineConfig(dtype="bfloat16", weight_dtype="int4")
 
 
+@pytest.mark.slow
 def test_int8_engine_scores_close_to_bf16_and_frees_every_block(tiny_model_dir):
     """weight_dtype=int8 on the tiny model: prompt logprobs near the bf16 engine's, greedy decode
     runs through the int8 kernel, and every block is FREE after drain."""
@@ -385,6 +386,7 @@ def _family_in_subprocess(**env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_kernel_family_switch_caps_the_family_and_names_the_valid_ones():
     """MINISGL_KERNELS forces a lower family (never a higher one than the CPU runs); MINISGL_AMX=0
     caps it below AMX; a value that is no family is an error naming the valid ones."""

@@ -149,6 +149,7 @@ def test_seeded_request_keeps_its_output_beside_unseeded_ones(tiny_model_dir):
     assert mixed.logprobs == alone.logprobs
 
 
+@pytest.mark.slow
 def test_embedded_model_grid(smollm_dir):
     """The embedded SmolLM2 (fp32): 3 scheduling configs, mode on -> one output per request and
     decode == prefill bitwise; mode off -> the same grid finds differing logprobs."""
@@ -211,6 +212,7 @@ def test_bad_yaml_and_bad_prompts_are_typed_errors(tmp_path):
         Workload.from_dict({"prompts": ["hi"], "sampling": {"x": {"temprature": 1}}})
 
 
+@pytest.mark.slow
 def test_cli_exit_codes(tiny_model_dir, tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text(json.dumps({"fillers": 2, "base": _BASE, "axes": {"chunk_size": [None, 3]}}))

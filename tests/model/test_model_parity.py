@@ -97,6 +97,7 @@ def test_decode_logprobs_match_hf(hf_model, engine):
     assert worst < 1e-3
 
 
+@pytest.mark.slow
 def test_greedy_generations_equal_hf_generate(hf_model, engine):
     # Both stop at EOS (kept as the last token); HF's min_new_tokens would mask EOS, so it is not used.
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)

@@ -814,6 +814,7 @@ def test_client_disconnect_aborts_the_request(server, stream):
     _drained_free(server)
 
 
+@pytest.mark.slow
 def test_many_concurrent_streaming_clients_with_random_disconnects(server):
     """≥ 32 concurrent streaming clients, 1,000 requests over a tight KV pool (preemption), ~20% of
     them hanging up after their first chunk: every completed response equals its solo greedy
@@ -979,6 +980,7 @@ def test_metrics_scrape_matches_a_known_workload(server, client):
 
 
 # ------------------------------------------------------------------------------------------- lifecycle
+@pytest.mark.slow
 def test_graceful_shutdown_on_sigint_and_sigterm(tiny_model_dir):
     """`minisgl serve` as subprocesses (both started at once): serves, then SIGINT (one) and SIGTERM
     (the other) stop it with exit code 0, an in-flight stream is ended at once (its request

@@ -20,6 +20,8 @@ from minisgl_backend import Engine, EngineConfig  # noqa: E402
 from minisgl_backend.serve import start_in_thread  # noqa: E402
 from tests.serve.servers import streamed_chat, streamed_completion  # noqa: E402
 
+pytestmark = pytest.mark.slow  # slow tier: a server of the embedded model, lm-eval runs against it
+
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-clients"
 MODEL = "smollm2"

@@ -38,6 +38,11 @@ from minisgl_backend.cluster import loopback_only  # noqa: E402
 from minisgl_backend.serve.ray_app import APP_NAME, PrefixRouter  # noqa: E402
 from tests.serve.servers import checked_bench, streamed_chat, streamed_completion  # noqa: E402
 
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.ray,
+]  # slow tier: a Ray Serve cluster started by `minisgl serve --replicas`
+
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-ray"
 MODEL = "tiny"

@@ -24,6 +24,7 @@ def test_generate_json(tiny_model_dir):
     assert all(x["num_tokens"] == 5 and x["finish_reason"] == "length" for x in lines)
 
 
+@pytest.mark.slow
 def test_seed_table_scenario_writes_all_four_rows(tiny_model_dir, tmp_path):
     out, trace = tmp_path / "table.json", tmp_path / "trace.json"
     r = _minisgl(
@@ -189,6 +190,7 @@ def test_generate_chat_template_and_quiet(tiny_model_dir, tmp_path):
     assert "minisgl generate" not in chat.stderr and " INFO " not in chat.stderr, chat.stderr
 
 
+@pytest.mark.slow
 def test_determinism_reports_progress_and_ctrl_c_exits_130_in_one_line(tiny_model_dir, tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text(

@@ -39,6 +39,7 @@ def test_missing_matplotlib_names_the_extra(monkeypatch) -> None:
         require_matplotlib()
 
 
+@pytest.mark.slow
 def test_bench_plot_writes_a_png_of_every_config(tiny_model_dir, tmp_path) -> None:
     pytest.importorskip("matplotlib")  # in the test extra: CI has it
     png, trace = tmp_path / "ecg.png", tmp_path / "trace.json"

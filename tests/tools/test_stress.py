@@ -7,6 +7,8 @@ import pytest
 from minisgl_backend import EngineConfig
 from minisgl_backend.tools.stress import run_stress
 
+pytestmark = pytest.mark.slow  # slow tier: thousands of requests per test
+
 
 def _config(tiny_model_dir, **kw) -> EngineConfig:
     pool = dict(num_blocks=40, block_size=4, chunk_size=4, max_num_batched_tokens=64, max_num_seqs=4)

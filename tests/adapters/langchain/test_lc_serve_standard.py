@@ -22,6 +22,8 @@ from minisgl_backend import Engine, EngineConfig  # noqa: E402
 from minisgl_backend.serve import start_in_thread  # noqa: E402
 from tests.adapters.langchain.standard import GREEDY, SmolLM2Integration, assert_drained  # noqa: E402
 
+pytestmark = pytest.mark.slow  # slow tier: the standard suite against a server of the embedded model
+
 KEY = "sk-lc"
 MODEL = "smollm2"
 _SERVER: dict[str, Any] = {}

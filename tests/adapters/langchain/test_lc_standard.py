@@ -13,6 +13,8 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from tests.adapters.langchain.standard import GREEDY, SmolLM2Integration, assert_drained
 
+pytestmark = pytest.mark.slow  # slow tier: the standard suites on the embedded model
+
 ENGINE = {"model": "smollm2-135m-instruct", "engine_config": {"dtype": "bfloat16"}}
 PARAMS = {**ENGINE, **GREEDY}
 

@@ -54,6 +54,7 @@ def _gen(*items: tuple[str, dict]) -> list[Instance]:
 
 
 # ---------------------------------------------------------------------------------------- registration
+@pytest.mark.slow
 def test_stock_registry_resolves_minisgl_and_keeps_builtins():
     # A fresh interpreter: only the installed .pth hook can have registered the model.
     code = (
@@ -270,6 +271,7 @@ def _lm_eval(exe: str, args: list[str], out: Path) -> dict:
 # The CLI tests pass deterministic=false: they check the CLI path, not reproducibility (the default,
 # checked by test_default_runs_score_the_same_at_max_num_seqs_4_and_64), which would add ~75 s of CPU
 # to these two tests (measured: 180 s vs 102 s user time together).
+@pytest.mark.slow
 def test_stock_cli_runs_all_local_tasks(tmp_path):
     res = _lm_eval(
         "lm_eval",
@@ -290,6 +292,7 @@ def test_stock_cli_runs_all_local_tasks(tmp_path):
     assert 1.0 < res["minisgl_ppl"]["byte_perplexity,none"] < 3.0
 
 
+@pytest.mark.slow
 def test_wrapper_script_with_chat_template_and_multiturn_fewshot(tmp_path):
     res = _lm_eval(
         "minisgl-lm-eval",
@@ -314,6 +317,7 @@ def test_wrapper_script_with_chat_template_and_multiturn_fewshot(tmp_path):
     assert prompt.count("<|im_start|>user") == 4  # 3 few-shot turns + the question, as chat turns
 
 
+@pytest.mark.slow
 def test_max_batch_size_is_the_engines_max_num_seqs(tiny_model_dir):
     lm = MiniSGLLM(pretrained=str(tiny_model_dir), max_batch_size=3, num_threads=1)
     try:
@@ -394,6 +398,7 @@ def thinker(smollm_dir, tmp_path_factory):
         yield eng
 
 
+@pytest.mark.slow
 def test_think_end_token_strips_the_reasoning_before_scoring(thinker, tmp_path):
     """lm-eval's own pipeline (simple_evaluate, a one-question task, answer 42, chat template).
     Without think_end_token the task's "\\n\\n" stops the engine inside the trace and the regex
@@ -475,6 +480,7 @@ def test_a_special_token_marker_is_matched_by_its_id(thinker):
 
 
 # ------------------------------------------------------------------------ reproducible by default
+@pytest.mark.slow
 def test_deterministic_is_the_default_unless_the_user_sets_it(tiny_model_dir, tmp_path):
     base = {"pretrained": str(tiny_model_dir), "num_threads": 1, "stats_interval_s": 0}
     preset = tmp_path / "fast.yaml"
@@ -487,6 +493,7 @@ def test_deterministic_is_the_default_unless_the_user_sets_it(tiny_model_dir, tm
             lm.close()
 
 
+@pytest.mark.slow
 def test_default_runs_score_the_same_at_max_num_seqs_4_and_64(tmp_path_factory, monkeypatch):
     """The local tasks (loglikelihood, generation, perplexity) through simple_evaluate, on a random
     model with SmolLM2-135M's widths (2 layers): with the default forward its loglikelihood bits

@@ -26,6 +26,8 @@ from lm_eval_minisgl.seeds import RequestSeeds, derive_seed  # noqa: E402
 from minisgl_backend import ConfigError, SamplingParams  # noqa: E402
 from minisgl_backend.errors import MissingExtraError  # noqa: E402
 
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # slow tier: Ray replicas of the embedded model
+
 ROOT = Path(__file__).resolve().parents[3]
 ENGINE = dict(dtype="float32", deterministic=True, metrics_exact=True, stats_interval_s=0)
 KILL_BOUND_S = 30.0  # documented: a dead replica is reported within seconds; this is the test's bound
