@@ -191,6 +191,7 @@ def test_a_failing_sample_fails_its_request_and_the_others_are_aborted(engine):
     assert _alone(engine, PROMPT, SamplingParams(seed=4, **COMMON)) == ref.token_ids  # it goes on
 
 
+@pytest.mark.slow
 def test_samples_are_invariant_across_the_scheduling_grid(tiny_model_dir):
     """Each sample of each request is one output (tokens and logprobs bitwise) at max_num_seqs 1
     (the samples run one after another, later ones from the cached prompt), 4 and 64, whole-prompt

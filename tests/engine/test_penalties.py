@@ -329,6 +329,7 @@ def test_penalised_outputs_survive_preemption(tiny_model_dir):
     assert [o.token_ids for o in outs] == expected
 
 
+@pytest.mark.slow
 def test_penalised_requests_are_batch_and_chunk_invariant(tiny_model_dir):
     """Each penalised request gives one output under chunk sizes 4 and 16 and max_num_seqs 1 (it
     runs alone) or 16 (beside random fillers, in shuffled arrival orders)."""

@@ -111,6 +111,7 @@ def test_prompt_logprobs_are_scored_with_a_cached_context(tiny_model_dir):
         assert len(on) == 3 and on == pytest.approx(off, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_eviction_under_pressure_keeps_every_output_correct(tiny_model_dir):
     """Shared-prefix templates through a 40-block pool: cached blocks are evicted and reused while
     other requests read them; every output still equals its solo, cache-off run."""

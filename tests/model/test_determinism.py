@@ -74,6 +74,7 @@ def tiny_reports(tiny_model_dir):
     return on, off
 
 
+@pytest.mark.slow
 def test_tiny_grid_deterministic_mode_gives_one_output_per_request(tiny_reports):
     on, _ = tiny_reports
     print(on.format_table())
@@ -93,6 +94,7 @@ def test_tiny_grid_deterministic_mode_gives_one_output_per_request(tiny_reports)
 OTHER_FAMILIES = [f for f in cpu_kernels.FAMILIES if cpu_kernels.runs_family(f) and f != cpu_kernels.family()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", OTHER_FAMILIES or [pytest.param(None, marks=pytest.mark.skip("none"))])
 def test_tiny_grid_is_deterministic_under_every_kernel_family(tiny_model_dir, family):
     """The bf16 grid (the dtype whose linears and attention scorer change with the family) under
@@ -105,6 +107,7 @@ def test_tiny_grid_is_deterministic_under_every_kernel_family(tiny_model_dir, fa
     assert all(r.distinct_outputs == 1 and r.prefill_match for r in on.requests)
 
 
+@pytest.mark.slow
 def test_tiny_grid_negative_control_finds_differences(tiny_reports):
     on, off = tiny_reports
     print(off.format_table())

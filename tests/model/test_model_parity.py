@@ -44,6 +44,7 @@ def _hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [16, 64, None], ids=["chunk16", "chunk64", "whole"])
 def test_prompt_logprobs_match_hf_under_every_chunk_size(hf_model, engine, chunk_size):
     with Engine(engine.config.replace(chunk_size=chunk_size, mixed_batches=chunk_size is not None)) as eng:
@@ -57,6 +58,7 @@ def test_prompt_logprobs_match_hf_under_every_chunk_size(hf_model, engine, chunk
 OTHER_FAMILIES = [f for f in cpu_kernels.FAMILIES if cpu_kernels.runs_family(f) and f != cpu_kernels.family()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", OTHER_FAMILIES or [pytest.param(None, marks=pytest.mark.skip("none"))])
 def test_prompt_logprobs_match_hf_under_every_kernel_family(hf_model, engine, family):
     with cpu_kernels.family_override(family), Engine(engine.config) as eng:
@@ -82,6 +84,7 @@ def _worst_prompt_logprob_error(hf_model, eng: Engine) -> float:
     return worst
 
 
+@pytest.mark.slow
 def test_decode_logprobs_match_hf(hf_model, engine):
     out = engine.generate(
         [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=16, logprobs=TOP), use_tqdm=False

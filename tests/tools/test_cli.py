@@ -175,6 +175,7 @@ def test_one_shot_generate_has_no_stats_line_unless_asked(monkeypatch):
         assert isinstance(seen[-1], EngineConfig) and seen[-1].stats_interval_s == want
 
 
+@pytest.mark.slow
 def test_generate_chat_template_and_quiet(tiny_model_dir, tmp_path):
     """--chat-template replaces the model's template (the reply equals the raw prompt's it renders);
     --quiet leaves stderr without INFO lines or the progress bar."""
