@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run generate test lint docs docs-build wheel-check bench stress clean
+.PHONY: setup run generate test test-fast test-slow lint docs docs-build wheel-check bench stress clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,16 @@ generate: setup
 	$(BIN)/minisgl generate --max-tokens 48 --temperature 0 --chat \
 		"What is the capital of France?" "Write a haiku about the sea."
 
-test: setup
-	$(BIN)/python -m pytest -q
+# The whole suite, in two tiers: the fast one first (a failure there shows in minutes), then the slow one.
+test: test-fast test-slow
+
+# Everything not marked `slow`: no real-model server or stress grid, no Ray: ~3.5 min on an idle 2-core machine.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The tests marked `slow` (pyproject.toml's markers): the embedded model's servers and suites, Ray, grids.
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
 
 # Style and layering (CI runs it before the tests): ruff lint + format, import-linter contracts.
 lint: setup

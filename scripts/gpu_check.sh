@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for issue 3 (overlap scheduling), one script, < 8 minutes on an H200:
-#   1. the CUDA tests (tests/test_cuda.py, and the tracker's cudaLaunchHostFunc test);
+#   1. the CUDA tests (tests/kernels/test_cuda.py, and the tracker's cudaLaunchHostFunc test);
 #   2. a random-weight Llama of realistic shape (~1.2B parameters, SmolLM2 vocabulary);
 #   3. the seed-table scenario on it (serial / chunk too small / moderate / over-synchronised) with
 #      --trace (Chrome timeline) and --plot (utilisation over time, serial vs overlap).
@@ -53,7 +53,7 @@ fi
 "$PY" -c "from minisgl_backend.executor.tracker import native_available as n; print('native tracker:', n())"
 
 step "1/3 CUDA tests (they skip without a GPU)"
-"$PY" -m pytest -q -rs tests/test_cuda.py tests/test_tracker.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
+"$PY" -m pytest -q -rs tests/kernels/test_cuda.py tests/engine/test_tracker.py -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
 
 step "2/3 random-weight Llama, shape '$SHAPE'"
 MODEL_ARGS=("$OUT/model-$SHAPE" --shape "$SHAPE" --dtype bfloat16)

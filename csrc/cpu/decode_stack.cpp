@@ -7,7 +7,7 @@
 // at that row count (model/layers.py). Python builds it per model and KV pool, again when the weights
 // change (DecodeStackForward, model/decode_stack.py), and keeps every tensor it points into alive.
 //
-// Bit-exactness: its bits are those of the layer-by-layer forward (tests/test_decode_stack.py): it
+// Bit-exactness: its bits are those of the layer-by-layer forward (tests/kernels/test_decode_stack.py): it
 // adds no arithmetic of its own, only the calls and the K/V copies.
 
 #include <cstring>

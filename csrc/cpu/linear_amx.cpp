@@ -9,7 +9,7 @@
 // fixed order, summed into float32 in the unit; nothing else touches it but the bias add and one
 // rounding to bf16. Its bits therefore depend only on its own input row and weight row: never on the
 // row count, on which tile the row lands in, or on the thread count (measured,
-// tests/test_cpu_kernels.py), which is what the batch-invariant forward needs, at prefill speed.
+// tests/kernels/test_cpu_kernels.py), which is what the batch-invariant forward needs, at prefill speed.
 
 #include <algorithm>
 #include <vector>

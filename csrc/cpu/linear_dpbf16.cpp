@@ -15,7 +15,7 @@
 // (K blocks spill the chain to float32 memory and reload it unchanged), then the bias add and one
 // rounding to bf16. Its bits therefore depend only on its own input row and weight row: never on the
 // row count, on which tile or chunk the row lands in, or on the thread count
-// (tests/test_cpu_kernels.py), so the default and the batch-invariant forward share it, as they share
+// (tests/kernels/test_cpu_kernels.py), so the default and the batch-invariant forward share it, as they share
 // linear_amx.
 
 #include <algorithm>

@@ -3,7 +3,7 @@
 A request's logits must not depend on how many rows share its batch, where its chunk boundaries
 fall, which requests run beside it, or whether a token is computed by a prefill chunk or a decode
 row. The default forward breaks all four on this CPU (measured: docs/determinism.md and
-`tests/test_batch_invariant.py`):
+`tests/model/test_batch_invariant.py`):
 
 - `F.linear` (MKL sgemm, oneDNN for bf16): a row's bits depend on the row count M of the call,
   in ways that differ by CPU. On an AMD EPYC every multiple of 4 agreed; on an Intel Xeon with

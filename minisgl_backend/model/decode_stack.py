@@ -4,7 +4,7 @@ A decode step runs ~11 kernels per layer, and at batch 1-32 on a 2-core CPU the 
 (wrappers, views, module calls, small torch ops) took 10-14 ms of a 20-55 ms SmolLM2 step (measured,
 docs/performance.md). For a batch of decode rows only, the stack runs the same kernels on the same
 operands in the same order from one call, so its bits are the layer-by-layer forward's
-(tests/test_decode_stack.py); prefill and mixed batches keep the layer loop.
+(tests/kernels/test_decode_stack.py); prefill and mixed batches keep the layer loop.
 
 It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels, a
 Llama-style block (Qwen3's q/k norm included; not Gemma's), SiLU, and every linear packed for the

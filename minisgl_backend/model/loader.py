@@ -198,7 +198,7 @@ def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> N
 def forward_strategy(model: CausalLM, deterministic: bool) -> Forward:
     """The forward `model` runs: the batch-invariant one for `deterministic` (batch_invariant.enable,
     which keeps packed linears as they are) or the default layer loop, either under the native decode
-    stack for the decode-only batches it runs (with the same bits, tests/test_decode_stack.py)."""
+    stack for the decode-only batches it runs (with the same bits, tests/kernels/test_decode_stack.py)."""
     return DecodeStackForward(batch_invariant.enable(model) if deterministic else LayerLoop())
 
 

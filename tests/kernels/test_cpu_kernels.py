@@ -1,0 +1,429 @@
+"""The native CPU kernels (csrc/cpu/ via minisgl_backend/model/cpu_kernels.py) against the
+torch expressions they replace: fp32 within 1e-6, bf16 within bf16 rounding (bitwise where the kernel
+rounds the same steps), the few-row and AMX linears' bits independent of the other rows, and bad
+block tables refused. Skipped (with the reason) where the extension is not built or the CPU lacks
+AVX-512; the AMX tests also where it lacks AMX-BF16."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.rope import apply_rotary
+from tests.helpers import model_spec
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason="minisgl_backend.native._kernels not built, disabled, or this CPU lacks AVX-512",
+)
+
+
+@pytest.fixture
+def torch_only(monkeypatch):
+    """Run a block with the kernels off: every wrapper takes its torch path."""
+
+    def off():
+        monkeypatch.setattr(cpu_kernels, "_ENABLED", False)
+
+    return off
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 1536), (7, 37), (49, 64), (1, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_float32_reference_and_is_row_independent(n, k, bias):
+    g = _gen()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    for m in range(1, cpu_kernels.MAX_KERNEL_ROWS + 1):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        y = cpu_kernels.linear(x, w, b)
+        ref = x.float() @ w.float().t() + (0 if b is None else b.float())
+        # bf16 output: one rounding of a float32 sum (the ordering differs from the reference's)
+        assert (y.float() - ref).abs().max() <= ref.abs().max() * 2**-7 + 1e-6
+        assert (y.float() - F.linear(x, w, b).float()).abs().max() <= ref.abs().max() * 2**-6 + 1e-6
+        alone = torch.cat([cpu_kernels.linear(x[i : i + 1], w, b) for i in range(m)])
+        assert torch.equal(y, alone), "a row's bits must not depend on the rows beside it"
+
+
+def test_linear_beyond_kernel_rows_and_fp32_is_torch():
+    g = _gen(1)
+    w = torch.randn(64, 96, generator=g).bfloat16()
+    x = torch.randn(cpu_kernels.MAX_KERNEL_ROWS + 1, 96, generator=g).bfloat16()
+    assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+    assert torch.equal(cpu_kernels.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+    # a non-contiguous input gives the bits of its contiguous copy
+    wide = torch.randn(2, 192, generator=g).bfloat16()[:, ::2]
+    assert torch.equal(cpu_kernels.linear(wide, w), cpu_kernels.linear(wide.contiguous(), w))
+
+
+# The kernel families that pack (AMX tiles, AVX512-BF16 panels) and this machine runs: each is tested.
+PACKING = [f for f in ("amx", "avx512bf16") if cpu_kernels.runs_family(f)]
+
+
+NO_PACKING = pytest.param(None, marks=pytest.mark.skip(reason="this CPU has neither AMX nor AVX512-BF16"))
+
+
+@pytest.fixture(params=PACKING or [NO_PACKING])
+def packing(request):
+    """A packing kernel family, for the block."""
+    with cpu_kernels.family_override(request.param):
+        yield request.param
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (960, 1536), (49, 64), (7, 37), (1, 33), (100, 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_reference_and_is_row_invariant(packing, n, k, bias):
+    """The packed kernels: within bf16 rounding of a float32 reference, at row counts across their
+    tiles (AMX: 16-row tiles, 32-row blocks, 256-row chunks; AVX512-BF16: 6-row tiles, 96-row
+    chunks, K blocks beyond 6 rows) and K, N that are not whole tiles or pairs; a row's bits are the
+    same alone, at any offset in any batch, and at any thread count."""
+    g = _gen(11)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    packed = cpu_kernels.pack(w)
+    x = torch.randn(300, k, generator=g).bfloat16()
+    y = cpu_kernels.linear_packed(x, packed, (n, k), b)
+    ref = x.float() @ w.float().t() + (0 if b is None else b.float())
+    assert (y.float() - ref).abs().max() <= ref.abs().max() * 2**-7 + 1e-6
+    for m, at in ((1, 0), (1, 299), (3, 13), (16, 5), (17, 40), (33, 250), (260, 20)):
+        part = cpu_kernels.linear_packed(x[at : at + m], packed, (n, k), b)
+        assert torch.equal(part, y[at : at + m]), f"rows {at}..{at + m} alone differ from the batch of 300"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels.linear_packed(x, packed, (n, k), b), y), (
+            "bits depend on the thread count"
+        )
+    finally:
+        torch.set_num_threads(threads)
+    # any leading dims, and zero rows
+    assert torch.equal(cpu_kernels.linear_packed(x[:6].view(2, 3, k), packed, (n, k), b), y[:6].view(2, 3, n))
+    assert cpu_kernels.linear_packed(x[:0], packed, (n, k), b).shape == (0, n)
+
+
+def test_packed_linear_layer_follows_its_weight(packing):
+    """Linear.pack() is a copy: pack() again after a weight change, and quantize_int8 repacks the
+    dequantized weight itself; fp32 layers do not pack."""
+    from minisgl_backend.model.llama import Linear
+
+    torch.manual_seed(3)
+    lin = Linear(64, 32, bias=False).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    assert lin.pack()
+    with torch.inference_mode():
+        first = lin(x)
+        lin.weight.mul_(2)
+        assert torch.equal(lin(x), first), "the pack is a copy"
+        lin.pack()
+        assert not torch.equal(lin(x), first)
+        lin.quantize_int8()
+        wide = torch.randn(cpu_kernels.MAX_KERNEL_ROWS + 3, 64).bfloat16()  # beyond the int8 kernel's rows
+        assert torch.equal(lin(wide), cpu_kernels.linear_packed(wide, cpu_kernels.pack(lin.weight), (32, 64)))
+    assert not Linear(64, 32).pack()
+
+
+def _attention_case(dtype, seed=0):
+    g = _gen(seed)
+    b, h, kvh, d, bs, pool = 5, 6, 2, 16, 4, 40
+    k = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
+    v = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
+    pos = torch.tensor([0, 3, 7, 12, 18])
+    nb = int(pos.max()) // bs + 1
+    tables = torch.stack([torch.randperm(pool, generator=g)[:nb] for _ in range(b)])
+    q = torch.randn(b, h, d, generator=g).to(dtype)
+    return q, k, v, tables, pos, bs
+
+
+def _attention_reference(q, k, v, tables, pos, bs, scale, window, cap):
+    """Float64 attention of each query over its keys, gathered slot by slot."""
+    b, h, d = q.shape
+    group = h // k.shape[2]
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for i in range(b):
+        keys = torch.arange(int(pos[i]) + 1)
+        kk = k[tables[i][keys // bs], keys % bs].double()
+        vv = v[tables[i][keys // bs], keys % bs].double()
+        for head in range(h):
+            s = kk[:, head // group] @ q[i, head].double() * scale
+            if cap:
+                s = torch.tanh(s / cap) * cap
+            if window:
+                s[keys <= pos[i] - window] = float("-inf")
+            out[i, head] = torch.softmax(s, 0) @ vv[:, head // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 30.0)])
+def test_decode_attention_matches_reference(dtype, tol, window, cap):
+    q, k, v, tables, pos, bs = _attention_case(dtype)
+    scale = q.shape[-1] ** -0.5
+    out = cpu_kernels.decode_attention(q, k, v, tables, pos, scale, window, cap)
+    ref = _attention_reference(q, k, v, tables, pos, bs, scale, window, cap)
+    assert out.dtype == dtype
+    assert (out.double() - ref).abs().max() < tol
+    # rows of a wider tensor (as q is a view into the qkv projection): the same bits
+    wide = torch.cat([q.flatten(1), torch.randn(q.shape[0], 7).to(dtype)], dim=1)
+    strided = wide[:, : q[0].numel()].view(q.shape)
+    assert torch.equal(cpu_kernels.decode_attention(strided, k, v, tables, pos, scale, window, cap), out)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(
+    "window,cap,d,bs,group",
+    [
+        (None, None, 64, 4, 3),
+        (None, None, 64, 16, 3),
+        (7, 30.0, 128, 16, 7),
+        (7, None, 16, 4, 3),
+        (None, 30.0, 16, 4, 7),
+        (None, None, 8, 4, 3),
+    ],
+)
+@pytest.mark.parametrize("scorer", ["fma", "amx", "dp"])
+def test_paged_attention_rows_do_not_depend_on_the_call(dtype, tol, window, cap, d, bs, group, scorer):
+    """Rows of prefill chunks (many rows on one table, in blocks) and decode rows (one per table):
+    each row's output has the same bits alone as in any call, and matches the float64 reference.
+    d=8 takes the scalar path, the others the AVX-512 blocks: blocks of few query vectors one
+    vector at a time, larger ones 16 vectors at a time (attend_vectors / attend_lanes), which must
+    agree bit for bit. With scorer "amx", bf16 scores of d=64/128 come from the AMX tile unit, read
+    from the pool in place (block size 16) or staged (block size 4); with "dp", from vdpbf16ps
+    (AVX512-BF16), read in place. A group of 7 query heads per KV head is the most a decode row sums
+    over V on the few-vector path, in two register groups."""
+    if not cpu_kernels.scorer_runs(scorer):
+        pytest.skip(f"this CPU does not run the {scorer} scorer")
+    g = _gen(21)
+    kvh, pool = 2, 64
+    h = kvh * group
+    k = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
+    v = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
+    nb = -(-45 // bs)
+    tables = torch.stack([torch.randperm(pool, generator=g)[:nb] for _ in range(3)])
+    # 37 rows of a chunk on table 0 at positions 3..39, then decode rows on tables 1 and 2
+    row_table = torch.tensor([0] * 37 + [1, 2])
+    pos = torch.cat([torch.arange(3, 40), torch.tensor([17, 44])])
+    q = torch.randn(39, h, d, generator=g).to(dtype)
+    scale = d**-0.5
+
+    def attend(rows: slice) -> torch.Tensor:
+        return cpu_kernels.paged_attention(
+            q[rows], k, v, tables, row_table[rows], pos[rows], scale, window, cap, scorer=scorer
+        )
+
+    out = attend(slice(None))
+    for r in (0, 15, 16, 17, 36, 37, 38):
+        assert torch.equal(attend(slice(r, r + 1)), out[r : r + 1]), (
+            f"row {r} alone differs from the batched call"
+        )
+    # a shifted chunk (rows 5.. of the same chunk first in the call) gives the same bits
+    assert torch.equal(attend(slice(5, 37)), out[5:37])
+    ref = _attention_reference(q, k, v, tables[row_table], pos, bs, scale, window, cap)
+    if scorer == "dp" and dtype == torch.bfloat16:
+        tol *= 2  # its V sum takes the probabilities rounded to bf16 (as SDPA's bf16 math path does)
+    assert (out.double() - ref).abs().max() < tol
+
+
+def test_decode_attention_matches_the_torch_path(torch_only):
+    """The model's own decode attention with and without the kernel (fp32, GQA, paged)."""
+    from minisgl_backend.kvcache.storage import KVCache
+    from minisgl_backend.model.llama import Attention
+
+    spec = model_spec()
+    attn = Attention(spec, 0)
+    kv = KVCache(1, 12, 4, 2, 8, torch.float32, "cpu")
+    g = _gen(3)
+    kv.k[0].copy_(torch.randn(kv.k[0].shape, generator=g))
+    kv.v[0].copy_(torch.randn(kv.v[0].shape, generator=g))
+    q = torch.randn(3, 4, 8, generator=g)
+    pos = torch.tensor([2, 9, 5])
+    tables = torch.tensor([[3, 0, 0], [7, 1, 11], [4, 2, 0]])
+    mask = (torch.arange(12)[None, :] <= pos[:, None])[:, None, None, :]
+    native = attn._decode_attention(q, tables, mask, kv, tables, pos)
+    torch_only()
+    plain = attn._decode_attention(q, tables, mask, kv, tables, pos)
+    assert (native - plain).abs().max() < 1e-6
+
+
+def test_decode_attention_refuses_out_of_range_tables():
+    q, k, v, tables, pos, _ = _attention_case(torch.float32)
+    with pytest.raises(IndexError, match="outside the tables or the pool"):
+        cpu_kernels.decode_attention(q, k, v, tables[:, :1], pos, 1.0, None, None)
+    with pytest.raises(IndexError):  # a row naming a table that is not there
+        cpu_kernels.paged_attention(q, k, v, tables, torch.arange(5) + 1, pos, 1.0, None, None)
+    bad = tables.clone()
+    bad[-1, 0] = k.shape[0]  # one past the pool
+    with pytest.raises(IndexError):
+        cpu_kernels.decode_attention(q, k, v, bad, pos, 1.0, None, None)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fused_add(gemma, dtype, torch_only):
+    from minisgl_backend.model.llama import GemmaRMSNorm, RMSNorm
+
+    g = _gen(4)
+    norm = (GemmaRMSNorm if gemma else RMSNorm)(96, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    add = torch.randn(7, 96, generator=g).to(dtype)
+    with torch.inference_mode():
+        h, total = norm.add_and_norm(x, add)
+        alone = norm(x)
+        torch_only()
+        ref_h, ref_total = norm.add_and_norm(x, add)
+        ref_alone = norm(x)
+    assert torch.equal(total, ref_total)  # the same single rounding of x + add
+    tol = 1e-6 if dtype == torch.float32 else 2**-7  # bf16: the sum of squares is ordered differently
+    for got, ref in ((h, ref_h), (alone, ref_alone)):
+        assert ((got.float() - ref.float()).abs() <= tol * (1 + ref.float().abs())).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot", [16, 8])  # 8: partial rotary over half of each head
+def test_rope_matches_apply_rotary(dtype, rot, torch_only):
+    g = _gen(5)
+    qkv = torch.randn(6, 3 * 4 * 16, generator=g).to(dtype)
+    q = qkv[:, : 4 * 16].view(6, 4, 16)  # a strided view, as Attention.qkv makes
+    angles = torch.randn(6, 1, rot, generator=g)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    native = apply_rotary(q.clone(), cos, sin)
+    torch_only()
+    ref = apply_rotary(q.clone(), cos, sin)
+    if dtype == torch.bfloat16:
+        assert torch.equal(native, ref)  # the same three roundings per element
+    else:
+        assert (native - ref).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
+def test_silu_and_mul(dtype, tol):
+    g = _gen(6)
+    gate_up = (torch.randn(5, 2 * 40, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = (F.silu(gate) * up).float()
+    assert ((cpu_kernels.silu_and_mul(gate_up).float() - ref).abs() <= tol * (1 + ref.abs())).all()
+
+
+def test_env_switch_turns_the_kernels_off():
+    code = "from minisgl_backend.model import cpu_kernels as c; print(c.available())"
+    env = {**os.environ, "MINISGL_CPU_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("n,k", [(576, 576), (7, 37), (49, 1536)])
+def test_int8_linear_matches_its_dequantized_weight(n, k):
+    from minisgl_backend.model.llama import Linear
+
+    torch.manual_seed(7)
+    lin = Linear(k, n, bias=True).bfloat16()
+    exact = lin.weight.detach().clone()
+    lin.quantize_int8()
+    assert lin.qweight.dtype == torch.int8 and lin.qscale.shape == (n,)
+    # the dequantized weight is within half a quantisation step (+ bf16 rounding) of the original
+    step = lin.qscale[:, None]
+    assert ((lin.weight.float() - exact.float()).abs() <= step / 2 + exact.float().abs() * 2**-8).all()
+    g = _gen(8)
+    with torch.inference_mode():
+        for m in (1, 3, cpu_kernels.MAX_KERNEL_ROWS, cpu_kernels.MAX_KERNEL_ROWS + 2):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+            got = lin(x).float()
+            assert (got - ref).abs().max() <= ref.abs().max() * 2**-7 + 1e-3
+
+
+def test_int8_config_is_the_bf16_cpu_decode_path():
+    from minisgl_backend import EngineConfig
+    from minisgl_backend.errors import ConfigError
+
+    EngineConfig(dtype="bfloat16", weight_dtype="int8")
+    for bad in ({"dtype": "float32"}, {"dtype": "bfloat16", "deterministic": True}):
+        with pytest.raises(ConfigError, match="weight_dtype: int8"):
+            EngineConfig(weight_dtype="int8", **bad)
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        EngineConfig(dtype="bfloat16", weight_dtype="int4")
+
+
+@pytest.mark.slow
+def test_int8_engine_scores_close_to_bf16_and_frees_every_block(tiny_model_dir):
+    """weight_dtype=int8 on the tiny model: prompt logprobs near the bf16 engine's, greedy decode
+    runs through the int8 kernel, and every block is FREE after drain."""
+    from minisgl_backend import Engine, EngineConfig, SamplingParams
+
+    prompts = [[5, 9, 13, 17, 21, 25, 29, 33], [7, 7, 7, 100, 200, 300]]
+    params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0)
+    runs = {}
+    for wd in (None, "int8"):
+        cfg = EngineConfig(
+            model=str(tiny_model_dir), dtype="bfloat16", weight_dtype=wd, stats_interval_s=0, num_threads=1
+        )
+        with Engine(cfg) as eng:
+            runs[wd] = eng.generate(prompts, params, use_tqdm=False)
+            counts = eng.drain(timeout=60, flush_cache=True)
+            assert counts["FREE"] == eng.num_blocks, counts
+            assert counts["running"] == counts["waiting"] == 0
+    for a, b in zip(runs[None], runs["int8"]):
+        assert len(b.token_ids) == 6
+        deltas = [abs(x.logprob - y.logprob) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+        assert max(deltas) < 0.25, deltas
+
+
+def _family_in_subprocess(**env: str) -> subprocess.CompletedProcess:
+    code = "from minisgl_backend.model import cpu_kernels as c; print(c.family())"
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.slow
+def test_kernel_family_switch_caps_the_family_and_names_the_valid_ones():
+    """MINISGL_KERNELS forces a lower family (never a higher one than the CPU runs); MINISGL_AMX=0
+    caps it below AMX; a value that is no family is an error naming the valid ones."""
+    assert _family_in_subprocess(MINISGL_KERNELS="avx512").stdout.strip() == "avx512"
+    assert _family_in_subprocess(MINISGL_KERNELS="amx").stdout.strip() == cpu_kernels.machine_family()
+    no_amx = _family_in_subprocess(MINISGL_AMX="0", MINISGL_KERNELS="").stdout.strip()
+    assert no_amx == ("avx512bf16" if cpu_kernels.machine_family() == "amx" else cpu_kernels.machine_family())
+    bad = _family_in_subprocess(MINISGL_KERNELS="sse2")
+    assert bad.returncode != 0 and "valid: amx, avx512bf16, avx512, torch" in bad.stderr
+    with pytest.raises(ValueError, match="does not run here"):
+        with cpu_kernels.family_override("nonsense"):
+            pass
+
+
+def test_stream_read_probe_reads():
+    """minisgl bench's read-rate probe (the batch-1 weight stream is reported against it)."""
+    assert cpu_kernels.stream_read_gbps(megabytes=64, repeat=2) > 0.5
+
+
+@pytest.mark.parametrize("inter,k", [(1536, 576), (64, 96), (96, 33)])
+def test_fused_gate_up_silu_has_the_bits_of_the_linear_then_silu_and_mul(inter, k):
+    """The AVX512-BF16 MLP path: linear_packed_silu over the gated pack gives, row by row, the bits
+    of linear_packed then silu_and_mul (what the model ran before the fusion), at row counts across
+    its tiles, chunks and K blocks."""
+    if not cpu_kernels.runs_family("avx512bf16"):
+        pytest.skip("this CPU has no AVX512-BF16")
+    g = _gen(31)
+    w = (torch.randn(2 * inter, k, generator=g) * 0.1).bfloat16()
+    x = torch.randn(200, k, generator=g).bfloat16()
+    with cpu_kernels.family_override("avx512bf16"):
+        gated, plain = cpu_kernels.pack(w, gated=True), cpu_kernels.pack(w)
+        for m in (1, 5, 7, 97, 200):
+            fused = cpu_kernels.linear_packed_silu(x[:m], gated, w.shape)
+            two_steps = cpu_kernels.silu_and_mul(cpu_kernels.linear_packed(x[:m], plain, w.shape))
+            assert torch.equal(fused, two_steps), f"{m} rows"
+    with cpu_kernels.family_override("avx512"):
+        assert (
+            cpu_kernels.pack(w, gated=True) is None
+            and cpu_kernels.linear_packed_silu(x, gated, w.shape) is None
+        )

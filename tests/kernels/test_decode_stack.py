@@ -1,0 +1,191 @@
+"""The native decode stack (model/decode_stack.py) against the layer-by-layer forward it replaces:
+the same logits and the same K/V written, bit for bit, on tiny random-weight bf16 models (Llama;
+bias and sliding windows; Qwen3's q/k norm), for packed (AMX or AVX512-BF16), unpacked (few-row
+kernel), int8 and batch-invariant models, under every native kernel family this machine runs;
+batches it does not take fall back to the layer loop. Skipped where the native kernels do not run
+(no AVX-512 or not built)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl_backend.iteration import PrefillChunk
+from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.decode_stack import DecodeStack, DecodeStackForward
+from minisgl_backend.model.llama import CausalLM, ForwardBatch, Linear, ModelSpec
+from minisgl_backend.model.loader import forward_strategy
+from tests.helpers import model_spec
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason="minisgl_backend.native._kernels not built, disabled, or this CPU lacks AVX-512",
+)
+
+BLOCK, BLOCKS_PER_SEQ = 16, 4
+NATIVE_FAMILIES = [f for f in cpu_kernels.FAMILIES if f != "torch" and cpu_kernels.runs_family(f)]
+
+
+@pytest.fixture(autouse=True, params=NATIVE_FAMILIES)
+def family(request):
+    """Every test under each native kernel family this machine runs (packing, the stack's linears
+    and attention scorer follow it)."""
+    with cpu_kernels.family_override(request.param):
+        yield request.param
+
+
+CONTEXTS = [5, 17, 30, 9, 23]  # prompt lengths of the sequences that then decode together
+
+
+def _spec(**over) -> ModelSpec:
+    """model_spec() wider and three layers deep (hidden 64, head dim 32, context 256), with `over`."""
+    wide = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3, head_dim=32)
+    return model_spec(**(wide | {"max_position_embeddings": 256} | over))
+
+
+def _model(spec: ModelSpec, mode: str) -> CausalLM:
+    torch.manual_seed(0)
+    model = CausalLM(spec)
+    with torch.no_grad():
+        for p in model.parameters():  # norm weights too: away from the all-ones init
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    model = model.to(torch.bfloat16)
+    if mode == "int8":
+        model.quantize_int8()
+    if mode != "unpacked":
+        model.pack_weights()
+    model.forward_strategy = forward_strategy(model, mode == "deterministic")  # as the engine's loader
+    return model
+
+
+def _stacked(model: CausalLM) -> DecodeStackForward:
+    forward = model.forward_strategy
+    assert isinstance(forward, DecodeStackForward)
+    return forward
+
+
+def _stack(model: CausalLM, kv: KVCache) -> DecodeStack | None:
+    return _stacked(model).stack(model, kv)
+
+
+def _prefilled(model: CausalLM, rows: int) -> tuple[KVCache, torch.Tensor]:
+    s = model.spec
+    kv = KVCache(
+        s.num_layers, rows * BLOCKS_PER_SEQ, BLOCK, s.num_kv_heads, s.head_dim, torch.bfloat16, "cpu"
+    )
+    tables = torch.randperm(rows * BLOCKS_PER_SEQ, generator=torch.Generator().manual_seed(1)).view(rows, -1)
+    g = torch.Generator().manual_seed(2)
+    for r in range(rows):
+        n = CONTEXTS[r]
+        pos = torch.arange(n)
+        slots = tables[r][pos // BLOCK] * BLOCK + pos % BLOCK
+        chunk = PrefillChunk(0, n, n, tables[r][: -(-n // BLOCK)])
+        ids = torch.randint(0, s.vocab_size, (n,), generator=g)
+        model(ForwardBatch(ids, pos, slots, 0, None, None, (chunk,), pos[-1:]), kv)
+    return kv, tables
+
+
+def _decode_batch(tables: torch.Tensor, step: int, seed: int) -> ForwardBatch:
+    rows = tables.shape[0]
+    pos = torch.tensor(CONTEXTS[:rows]) + step
+    nb = int(pos.max()) // BLOCK + 1
+    keys = torch.arange(nb * BLOCK)
+    mask = (keys[None, :] <= pos[:, None])[:, None, None, :]
+    slots = tables[torch.arange(rows), pos // BLOCK] * BLOCK + pos % BLOCK
+    ids = torch.randint(0, 96, (rows,), generator=torch.Generator().manual_seed(seed))
+    return ForwardBatch(ids, pos, slots, rows, tables[:, :nb].contiguous(), mask, (), torch.arange(rows))
+
+
+def _copy(kv: KVCache) -> KVCache:
+    twin = KVCache(len(kv.k), kv.num_blocks, kv.block_size, *kv.k[0].shape[2:], kv.k[0].dtype, "cpu")
+    for dst, src in zip(twin.k + twin.v, kv.k + kv.v):
+        dst.copy_(src)
+    return twin
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked", "int8", "deterministic"])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"qkv_bias": True, "mlp_bias": True, "sliding_window": 6, "sliding_layers": (True, False, True)},
+        {"qk_norm": True, "model_type": "qwen3"},
+    ],
+    ids=["llama", "bias+window", "qk-norm"],
+)
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_decode_stack_has_the_layer_loops_bits(mode, over, rows):
+    if mode in ("packed", "int8", "deterministic") and not cpu_kernels.packs():
+        pytest.skip("this kernel family packs nothing: the unpacked case covers it")
+    model = _model(_spec(**over), mode)
+    kv, tables = _prefilled(model, rows)
+    loop_kv = _copy(kv)
+    stacked = _stacked(model)
+    for step in range(3):
+        batch = _decode_batch(tables, step, seed=10 + step)
+        stack = stacked.stack(model, kv)
+        # Without packs the stack takes only the few-row kernel's row counts.
+        assert stack.runs(batch) == (mode != "unpacked" or rows <= cpu_kernels.MAX_KERNEL_ROWS)
+        native = model(batch, kv)
+        model.forward_strategy = stacked.inner  # the layer loop, over the copy of the pool
+        plain = model(batch, loop_kv)
+        model.forward_strategy = stacked
+        assert torch.equal(native, plain), f"step {step}: logits differ"
+        for layer in range(model.spec.num_layers):
+            assert torch.equal(kv.k[layer], loop_kv.k[layer]) and torch.equal(kv.v[layer], loop_kv.v[layer])
+
+
+def test_decode_stack_is_skipped_where_it_does_not_run():
+    """Mixed batches keep the layer loop; fp32 and Gemma models get no stack."""
+    if not cpu_kernels.packs():
+        pytest.skip("this kernel family packs nothing")
+    model = _model(_spec(), "packed")
+    kv, tables = _prefilled(model, 2)
+    decode = _decode_batch(tables, 0, seed=3)
+    chunk = PrefillChunk(2, 1, 1, tables[1][:1])
+    mixed = decode._replace(prefill_chunks=(chunk,), input_ids=torch.tensor([1, 2, 3]))
+    assert _stack(model, kv).runs(decode) and not _stack(model, kv).runs(mixed)
+    assert _stack(_model(_spec(), "packed").float(), _copy(kv)) is None
+    assert _stack(_model(_spec(gemma=True), "packed"), kv) is None
+
+
+def test_decode_stack_is_rebuilt_when_the_weights_change():
+    """The stack points into the weights: after quantize_int8 replaces them it is built again, and
+    still gives the layer loop's bits."""
+    model = _model(_spec(), "unpacked")
+    kv, tables = _prefilled(model, 1)
+    before = _stack(model, kv)
+    assert before is not None and _stack(model, kv) is before
+    model.quantize_int8()
+    after = _stack(model, kv)
+    assert after is not None and after is not before
+    loop_kv = _copy(kv)
+    batch = _decode_batch(tables, 0, seed=5)
+    native = model(batch, kv)
+    model.forward_strategy = _stacked(model).inner
+    assert torch.equal(native, model(batch, loop_kv))
+
+
+def test_decode_stack_refuses_a_slot_outside_the_pool():
+    model = _model(_spec(), "unpacked")
+    kv, tables = _prefilled(model, 1)
+    batch = _decode_batch(tables, 0, seed=4)
+    bad = batch._replace(slot_mapping=torch.tensor([kv.num_blocks * BLOCK]))
+    with pytest.raises(IndexError, match="slot"):
+        model(bad, kv)
+
+
+def test_decode_weight_bytes_count_what_a_one_row_step_reads():
+    """CausalLM.decode_weight_bytes (minisgl bench's batch-1 weight stream): the packed copies where
+    packed (zero-padded to whole tiles), the weights where not, int8 weights and scales after
+    quantize_int8."""
+    model = _model(_spec(), "packed")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    plain = sum(lin.weight.numel() * 2 for lin in linears)
+    if cpu_kernels.packs():
+        assert model.decode_weight_bytes() == sum(lin.packed.numel() * 2 for lin in linears) >= plain
+    else:
+        assert model.decode_weight_bytes() == plain
+    model.quantize_int8()
+    assert model.decode_weight_bytes() == sum(lin.qweight.numel() + 4 * lin.qscale.numel() for lin in linears)

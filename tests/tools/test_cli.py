@@ -1,0 +1,223 @@
+"""The `minisgl` command line on the tiny model: generate, the seed-table scenario, bad config; vLLM's
+flags, --version, --quiet, --chat-template, Ctrl-C."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minisgl_backend import EngineConfig
+from minisgl_backend import cli as cli_mod
+from minisgl_backend.errors import MiniSGLError
+from tests.helpers import run_minisgl as _minisgl
+
+
+def test_generate_json(tiny_model_dir):
+    r = _minisgl("generate", "--model", str(tiny_model_dir), "--max-tokens", "5", "--json", "hello", "world")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [x["prompt"] for x in lines] == ["hello", "world"]
+    assert all(x["num_tokens"] == 5 and x["finish_reason"] == "length" for x in lines)
+
+
+@pytest.mark.slow
+def test_seed_table_scenario_writes_all_four_rows(tiny_model_dir, tmp_path):
+    out, trace = tmp_path / "table.json", tmp_path / "trace.json"
+    r = _minisgl(
+        "bench",
+        "--scenario",
+        "seed-table",
+        "--model",
+        str(tiny_model_dir),
+        "--num-requests",
+        "8",
+        "--output-len",
+        "4",
+        "--concurrency",
+        "4",
+        "--json",
+        str(out),
+        "--trace",
+        str(trace),
+    )
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert list(rows) == [
+        "serial, no chunking",
+        "overlap, chunk too small",
+        "overlap, moderate chunk",
+        "overlap, over-synchronised",
+    ]
+    assert all(row["requests"] == 8 and row["req_per_s"] > 0 for row in rows.values())
+    # The timeline has the three lanes for all four configs, one complete span per forward pass.
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3} and {e["tid"] for e in spans} == {0, 1, 2}
+    assert all(e["dur"] >= 0 for e in spans) and any(e["name"].startswith("forward") for e in spans)
+    # A serial engine never plans while a forward pass runs.
+    assert rows["serial, no chunking"]["sched_overlap"] < 0.05
+
+
+def test_bad_config_key_is_a_clear_error(tiny_model_dir):
+    r = _minisgl("generate", "--model", str(tiny_model_dir), "--set", "chunksize=8", "hi")
+    assert r.returncode == 2 and "unknown engine config key" in r.stderr and "chunk_size" in r.stderr
+
+
+# ---------------------------------------------------------------- vLLM's flags, --version, --quiet, Ctrl-C
+
+
+def _overrides(*argv: str) -> dict:
+    return cli_mod._flag_overrides(cli_mod.build_parser().parse_args(list(argv)))
+
+
+def test_vllm_engine_flags_are_aliases_of_engine_fields():
+    flags = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
+    flags += ["--max-logprobs", "5", "--dtype", "bfloat16", "--no-enable-prefix-caching", "-tp", "1"]
+    want = {
+        "max_model_len": 512,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+        "max_logprobs": 5,
+        "dtype": "bfloat16",
+        "prefix_cache": "off",
+    }
+    for command in ("generate", "bench", "stress", "serve", "bench-serve", "determinism"):
+        assert _overrides(command, *flags) == want, command
+    args = cli_mod.build_parser().parse_args(["serve", "--seed", "7", *flags])
+    cfg = cli_mod._engine_config(args)  # the real fields: an alias naming no field would fail here
+    assert (cfg.seed, cfg.max_model_len, cfg.max_num_seqs, cfg.prefix_cache) == (7, 512, 8, "off")
+    assert _overrides("bench", "--seed", "3") == {"seed": 3}
+    # where a command's --seed means something else it keeps that meaning
+    gen = cli_mod.build_parser().parse_args(["generate", "--seed", "3", "hi"])
+    assert gen.seed == 3 and "seed" not in cli_mod._flag_overrides(gen)
+    assert _overrides("stress", "--seed", "3") == {}
+    # dtype spellings, prefix caching on over a preset or --set that turned it off, not over sync
+    assert _overrides("serve", "--dtype", "float") == {"dtype": "float32"}
+    assert _overrides("serve", "--dtype", "auto") == {}
+    assert _overrides("serve", "--enable-prefix-caching") == {"prefix_cache": "async"}
+    assert (
+        _overrides("serve", "--set", "prefix_cache=off", "--enable-prefix-caching")["prefix_cache"] == "async"
+    )
+    assert (
+        _overrides("serve", "--set", "prefix_cache=sync", "--enable-prefix-caching")["prefix_cache"] == "sync"
+    )
+    args = cli_mod.build_parser().parse_args(["serve", "--config", "serial", "--enable-prefix-caching"])
+    assert cli_mod._engine_config(args).prefix_cache == "async"
+
+
+def test_serve_takes_the_model_positionally_and_the_chat_flags():
+    assert _overrides("serve", "my/model") == {"model": "my/model"}
+    assert _overrides("serve", "m", "--model", "m") == {"model": "m"}
+    with pytest.raises(MiniSGLError, match="two models given"):
+        _overrides("serve", "a", "--model", "b")
+    args = cli_mod.build_parser().parse_args(
+        ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", "t.jinja"]
+    )
+    assert (args.enable_auto_tool_choice, args.tool_call_parser, args.chat_template) == (
+        True,
+        "hermes",
+        "t.jinja",
+    )
+    cli_mod._check_tool_call_parser(args)
+    args.tool_call_parser = "llama3_json"
+    with pytest.raises(MiniSGLError, match="parses one format, hermes"):
+        cli_mod._check_tool_call_parser(args)
+
+
+def test_chat_template_is_a_file_or_an_inline_template(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0]['content'] }}!")
+    assert cli_mod._chat_template(str(f)) == "{{ messages[0]['content'] }}!"
+    assert cli_mod._chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{%")
+    with pytest.raises(MiniSGLError, match="no such file"):
+        cli_mod._chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_flags_without_meaning_here_and_unknown_flags_say_what_to_do(capsys):
+    for argv, match in (
+        (["serve", "--tensor-parallel-size", "2"], "tensor parallelism is not implemented"),
+        (["generate", "-tp", "4", "hi"], "runs a model on one device"),
+        (["serve", "--gpu-memory-utilization", "0.9"], "--set kv_cache_memory_gb=G"),
+        (["serve", "--tool-call-parser", "mistral"], "parses one format, hermes"),
+    ):
+        assert cli_mod.main(argv) == 2, argv
+        assert match in capsys.readouterr().err, argv
+    for argv in (["serve", "--swap-space", "4"], ["generate", "--enforce-eager", "hi"]):
+        with pytest.raises(SystemExit) as e:
+            cli_mod.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "unrecognized arguments" in err and "--set KEY=VALUE" in err, argv
+        assert "max_num_seqs" in err  # the keys it takes
+    with pytest.raises(SystemExit) as e:
+        cli_mod.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == cli_mod._version()
+    assert cli_mod._version().startswith("minisgl ")
+
+
+def test_one_shot_generate_has_no_stats_line_unless_asked(monkeypatch):
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(config):
+        seen.append(config)
+        raise Stop
+
+    monkeypatch.setattr("minisgl_backend.engine.Engine", fake_engine)
+    for extra, want in (([], 0.0), (["--set", "stats_interval_s=5"], 5.0)):
+        with pytest.raises(Stop):
+            cli_mod.main(["generate", *extra, "hi"])
+        assert isinstance(seen[-1], EngineConfig) and seen[-1].stats_interval_s == want
+
+
+@pytest.mark.slow
+def test_generate_chat_template_and_quiet(tiny_model_dir, tmp_path):
+    """--chat-template replaces the model's template (the reply equals the raw prompt's it renders);
+    --quiet leaves stderr without INFO lines or the progress bar."""
+    template = tmp_path / "t.jinja"
+    template.write_text("<<{{ messages[0]['content'] }}>>")
+    common = ["generate", "--model", str(tiny_model_dir), "--max-tokens", "6", "--json"]
+    chat = _minisgl(*common, "--chat-template", str(template), "--quiet", "hello")  # implies --chat
+    raw = _minisgl(*common, "<<hello>>")
+    assert chat.returncode == 0 and raw.returncode == 0, chat.stderr + raw.stderr
+    text = lambda r: [json.loads(x)["text"] for x in r.stdout.splitlines() if x.startswith("{")]
+    assert text(chat) == text(raw) and len(text(chat)) == 1
+    assert "minisgl generate" in raw.stderr  # the progress bar, without --quiet
+    assert "minisgl generate" not in chat.stderr and " INFO " not in chat.stderr, chat.stderr
+
+
+@pytest.mark.slow
+def test_determinism_reports_progress_and_ctrl_c_exits_130_in_one_line(tiny_model_dir, tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(
+        "fillers: 0\nprefill_check: false\nbase: {stats_interval_s: 0}\naxes:\n  max_inflight: [1, 2, 3, 4]\n"
+    )
+    prompts = tmp_path / "prompts.yaml"
+    prompts.write_text(
+        "max_tokens: 200\nlogprobs: 0\nsampling: {greedy: {temperature: 0}}\nprompts: [a, b]\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minisgl_backend.cli", "determinism", "--model", str(tiny_model_dir)]
+        + ["--grid", str(grid), "--prompts", str(prompts)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(line)
+        if line.startswith("[1/4]"):
+            break
+    assert lines[0].startswith("4 grid points (1 group(s) x 4)"), lines
+    assert "s left" in lines[-1], lines  # each point says how long the rest should take
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "minisgl determinism: interrupted", err
