@@ -241,6 +241,59 @@ struct DpSteps {
     DPBF16 static __m512 add(__m512 acc, __m512bh vv, __m512bh pv) { return _mm512_dpbf16_ps(acc, vv, pv); }
 };
 
+// DpSteps' V sum for head_dim a multiple of 64, reading the pairs' V rows in place: each 32-dim half of
+// a 64-dim chunk of keys 2t and 2t + 1 is interleaved into (2t, 2t + 1) pairs in registers
+// (vpunpck{l,h}wd: dims 8L..8L+3 and 8L+4..8L+7 of each 128-bit lane L), so the accumulators hold
+// the dims in that order until a permute at the end puts them back. Each output element is the same
+// chain over the same pairs as value_sum's over stage_value_pairs' layout, so the same bits, without
+// writing every V row of the block out and reading it back (the staging was ~40% of the decode V sum).
+DPBF16 void dp_value_sum_in_place(const uint16_t* vpool, int64_t rows, const int64_t* pos, int64_t kvh, uint16_t* out,
+                                  const AttnShape& s, const BlockKeys& b, const AttnScratch& w, int64_t span,
+                                  int64_t base) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
+    alignas(64) static constexpr int32_t low_dims[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+    alignas(64) static constexpr int32_t high_dims[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    const __m512i lo_idx = _mm512_load_si512(low_dims), hi_idx = _mm512_load_si512(high_dims);
+    const auto row_at = [&](int64_t key, int64_t c0) -> const uint16_t* {  // outside [lo, hi]: none (zeros)
+        return key < b.lo || key > b.hi ? nullptr : vpool + w.offsets[key - b.lo] + kvh * d + c0;
+    };
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h0 = 0; h0 < g; h0 += 6) {
+            const int64_t nv = std::min<int64_t>(6, g - h0);
+            const uint16_t* p = w.pb.data() + (r * g + h0) * span - base;  // p[v * span + key]
+            for (int64_t c0 = 0; c0 < d; c0 += 64) {
+                __m512 acc[6][4];
+                for (auto& a : acc)
+                    for (auto& x : a) x = _mm512_setzero_ps();
+                for (int64_t t = b.first[r] / 2; t <= pos[r] / 2; ++t) {
+                    const uint16_t* ve = row_at(2 * t, c0);
+                    const uint16_t* vo = row_at(2 * t + 1, c0);
+                    const __m512i e0 = ve ? _mm512_loadu_si512(ve) : _mm512_setzero_si512();
+                    const __m512i e1 = ve ? _mm512_loadu_si512(ve + 32) : _mm512_setzero_si512();
+                    const __m512i o0 = vo ? _mm512_loadu_si512(vo) : _mm512_setzero_si512();
+                    const __m512i o1 = vo ? _mm512_loadu_si512(vo + 32) : _mm512_setzero_si512();
+                    const __m512bh vv[4] = {(__m512bh)_mm512_unpacklo_epi16(e0, o0), (__m512bh)_mm512_unpackhi_epi16(e0, o0),
+                                            (__m512bh)_mm512_unpacklo_epi16(e1, o1), (__m512bh)_mm512_unpackhi_epi16(e1, o1)};
+                    for (int v = 0; v < 6; ++v) {
+                        if (v >= nv) break;
+                        int32_t pair;
+                        std::memcpy(&pair, p + v * span + 2 * t, 4);
+                        const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
+                        for (int c = 0; c < 4; ++c) acc[v][c] = _mm512_dpbf16_ps(acc[v][c], vv[c], pv);
+                    }
+                }
+                for (int64_t v = 0; v < nv; ++v) {
+                    uint16_t* o = out + r * s.heads * d + (kvh * g + h0 + v) * d + c0;
+                    for (int half = 0; half < 2; ++half) {
+                        const __m512 lo = acc[v][2 * half], hi = acc[v][2 * half + 1];
+                        store16m(o + half * 32, _mm512_permutex2var_ps(lo, lo_idx, hi), 0xffff);
+                        store16m(o + half * 32 + 16, _mm512_permutex2var_ps(lo, hi_idx, hi), 0xffff);
+                    }
+                }
+            }
+        }
+}
+
 // The decode blocks' V sum (softmax_and_sum's, with the dp scorer): lanes = 16 dims; each vector's
 // probabilities rounded to bf16 over the span (zero outside its keys), each pair broadcast.
 // flatten: value_sum is AVX512 (it is the FMA sum's too), and DpSteps::add's vdpbf16ps can be inlined
@@ -250,7 +303,6 @@ DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t
                                                   AttnScratch& w) {
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
     const int64_t base = b.lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base, p0 = b.lo / 2;
-    stage_value_pairs(vpool, b, kvh, s, w);
     w.pb.assign(static_cast<size_t>(rows * g * span), 0);
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < g; ++h) {
@@ -261,6 +313,8 @@ DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + t - base), (__m256i)_mm512_cvtneps_pbh(x));
             }
         }
+    if (d % 64 == 0) return dp_value_sum_in_place(vpool, rows, pos, kvh, out, s, b, w, span, base);
+    stage_value_pairs(vpool, b, kvh, s, w);
     value_sum(DpSteps{w.vpair.data(), p0, d, w.pb.data() - base, span}, rows, b, pos, kvh, out, s);
 }
 
@@ -492,6 +546,100 @@ AVX512 inline void pack_query_pairs(const uint16_t* q, int64_t q_stride, int64_t
     }
 }
 
+// r[j] lane i -> r[i] lane j: a 16 x 16 matrix of 32-bit elements transposed in registers.
+AVX512 inline void transpose16(__m512i* r) {
+    __m512i t[16];
+    for (int j = 0; j < 16; j += 2) {
+        t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+        t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+    }
+    for (int a = 0; a < 16; a += 4) {  // u[a + c]'s 128-bit lane L: rows a..a+3 of column 4L + c
+        r[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+        r[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+        r[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+        r[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes across r[c], r[4 + c], r[8 + c], r[12 + c]
+        const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+        t[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// dp_scores for the few query vectors of a decode block, with the keys in the lanes instead: a
+// 16-key tile's K rows are transposed to (dim 2i, dim 2i+1) pairs x 16 keys (`stage`), and each
+// vector's pair i is broadcast against them. Every lane runs the chain dp_scores runs for that
+// (query, key), acc += q(2i) k(2i) + q(2i+1) k(2i+1) over the pairs in order from zero (the two
+// products are exact in float32, so which operand holds the query does not change a bit), without
+// dp_scores' 16 - N idle lanes (a decode row of SmolLM2 has 3 query vectors per KV head; scoring was
+// ~60% of decode attention, docs/performance.md "Speed"). T tiles at a time keep T x N chains in flight.
+// sc[v * span + key - base] = score x scale for every key of the tiles; keys outside [lo, hi] hold a
+// repeated key's score, which the softmax masks out as it does every key outside a row's range.
+template <int N>
+DPBF16 void dp_key_scores(const uint16_t* kpool, const int64_t* offsets, int64_t lo, int64_t hi, int64_t kvh,
+                          int64_t d, const uint16_t* const* qp, float scale, float* sc, int64_t span,
+                          uint32_t* stage) {
+    constexpr int T = N == 1 ? 8 : N == 2 ? 6 : N == 3 ? 4 : N <= 5 ? 3 : 2;
+    const int64_t base = lo / 16 * 16, pairs = d / 2;
+    for (int64_t t0 = base; t0 <= hi; t0 += 16 * T) {
+        const int nt = static_cast<int>(std::min<int64_t>(T, (hi - t0) / 16 + 1));
+        for (int u = 0; u < nt; ++u) {
+            const uint16_t* kr[16];
+            for (int j = 0; j < 16; ++j) {
+                const int64_t key = std::clamp<int64_t>(t0 + 16 * u + j, lo, hi);
+                kr[j] = kpool + offsets[key - lo] + kvh * d;
+            }
+            for (int64_t c = 0; c < pairs; c += 16) {
+                __m512i r[16];
+                for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(kr[j] + 2 * c);
+                transpose16(r);
+                for (int i = 0; i < 16; ++i) _mm512_storeu_si512(stage + ((u * pairs) + c + i) * 16, r[i]);
+            }
+        }
+        __m512 acc[T][N];
+        for (auto& a : acc)
+            for (auto& x : a) x = _mm512_setzero_ps();
+        for (int64_t i = 0; i < pairs; ++i) {
+            __m512bh qb[N];
+            for (int v = 0; v < N; ++v) {
+                int32_t pair;
+                std::memcpy(&pair, qp[v] + 2 * i, 4);
+                qb[v] = (__m512bh)_mm512_set1_epi32(pair);
+            }
+            for (int u = 0; u < T; ++u) {
+                if (u >= nt) break;
+                const __m512bh kt = (__m512bh)_mm512_loadu_si512(stage + (u * pairs + i) * 16);
+                for (int v = 0; v < N; ++v) acc[u][v] = _mm512_dpbf16_ps(acc[u][v], kt, qb[v]);
+            }
+        }
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int u = 0; u < nt; ++u)
+            for (int v = 0; v < N; ++v)
+                _mm512_storeu_ps(sc + v * span + t0 + 16 * u - base, _mm512_mul_ps(acc[u][v], sv));
+    }
+}
+
+using KeyScores = void (*)(const uint16_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, const uint16_t* const*,
+                           float, float*, int64_t, uint32_t*);
+
+// The decode blocks' vector counts (rows x heads of the group below LANES_FROM).
+KeyScores key_scores_for(int64_t vectors) {
+    switch (vectors) {
+        case 1: return dp_key_scores<1>;
+        case 2: return dp_key_scores<2>;
+        case 3: return dp_key_scores<3>;
+        case 4: return dp_key_scores<4>;
+        case 5: return dp_key_scores<5>;
+        case 6: return dp_key_scores<6>;
+        default: return dp_key_scores<7>;
+    }
+}
+
 // Few query vectors (decode rows) on the tile unit or vdpbf16ps: their scores from amx_scores or
 // dp_scores, then attend_vectors' softmax and V sum on them, one vector at a time ([vector][span]).
 AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* kpool,
@@ -499,6 +647,21 @@ AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t row
                                 uint16_t* out, const AttnShape& s, const BlockKeys& b, int scorer, AttnScratch& w) {
     const int64_t g = s.heads / s.kv_heads, n = rows * g;
     const int64_t base = b.lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base;
+    if (scorer == SCORE_DP) {
+        const uint16_t* qp[LANES_FROM];
+        for (int64_t l = 0; l < n; ++l) qp[l] = q + l / g * q_stride + (kvh * g + l % g) * s.head_dim;
+        w.scores.resize(static_cast<size_t>(n * span));
+        w.vpair.resize(static_cast<size_t>(16 * 8 * s.head_dim));  // up to 8 tiles of pairs x 16 keys
+        key_scores_for(n)(kpool, w.offsets.data(), b.lo, b.hi, kvh, s.head_dim, qp, s.scale, w.scores.data(), span,
+                          w.vpair.data());
+        if (s.softcap > 0.0f)
+            for (int64_t l = 0; l < n; ++l)
+                for (int64_t key = b.first[l / g]; key <= pos[l / g]; ++key) {
+                    float& v = w.scores[l * span + key - base];
+                    v = s.softcap * std::tanh(v / s.softcap);
+                }
+        return softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w, true);
+    }
     w.q.resize(static_cast<size_t>(s.head_dim * 16));
     w.kf.resize(static_cast<size_t>(span * 16));
     w.stage.resize(static_cast<size_t>(16 * s.head_dim));
@@ -635,16 +798,18 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
     }
 }
 
-// A decode block's V rows are requested into L2 before its scores are computed, so that their
-// memory latencies overlap the scoring instead of stalling the V sum key by key (the rows of one KV
-// head are 2-4 lines every kv_heads * head_dim elements, a stride the hardware prefetcher does not
-// follow across shuffled blocks): decode attention at batch 8-32 ~20% faster (docs/performance.md "Speed").
+// A decode block's K and then V rows are requested into L2 before its scores are computed, so that
+// their memory latencies overlap one another and the scoring instead of stalling the scores and the V
+// sum key by key (the rows of one KV head are 2-4 lines every kv_heads * head_dim elements, a stride
+// the hardware prefetcher does not follow across shuffled blocks): V alone made decode attention at
+// batch 8-32 ~20% faster; K too, 21.6 -> 16.7 ms for a batch-32 step of SmolLM2 from memory, one thread
+// (python -m minisgl_backend.bench.attention, case decode_step).
 template <typename T>
-AVX512 inline void prefetch_values(const T* vpool, const BlockKeys& b, int64_t kvh, const AttnShape& s,
-                                   const AttnScratch& w) {
+AVX512 inline void prefetch_rows(const T* pool, const BlockKeys& b, int64_t kvh, const AttnShape& s,
+                                 const AttnScratch& w) {
     const int64_t bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
     for (int64_t j = 0; j <= b.hi - b.lo; ++j) {
-        const char* row = reinterpret_cast<const char*>(vpool + w.offsets[j] + kvh * s.head_dim);
+        const char* row = reinterpret_cast<const char*>(pool + w.offsets[j] + kvh * s.head_dim);
         for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(row + line, _MM_HINT_T1);
     }
 }
@@ -656,7 +821,8 @@ AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kp
     const BlockKeys b = block_keys(table, pos, rows, s, w);
     if (rows * (s.heads / s.kv_heads) >= LANES_FROM)
         return attend_lanes<T>(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, b, scorer, w);
-    prefetch_values(vpool, b, kvh, s, w);
+    prefetch_rows(kpool, b, kvh, s, w);
+    prefetch_rows(vpool, b, kvh, s, w);
     if constexpr (std::is_same_v<T, uint16_t>)
         if (scorer != SCORE_FMA)
             return attend_vectors_bf16(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, b, scorer, w);

@@ -9,7 +9,9 @@ thread's CPU time at one thread, wall time otherwise):
 - prefill chunks (`start` cached tokens, then `rows` new ones): `paged_attention` with each scorer
   this CPU runs (`fma`: AVX-512 float32; `dp`: AVX512-BF16; `amx`: the tile unit), against SDPA on
   the context gathered from the pool, as the forward ran it before the kernel served prefill rows;
-- decode rows (`batch` rows at `context` keys each): the same scorers.
+- decode rows (`batch` rows at `context` keys each): the same scorers;
+- decode steps: the same rows over 30 layers' pools (ms per step), whose K/V come from memory as
+  in the model, where the pools of one layer above stay in cache.
 
 The figures behind docs/performance.md's attention numbers.
 """
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from minisgl_backend.bench.linear import best_of
 from minisgl_backend.model import cpu_kernels
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 
 def pool(blocks: int, dtype: torch.dtype, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +92,33 @@ def main() -> None:
         ms = {name: round(best_of(fn, clock) * 1e3, 3) for name, fn in fns.items()}
         print(
             json.dumps({"case": "decode", "batch": batch, "context": context, "threads": a.threads, "ms": ms})
+        )
+    for batch, context in [(8, 160), (32, 160)]:  # a whole step's K/V, which comes from memory
+        nb = -(-context // BLOCK)
+        k, v = pool(LAYERS * batch * nb, dtype, g)
+        perm = torch.randperm(LAYERS * batch * nb, generator=g).view(LAYERS, batch, nb)
+        q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)
+        pos = torch.full((batch,), context - 1)
+        layers = [
+            kernel_calls(scorers, q, k, v, perm[i], torch.arange(batch), pos, scale) for i in range(LAYERS)
+        ]
+
+        def step(name: str, layers: list = layers) -> None:
+            for calls in layers:
+                calls[name]()
+
+        ms = {name: round(best_of(functools.partial(step, name), clock) * 1e3, 3) for name in scorers}
+        print(
+            json.dumps(
+                {
+                    "case": "decode_step",
+                    "layers": LAYERS,
+                    "batch": batch,
+                    "context": context,
+                    "threads": a.threads,
+                    "ms": ms,
+                }
+            )
         )
 
 
