@@ -319,15 +319,16 @@ DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t
 }
 
 // A prefill block's V sum for one lane group (attend_lanes', with the dp scorer): sc[key * 16 + lane]
-// the normalized probabilities of keys lo..hi, out_tile [chunk][dim][lane] the sums.
-DPBF16 void dp_lanes_value_sum(const float* sc, const BlockKeys& b, const AttnShape& s, AttnScratch& w,
+// the exponentials of keys lo..hi, normalized (x inv, each lane's 1 / sum) as they are rounded to
+// bf16 pairs; out_tile [chunk][dim][lane] the sums.
+DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, const AttnShape& s, AttnScratch& w,
                                float* out_tile) {
     const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = b.hi / 2 - p0 + 1;
     w.ppair.resize(static_cast<size_t>(pairs * 16));
     for (int64_t t = 0; t < pairs; ++t) {
         const int64_t ke = 2 * (p0 + t), ko = ke + 1;
-        const __m512 e = ke >= b.lo ? _mm512_loadu_ps(sc + ke * 16) : _mm512_setzero_ps();
-        const __m512 o = ko <= b.hi ? _mm512_loadu_ps(sc + ko * 16) : _mm512_setzero_ps();
+        const __m512 e = ke >= b.lo ? _mm512_mul_ps(_mm512_loadu_ps(sc + ke * 16), inv) : _mm512_setzero_ps();
+        const __m512 o = ko <= b.hi ? _mm512_mul_ps(_mm512_loadu_ps(sc + ko * 16), inv) : _mm512_setzero_ps();
         _mm512_storeu_si512(w.ppair.data() + t * 16, _mm512_or_si512(bf16_lanes(e), _mm512_slli_epi32(bf16_lanes(o), 16)));
     }
     for (int64_t c = 0; c < d / 16; ++c) {
@@ -502,6 +503,7 @@ enum Scorer : int { SCORE_FMA = 0, SCORE_AMX = 1, SCORE_DP = 2 };
 // outside [lo, hi] score zero, as amx_scores' staged zeros. Read in place, whatever the block size.
 DPBF16 void dp_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
                       int64_t hi, const uint32_t* qb, float* sc) {
+    const __m512 scale = _mm512_set1_ps(s.scale);
     const int64_t d = s.head_dim, row = s.kv_heads * d, bs = s.block_size, base = lo / 16 * 16;
     const int64_t end = (hi / 16 + 1) * 16;
     for (int64_t key = base; key < lo; ++key) _mm512_storeu_ps(sc + (key - base) * 16, _mm512_setzero_ps());
@@ -525,7 +527,7 @@ DPBF16 void dp_scores(const uint16_t* kpool, const int64_t* table, const AttnSha
                 acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(pair), qv);
             }
         }
-        for (int j = 0; j < nk; ++j) _mm512_storeu_ps(sc + (k0 + j - base) * 16, acc[j]);
+        for (int j = 0; j < nk; ++j) _mm512_storeu_ps(sc + (k0 + j - base) * 16, _mm512_mul_ps(acc[j], scale));
     }
 }
 
@@ -641,7 +643,7 @@ KeyScores key_scores_for(int64_t vectors) {
 }
 
 // Few query vectors (decode rows) on the tile unit or vdpbf16ps: their scores from amx_scores or
-// dp_scores, then attend_vectors' softmax and V sum on them, one vector at a time ([vector][span]).
+// dp_key_scores, then attend_vectors' softmax and V sum on them, one vector at a time ([vector][span]).
 AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* kpool,
                                 const uint16_t* vpool, const int64_t* table, const int64_t* pos, int64_t kvh,
                                 uint16_t* out, const AttnShape& s, const BlockKeys& b, int scorer, AttnScratch& w) {
@@ -667,10 +669,7 @@ AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t row
     w.stage.resize(static_cast<size_t>(16 * s.head_dim));
     auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
     pack_query_pairs(q, q_stride, 0, n, kvh, s, qb);
-    if (scorer == SCORE_AMX)
-        amx_scores(kpool, table, s, kvh, b.lo, b.hi, qb, w.kf.data(), w.stage.data());  // kf[key - base][lane]
-    else
-        dp_scores(kpool, table, s, kvh, b.lo, b.hi, qb, w.kf.data());
+    amx_scores(kpool, table, s, kvh, b.lo, b.hi, qb, w.kf.data(), w.stage.data());  // kf[key - base][lane]
     w.scores.assign(static_cast<size_t>(n * span), 0.0f);
     for (int64_t l = 0; l < n; ++l)
         for (int64_t key = b.first[l / g]; key <= pos[l / g]; ++key) {
@@ -678,7 +677,7 @@ AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t row
             if (s.softcap > 0.0f) v = s.softcap * std::tanh(v / s.softcap);
             w.scores[l * span + key - base] = v;
         }
-    softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w, scorer == SCORE_DP);
+    softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w);
 }
 
 // Many query vectors (a prefill block): lanes = 16 query vectors (row, head of the group), keys one
@@ -727,12 +726,13 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
             if (!fma) {
                 auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
                 pack_query_pairs(q, q_stride, v0, n, kvh, s, qb);
-                if (scorer == SCORE_AMX)
+                if (scorer == SCORE_AMX) {
                     amx_scores(kpool, table, s, kvh, lo, b.hi, qb, w.scores.data(), w.stage.data());
-                else
-                    dp_scores(kpool, table, s, kvh, lo, b.hi, qb, w.scores.data());
-                for (int64_t key = lo; key <= b.hi; ++key)
-                    _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), scale));
+                    for (int64_t key = lo; key <= b.hi; ++key)
+                        _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), scale));
+                } else {
+                    dp_scores(kpool, table, s, kvh, lo, b.hi, qb, w.scores.data());  // scaled as it stores them
+                }
             }
         }
         if (fma) {
@@ -768,18 +768,18 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
             part[key & 15] = _mm512_add_ps(part[key & 15], e);  // by absolute key mod 16, as the tiles
         }
         const __m512 inv = _mm512_maskz_div_ps(used, one, vsum16(part));
-        for (int64_t key = lo; key <= b.hi; ++key)
-            _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), inv));
         if constexpr (std::is_same_v<T, uint16_t>)
             if (dp) {
                 w.acc.resize(static_cast<size_t>(d * 16));
-                dp_lanes_value_sum(sc, b, s, w, w.acc.data());  // [dim][lane]
+                dp_lanes_value_sum(sc, inv, b, s, w, w.acc.data());  // [dim][lane]
                 for (int64_t l = 0; l < n; ++l) {
                     const int64_t r = (v0 + l) / g, h = (v0 + l) % g;
                     for (int64_t i = 0; i < d; ++i) store(out + r * s.heads * d, (kvh * g + h) * d + i, w.acc[i * 16 + l]);
                 }
                 continue;
             }
+        for (int64_t key = lo; key <= b.hi; ++key)
+            _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), inv));
         alignas(64) float tile[16][16];
         for (int64_t c = 0; c < chunks; ++c) {
             __m512 acc[16];
