@@ -596,11 +596,13 @@ DPBF16 void dp_key_scores(const uint16_t* kpool, const int64_t* offsets, int64_t
                 const int64_t key = std::clamp<int64_t>(t0 + 16 * u + j, lo, hi);
                 kr[j] = kpool + offsets[key - lo] + kvh * d;
             }
-            for (int64_t c = 0; c < pairs; c += 16) {
+            for (int64_t c = 0; c < pairs; c += 16) {  // head_dim a multiple of 16: 8 or 16 pairs at a time
+                const int take = static_cast<int>(std::min<int64_t>(16, pairs - c));
+                const __mmask16 in_row = static_cast<__mmask16>((1u << take) - 1);
                 __m512i r[16];
-                for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(kr[j] + 2 * c);
+                for (int j = 0; j < 16; ++j) r[j] = _mm512_maskz_loadu_epi32(in_row, kr[j] + 2 * c);
                 transpose16(r);
-                for (int i = 0; i < 16; ++i) _mm512_storeu_si512(stage + ((u * pairs) + c + i) * 16, r[i]);
+                for (int i = 0; i < take; ++i) _mm512_storeu_si512(stage + (u * pairs + c + i) * 16, r[i]);
             }
         }
         __m512 acc[T][N];
