@@ -1,6 +1,8 @@
 // The helpers every CPU kernel family shares (csrc/cpu/*.cpp, built into minisgl_backend.native._kernels):
 // bf16 <-> float32 conversion, the CPU feature checks, the target attributes each family compiles
-// under, and the 16-lane loads, stores, exp and sums they are written with.
+// under, the 16-lane (AVX-512) and 8-lane (AVX2 + FMA) loads, stores, exp and sums they are written
+// with, and Lanes16 / Lanes8, the same operations under one name per width for the kernels written
+// once for both (rowwise_lanes.h, linear_lanes.h).
 //
 // Bit-exactness: every helper here is a fixed sequence of operations (fixed reduction trees, one
 // rounding rule), inlined into each kernel, so a kernel's bits do not depend on which file it is in.
@@ -10,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <type_traits>
 
 #include <immintrin.h>
@@ -19,6 +22,7 @@
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl")))
 #define DPBF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define AVX2 __attribute__((target("avx2,fma")))
 
 namespace minisgl::cpu {
 
@@ -79,6 +83,23 @@ inline bool cpu_has_amx() {
         return false;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+// The avx2 family: AVX2 and FMA (Haswell / Zen 1 and later), 8 float32 lanes.
+inline bool cpu_has_avx2() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// Which vector code a kernel entry point runs: the process's kernel family's, passed from Python
+// (cpu_kernels.py), so that MINISGL_KERNELS=avx2 runs the 8-lane code on a CPU that has AVX-512 too.
+// Never more than the CPU has: require_isa throws before any such instruction runs.
+enum Isa : int { ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+inline Isa require_isa(int isa) {
+    static const bool avx2 = cpu_has_avx2(), avx512 = cpu_has_avx512();
+    if ((isa == ISA_AVX512 && avx512) || (isa == ISA_AVX2 && avx2)) return static_cast<Isa>(isa);
+    throw std::invalid_argument("this CPU does not run the requested kernel ISA (cpu_kernels.family())");
 }
 
 inline bool cpu_has_avx512_bf16() {
@@ -213,5 +234,177 @@ AVX512 inline float hsum16(__m512 v) {
     const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
 }
+
+// ---- 8 lanes at a time (AVX2 + FMA: no mask registers, no scalef) --------------------------------
+
+// The first min(n, 8) lanes as an all-ones / zero mask (maskload / maskstore's operand), n >= 1.
+AVX2 inline __m256i first_lanes8(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 8 float32 to bf16 with round-to-nearest-even (f32_to_bf16, eight at a time), as 8 uint16.
+AVX2 inline __m128i round_to_bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    // |u| > inf's bits (signed compare: the sign is masked off) is a NaN: kept quiet, as f32_to_bf16
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i q = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    // 32 -> 16 bits (no value exceeds 0xffff, so packus does not saturate), lanes back in order
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(q, q), 0x08));
+}
+
+AVX2 inline __m256 widen_bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+
+// load8n / store8n: the first min(n, 8) elements (n >= 1), widened to float32 / rounded to the
+// array's dtype; lanes past n load as zero and are not stored. Short bf16 runs go through a zeroed
+// 8-element copy (AVX2 has no 16-bit masked load).
+template <typename T>
+AVX2 inline __m256 load8n(const T* p, int64_t n);
+template <>
+AVX2 inline __m256 load8n<float>(const float* p, int64_t n) {
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes8(n));
+}
+template <>
+AVX2 inline __m256 load8n<uint16_t>(const uint16_t* p, int64_t n) {
+    if (n >= 8) return widen_bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    alignas(16) uint16_t b[8] = {};
+    std::memcpy(b, p, static_cast<size_t>(n) * 2);
+    return widen_bf16x8(_mm_load_si128(reinterpret_cast<const __m128i*>(b)));
+}
+
+template <typename T>
+AVX2 inline void store8n(T* p, __m256 v, int64_t n);
+template <>
+AVX2 inline void store8n<float>(float* p, __m256 v, int64_t n) {
+    if (n >= 8) _mm256_storeu_ps(p, v);
+    else _mm256_maskstore_ps(p, first_lanes8(n), v);
+}
+template <>
+AVX2 inline void store8n<uint16_t>(uint16_t* p, __m256 v, int64_t n) {
+    const __m128i h = round_to_bf16x8(v);
+    if (n >= 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+        return;
+    }
+    alignas(16) uint16_t b[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(b), h);
+    std::memcpy(p, b, static_cast<size_t>(n) * 2);
+}
+
+template <typename T>
+AVX2 inline __m256 round8(__m256 v) {  // to the dtype and back, as storing and loading it
+    if constexpr (std::is_same_v<T, float>) return v;
+    else return widen_bf16x8(round_to_bf16x8(v));
+}
+
+// 2^e for integer lanes e in [-126, 127] (the exponent field).
+AVX2 inline __m256 pow2x8(__m256i e) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+}
+
+// exp16's polynomial on 8 lanes. 2^n (no scalef here) is two exact powers of two, 2^(n/2) and
+// 2^(n - n/2), built in the exponent field: each lies in range for n in [-126, 128], so the product
+// is scalef's p * 2^n.
+AVX2 inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(89.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+    static constexpr float c[8] = {1.0f,         1.0f,          0.5f,          1.0f / 6.0f,
+                                   1.0f / 24.0f, 1.0f / 120.0f, 1.0f / 720.0f, 1.0f / 5040.0f};
+    __m256 p = _mm256_set1_ps(c[7]);
+    for (int i = 6; i >= 0; --i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c[i]));
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+    return _mm256_mul_ps(_mm256_mul_ps(p, pow2x8(half)), pow2x8(_mm256_sub_epi32(ni, half)));
+}
+
+// The fixed reduction order of 8 lanes: lane j with lane j+4, then j with j+2, j with j+1.
+AVX2 inline float hsum8(__m256 v) {
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+// reduce4 on 8 lanes: [sum(a), sum(b), sum(c), sum(d)], each from its own vector's lanes by a fixed tree.
+AVX2 inline __m128 reduce4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    const __m256 abcd = _mm256_add_ps(
+        _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))),
+        _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// ---- one name per operation for both widths -------------------------------------------------------
+//
+// The kernels written once for both families (rowwise_lanes.h, linear_lanes.h) call these. A function
+// compiles for one ISA only (its target attribute cannot depend on a template argument), so each such
+// file is included twice, in namespace avx512 with V = Lanes16 under LANES_TARGET = AVX512 and in
+// namespace avx2 with V = Lanes8 under AVX2; the 16-lane members are the helpers above, unchanged, so
+// the AVX-512 kernels keep their bits.
+struct Lanes16 {
+    using F = __m512;
+    using W = __m512i;        // one k-step of bf16 weights: 16 (even, odd) pairs
+    static constexpr int N = 16;
+    AVX512 static F zero() { return _mm512_setzero_ps(); }
+    AVX512 static F set1(float x) { return _mm512_set1_ps(x); }
+    AVX512 static F add(F a, F b) { return _mm512_add_ps(a, b); }
+    AVX512 static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+    AVX512 static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    AVX512 static F div(F a, F b) { return _mm512_div_ps(a, b); }
+    AVX512 static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    AVX512 static F loadu(const float* p) { return _mm512_loadu_ps(p); }
+    template <typename T>
+    AVX512 static F loadn(const T* p, int64_t n) { return load16m(p, first_lanes(n)); }
+    template <typename T>
+    AVX512 static void storen(T* p, F v, int64_t n) { store16m(p, v, first_lanes(n)); }
+    template <typename T>
+    AVX512 static F round(F v) { return round16<T>(v); }
+    AVX512 static F exp(F x) { return exp16(x); }
+    AVX512 static float hsum(F v) { return hsum16(v); }
+    AVX512 static __m128 reduce4(F a, F b, F c, F d) { return minisgl::cpu::reduce4(a, b, c, d); }
+    // The first min(n, 32) bf16 of a weight row (zeros past n), and their even / odd elements as float32.
+    AVX512 static W load_pairs(const uint16_t* p, int64_t n) {
+        return _mm512_maskz_loadu_epi16(n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1, p);
+    }
+    AVX512 static void split(W w, F& even, F& odd) {
+        even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    }
+};
+
+struct Lanes8 {
+    using F = __m256;
+    using W = __m256i;  // 8 (even, odd) pairs
+    static constexpr int N = 8;
+    AVX2 static F zero() { return _mm256_setzero_ps(); }
+    AVX2 static F set1(float x) { return _mm256_set1_ps(x); }
+    AVX2 static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    AVX2 static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+    AVX2 static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    AVX2 static F div(F a, F b) { return _mm256_div_ps(a, b); }
+    AVX2 static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    AVX2 static F loadu(const float* p) { return _mm256_loadu_ps(p); }
+    template <typename T>
+    AVX2 static F loadn(const T* p, int64_t n) { return load8n(p, n); }
+    template <typename T>
+    AVX2 static void storen(T* p, F v, int64_t n) { store8n(p, v, n); }
+    template <typename T>
+    AVX2 static F round(F v) { return round8<T>(v); }
+    AVX2 static F exp(F x) { return exp8(x); }
+    AVX2 static float hsum(F v) { return hsum8(v); }
+    AVX2 static __m128 reduce4(F a, F b, F c, F d) { return reduce4x8(a, b, c, d); }
+    AVX2 static W load_pairs(const uint16_t* p, int64_t n) {
+        if (n >= 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        alignas(32) uint16_t b[16] = {};
+        std::memcpy(b, p, static_cast<size_t>(n) * 2);
+        return _mm256_load_si256(reinterpret_cast<const __m256i*>(b));
+    }
+    AVX2 static void split(W w, F& even, F& odd) {
+        even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    }
+};
 
 }  // namespace minisgl::cpu

@@ -2,7 +2,7 @@
 
 Each wrapper takes and returns torch tensors and checks what the native code assumes (device,
 dtype, contiguity, shapes). Where a check fails, or the extension was not built, or the process's
-kernel family (FAMILIES below: amx, avx512bf16, avx512, torch) lacks the kernel, `linear` runs
+kernel family (FAMILIES below: amx, avx512bf16, avx512, avx2, torch) lacks the kernel, `linear` runs
 F.linear itself and the others return None (False for `rope_`), so the caller keeps its torch
 expression. `MINISGL_KERNELS=<family>` caps the family (`MINISGL_CPU_KERNELS=0`: torch everywhere,
 how the two are compared; `MINISGL_AMX=0`: no AMX).
@@ -38,18 +38,27 @@ MAX_KERNEL_ROWS = 4
 # The kernel families, fastest first. A CPU runs every family from the best it supports down:
 #   amx         bf16 linears and attention scores on the AMX tile unit (Sapphire Rapids and later)
 #   avx512bf16  bf16 linears on vdpbf16ps (AMD Zen 4/5, Cooper Lake); the rest as avx512
-#   avx512      AVX-512 F/BW/DQ/VL: few-row linears, paged attention, row-wise ops; F.linear beyond
+#   avx512      AVX-512 F/BW/DQ/VL: few-row linears (bf16 and int8), paged attention, row-wise ops;
+#               F.linear beyond
+#   avx2        AVX2 + FMA (Haswell, Zen 1-3): the few-row bf16 linear, paged attention (decode rows;
+#               prefill chunks only in the batch-invariant forward, see attention_runs), row-wise ops,
+#               at 8 lanes; int8 linears read their dequantized bf16 weight; F.linear beyond
 #   torch       torch's own ops everywhere
 # MINISGL_KERNELS=<family> caps the family at a lower one (how each is measured and tested on a
 # machine that runs a higher one); MINISGL_AMX=0 caps it at avx512bf16 and MINISGL_CPU_KERNELS=0
 # at torch, as before.
-FAMILIES = ("amx", "avx512bf16", "avx512", "torch")
+FAMILIES = ("amx", "avx512bf16", "avx512", "avx2", "torch")
+
+# The vector code each native family's entry points run (csrc/cpu/common.h Isa).
+ISA_AVX2, ISA_AVX512 = 1, 2
 
 
 def machine_family() -> str:
     """The best kernel family this CPU and build run, whatever the environment asks."""
-    if _native is None or not _native.has_avx512():
+    if _native is None:
         return "torch"
+    if not _native.has_avx512():
+        return "avx2" if _native.has_avx2() else "torch"
     if _native.has_amx():
         return "amx"
     return "avx512bf16" if _native.has_avx512_bf16() else "avx512"
@@ -66,12 +75,14 @@ def _chosen_family() -> str:
     return max(cap, machine_family(), key=FAMILIES.index)
 
 
-def _state(name: str) -> tuple[str, bool, bool, str | None]:
-    """(family, any native kernel, AMX tiles, which packed linear pack()/linear_packed() run)."""
-    return name, name != "torch", name == "amx", {"amx": "amx", "avx512bf16": "dpbf16"}.get(name)
+def _state(name: str) -> tuple[str, bool, bool, str | None, int]:
+    """(family, any native kernel, AMX tiles, which packed linear pack()/linear_packed() run, the
+    ISA the native entry points run)."""
+    packs = {"amx": "amx", "avx512bf16": "dpbf16"}.get(name)
+    return name, name != "torch", name == "amx", packs, ISA_AVX2 if name == "avx2" else ISA_AVX512
 
 
-_FAMILY, _ENABLED, _AMX, _PACKS = _state(_chosen_family())
+_FAMILY, _ENABLED, _AMX, _PACKS, _ISA = _state(_chosen_family())
 
 
 def runs_family(name: str) -> bool:
@@ -84,15 +95,15 @@ def family_override(name: str) -> Iterator[None]:
     """Run the block as if the process had started with MINISGL_KERNELS=`name` (tests and benchmarks
     compare families in one process). Weights packed before or inside the block keep their layout:
     pack them inside it, and build a DecodeStack there too."""
-    global _FAMILY, _ENABLED, _AMX, _PACKS
+    global _FAMILY, _ENABLED, _AMX, _PACKS, _ISA
     if name not in FAMILIES or not runs_family(name):
         raise ValueError(f"kernel family {name!r} does not run here; these do: {', '.join(_runnable())}")
     saved = _FAMILY
-    _FAMILY, _ENABLED, _AMX, _PACKS = _state(name)
+    _FAMILY, _ENABLED, _AMX, _PACKS, _ISA = _state(name)
     try:
         yield
     finally:
-        _FAMILY, _ENABLED, _AMX, _PACKS = _state(saved)
+        _FAMILY, _ENABLED, _AMX, _PACKS, _ISA = _state(saved)
 
 
 def _runnable() -> list[str]:
@@ -105,8 +116,27 @@ def family() -> str:
 
 
 def available() -> bool:
-    """True if the native kernels are built, enabled and this CPU runs them (AVX-512 F/BW/DQ/VL)."""
+    """True if the native kernels are built, enabled and this CPU runs them (a family other than
+    torch: AVX-512 F/BW/DQ/VL, or AVX2 + FMA)."""
     return _ENABLED
+
+
+def isa() -> int:
+    """The vector code this process's native entry points run (ISA_AVX512 or ISA_AVX2; the
+    DecodeStack's too)."""
+    return _ISA
+
+
+def lanes() -> int:
+    """float32 lanes of that code (16 or 8): the paged attention's vector paths and the decode stack
+    take head dims that are a multiple of it (up to 256)."""
+    return 8 if _ISA == ISA_AVX2 else 16
+
+
+def avx512_available() -> bool:
+    """True if this process runs the AVX-512 kernels (amx, avx512bf16 or avx512: the int8 linear,
+    the packed linears' families), not the avx2 family's."""
+    return _ENABLED and _ISA == ISA_AVX512
 
 
 def amx_available() -> bool:
@@ -154,6 +184,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         n,
         k,
         torch.get_num_threads(),
+        _ISA,
     )
     return out
 
@@ -241,10 +272,15 @@ def paged_attention(
     keeps its torch path). A row's bits depend only on its query, position and keys, never on the
     other rows (csrc/cpu/attention.cpp, attend_block). IndexError (from the native bounds check) if a
     row's table, position or block id lies outside the tables or the pool. scorer: which unit scores
-    bf16 rows, "fma" (AVX-512 float32), "amx" (the tile unit) or "dp" (vdpbf16ps); None: the
-    process's kernel family's (default_scorer()). Their bits differ; float32 rows always take "fma"."""
+    bf16 rows, "fma" (float32 FMAs: AVX-512, or AVX2 under the avx2 family), "amx" (the tile unit) or
+    "dp" (vdpbf16ps); None: the process's kernel family's (default_scorer()). Their bits differ;
+    float32 rows always take "fma", and so does every row under the avx2 family (ValueError for
+    another scorer there)."""
     if not attention_runs(q, k_pool, v_pool):
         return None
+    scorer = scorer or default_scorer()
+    if not scorer_runs(scorer):
+        raise ValueError(f"attention scorer {scorer!r} does not run under kernel family {_FAMILY}")
     n, h, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:  # rows may be strided (views into the qkv output)
         q = q.contiguous()
@@ -275,8 +311,9 @@ def paged_attention(
         softcap or 0.0,
         window or 0,
         q.dtype == torch.bfloat16,
-        SCORERS[scorer or default_scorer()],
+        SCORERS[scorer],
         torch.get_num_threads(),
+        _ISA,
     )
     return out
 
@@ -292,7 +329,10 @@ def default_scorer() -> str:
 
 
 def scorer_runs(name: str) -> bool:
-    """Whether this machine runs attention scorer `name` (its kernel family or a higher one)."""
+    """Whether this process runs attention scorer `name`: under an AVX-512 family, any scorer whose
+    family this machine runs (tests and benchmarks compare them); under avx2, "fma" alone."""
+    if _ISA == ISA_AVX2:
+        return name == "fma"
     return runs_family(_SCORER_FAMILY[name])
 
 
@@ -365,6 +405,7 @@ def rms_norm(
         gemma,
         x.dtype == torch.bfloat16,
         torch.get_num_threads(),
+        _ISA,
     )
     return out, total
 
@@ -394,6 +435,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         x.stride(1),
         x.dtype == torch.bfloat16,
         torch.get_num_threads(),
+        _ISA,
     )
     return True
 
@@ -413,6 +455,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         dim,
         gate_up.dtype == torch.bfloat16,
         torch.get_num_threads(),
+        _ISA,
     )
     return out
 
@@ -421,10 +464,10 @@ def linear_int8(
     x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
     """(x @ qweight^T) * qscale (+ bias) for a few bf16 CPU rows over int8 weights [N, K] with
-    float32 per-output-channel scales [N] (`weight_dtype: int8`). None where the kernel cannot run
-    (the caller runs F.linear on its dequantized bf16 weight)."""
+    float32 per-output-channel scales [N] (`weight_dtype: int8`). None where the kernel cannot run,
+    the avx2 family included (the caller runs `linear` on its dequantized bf16 weight)."""
     m = x.shape[0]
-    if not _few_bf16_rows(x, bias):
+    if not (_ISA == ISA_AVX512 and _few_bf16_rows(x, bias)):
         return None
     x = x.contiguous()
     n, k = qweight.shape
@@ -453,6 +496,6 @@ def stream_read_gbps(megabytes: int = 512, repeat: int = 5) -> float | None:
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
-        _native.stream_read(buf.data_ptr(), buf.numel() * 4, torch.get_num_threads())
+        _native.stream_read(buf.data_ptr(), buf.numel() * 4, torch.get_num_threads(), _ISA)
         best = min(best, time.perf_counter() - start)
     return buf.numel() * 4 / best / 1e9

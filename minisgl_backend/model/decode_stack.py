@@ -6,10 +6,12 @@ docs/performance.md). For a batch of decode rows only, the stack runs the same k
 operands in the same order from one call, so its bits are the layer-by-layer forward's
 (tests/kernels/test_decode_stack.py); prefill and mixed batches keep the layer loop.
 
-It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels, a
-Llama-style block (Qwen3's q/k norm included; not Gemma's), SiLU, and every linear packed for the
-packed kernel (AMX or AVX512-BF16: any row count) or, where neither runs, batches of up to
-cpu_kernels.MAX_KERNEL_ROWS rows (the few-row kernel).
+It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels (any
+family but torch: the stack runs the family's kernels, AVX-512 or AVX2), a Llama-style block (Qwen3's
+q/k norm included; not Gemma's), SiLU, and every linear packed for the packed kernel (AMX or
+AVX512-BF16: any row count) or, where neither runs, batches of up to cpu_kernels.MAX_KERNEL_ROWS rows
+(the few-row kernel; int8 weights on the int8 kernel under the AVX-512 families, on their dequantized
+bf16 copy under avx2, as Linear.forward).
 It runs under the default and the batch-invariant forward alike (DecodeStackForward wraps either),
 with that forward's RoPE tables.
 """
@@ -47,6 +49,7 @@ class DecodeStack:
             kv.num_blocks,
             cpu_kernels.SCORERS[cpu_kernels.default_scorer()],
             cpu_kernels.pack_kind(),
+            cpu_kernels.isa(),
         )
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -80,7 +83,7 @@ class DecodeStack:
             and w.dtype == torch.bfloat16
             and not s.gemma
             and s.hidden_act == "silu"
-            and s.head_dim % 16 == 0
+            and s.head_dim % cpu_kernels.lanes() == 0
             and s.head_dim <= 256
             and kv.k[0].dtype == torch.bfloat16
             and all(kv.k[i].is_contiguous() and kv.v[i].is_contiguous() for i in range(s.num_layers))
