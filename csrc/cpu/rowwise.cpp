@@ -5,9 +5,9 @@
 // Bit-exactness: each row is computed alone in a fixed order, so its bits never depend on the other
 // rows or the thread count: these are shared by the default and the batch-invariant forward.
 // Roundings follow the torch expressions they replace (model/layers.py RMSNorm / GemmaRMSNorm,
-// model/rope.py apply_rotary, F.silu(gate) * up) step by step: RoPE and SiLU keep each element's
-// operations; RMSNorm's sum of squares is summed by lanes, then by a fixed tree (hsum16 or hsum8), so
-// its bits differ between the AVX-512 and the avx2 family.
+// model/rope.py apply_rotary, F.silu(gate) * up) step by step: RoPE keeps each element's operations;
+// SiLU takes each width's exp (exp16, exp8) and RMSNorm's sum of squares is summed by lanes, then by a
+// fixed tree (hsum16 or hsum8), so their bits differ between the AVX-512 and the avx2 family.
 
 #include <cmath>
 

@@ -154,7 +154,7 @@ def _bf16_cpu_input(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     none: what every native linear takes."""
     return (
         x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
+        and x.is_cpu
         and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
     )
 
@@ -341,7 +341,7 @@ def attention_runs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) 
     alone (the same for every row of a model), never by the rows themselves."""
     return (
         _ENABLED
-        and q.device.type == "cpu"
+        and q.is_cpu
         and q.dtype in (torch.float32, torch.bfloat16)
         and k_pool.dtype == q.dtype
         and v_pool.dtype == q.dtype
@@ -373,9 +373,9 @@ def _rowwise_ok(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
     return (
         _ENABLED
-        and first.device.type == "cpu"
+        and first.is_cpu
         and first.dtype in (torch.float32, torch.bfloat16)
-        and all(t.dtype == first.dtype for t in tensors)
+        and all(t.dtype == first.dtype for t in tensors[1:])
     )
 
 
