@@ -8,6 +8,14 @@
 constexpr int TILE_ROWS = V::N == 16 ? 4 : 2;
 constexpr int64_t KSTEP = 2 * V::N;  // bf16 weights per k-step: N (even, odd) pairs
 
+// Each 64 bytes of a tile's rows request the same line of TILE_ROWS rows PREFETCH_AHEAD rows further
+// on (past the matrix a prefetch never faults), into L1 (AVX-512: the next tile, measured on the
+// Xeon; common.h prefetch_next_tile) or into L2 (AVX2: 8 rows ahead, measured on the 2-core EPYC
+// Zen 5: a weight stream from memory at one row and one thread went from 9 to 19 GB/s, where the
+// next tile into L1 had left it).
+constexpr int PREFETCH_AHEAD = V::N == 16 ? 4 : 8;
+constexpr auto PREFETCH_HINT = V::N == 16 ? _MM_HINT_T0 : _MM_HINT_T1;
+
 // One k-step of 2N weights: a load holds N (even, odd) bf16 pairs. `w << 16` is the even elements as
 // float32 and `w & 0xffff0000` the odd ones (bf16 is the top half of a float32), so the pair becomes
 // two FMAs against the input row split the same way. Two float32 FMAs run ~2x faster than one
@@ -15,8 +23,7 @@ constexpr int64_t KSTEP = 2 * V::N;  // bf16 weights per k-step: N (even, odd) p
 //
 // MM input rows x TILE_ROWS weight rows: their float32 accumulators; each weight vector is loaded and
 // split once per k-step and used by every input row. xe/xo: the input rows' even/odd elements as
-// float32, zero-padded to a whole k-step (row stride xs), so a short weight tail meets zeros. Each
-// 64 bytes of a row request the same line of the next tile's rows (prefetch_next_tile's reason).
+// float32, zero-padded to a whole k-step (row stride xs), so a short weight tail meets zeros.
 template <int MM>
 LANES_TARGET inline void tile_bf16(const float* xe, const float* xo, int64_t xs, const uint16_t* w,
                                    const uint16_t* bias, uint16_t* y, int64_t K, int64_t N) {
@@ -29,8 +36,8 @@ LANES_TARGET inline void tile_bf16(const float* xe, const float* xo, int64_t xs,
     for (int64_t k = 0; k < K; k += KSTEP) {
         F we[TILE_ROWS], wo[TILE_ROWS];
         if (k % 32 == 0)
-            for (int j = TILE_ROWS; j < 2 * TILE_ROWS; ++j)
-                _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k), _MM_HINT_T0);
+            for (int j = PREFETCH_AHEAD; j < PREFETCH_AHEAD + TILE_ROWS; ++j)
+                _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k), PREFETCH_HINT);
 #pragma GCC unroll 4
         for (int j = 0; j < TILE_ROWS; ++j) V::split(V::load_pairs(w + j * K + k, K - k), we[j], wo[j]);
 #pragma GCC unroll 4

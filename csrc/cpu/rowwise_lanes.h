@@ -72,6 +72,7 @@ LANES_TARGET void rope_head(T* xh, const T* c, const T* s, int64_t half) {
             V::split(V::load_pairs(c + i + half, n), c2[0], c2[1]);
             V::split(V::load_pairs(s + i, n), s1[0], s1[1]);
             V::split(V::load_pairs(s + i + half, n), s2[0], s2[1]);
+#pragma GCC unroll 2
             for (int h = 0; h < 2; ++h) rope_lanes<T>(x1[h], x2[h], c1[h], c2[h], s1[h], s2[h], y1[h], y2[h]);
             V::store_pairs(xh + i, V::join(y1[0], y1[1]), n);
             V::store_pairs(xh + i + half, V::join(y2[0], y2[1]), n);

@@ -10,8 +10,8 @@ machine) and by wall time otherwise. The packed kernel is the process's kernel f
 kernel (up to 4 rows) is the family's width: `avx512_few_rows`, or `avx2_few_rows` under avx2.
 --stream instead times one decode step's worth of SmolLM2's linears (121 distinct weights, ~270 MB,
 so they come from L3/memory as in the model) at each row count, on the packed kernel, or where the
-family packs nothing on Linear.forward's choice (the few-row kernel up to 4 rows, oneDNN beyond):
-the figure behind docs/performance.md's weight-stream numbers.
+family packs nothing on Linear.forward's choice (the few-row kernel up to 4 rows, oneDNN beyond;
+oneDNN alone under the torch family): the figure behind docs/performance.md's weight-stream numbers.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--stream", action="store_true")
     a = ap.parse_args()
-    if not cpu_kernels.available():
+    if not (cpu_kernels.available() or a.stream):
         raise SystemExit(
             f"kernel family {cpu_kernels.family()} runs no native linear (not built, no AVX2, or "
             "MINISGL_KERNELS=torch / MINISGL_CPU_KERNELS=0): nothing to compare"
