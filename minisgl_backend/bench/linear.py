@@ -7,11 +7,13 @@ Prints one JSON line per row count with GFLOP/s (2 * rows * n * k per call; at o
 also GB/s of weights), best of 5 by the calling thread's CPU time at one thread (robust on a shared
 machine) and by wall time otherwise. The packed kernel is the process's kernel family's (`amx` or
 `avx512bf16`; MINISGL_KERNELS picks a lower one); its column is named after the family. The few-row
-kernel (up to 4 rows) is the family's width: `avx512_few_rows`, or `avx2_few_rows` under avx2.
+kernel (up to 4 rows; any number under avx2) is the family's width: `avx512_few_rows`, or
+`avx2_few_rows` under avx2.
 --stream instead times one decode step's worth of SmolLM2's linears (121 distinct weights, ~270 MB,
 so they come from L3/memory as in the model) at each row count, on the packed kernel, or where the
 family packs nothing on Linear.forward's choice (the few-row kernel up to 4 rows, oneDNN beyond;
-oneDNN alone under the torch family): the figure behind docs/performance.md's weight-stream numbers.
+the avx2 kernel at every row count; oneDNN alone under the torch family): the figure behind
+docs/performance.md's weight-stream numbers.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def main() -> None:
         fns = {"onednn": functools.partial(F.linear, x, w)}
         if packs:
             fns[cpu_kernels.family()] = functools.partial(cpu_kernels.linear_packed, x, packed, (a.n, a.k))
-        if m <= cpu_kernels.MAX_KERNEL_ROWS:
+        if cpu_kernels.kernel_row_limit() is None or m <= cpu_kernels.MAX_KERNEL_ROWS:
             fns[few_rows] = functools.partial(cpu_kernels.linear, x, w)
         flops = 2 * m * a.n * a.k
         row = {name: round(flops / best_of(fn, clock) / 1e9, 1) for name, fn in fns.items()}

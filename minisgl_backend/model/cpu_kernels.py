@@ -30,8 +30,10 @@ try:  # built by setup.py when a C++ compiler is present (optional, like the in-
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
 
-# Rows up to which linear() uses the kernel: beyond, oneDNN's AMX/AVX-512 matmul reuses each weight
-# across more rows than the kernel's 4-row tiles and wins (measured, docs/performance.md).
+# Rows up to which linear() uses the kernel under the AVX-512 families: beyond, oneDNN's AMX/AVX-512
+# matmul reuses each weight across more rows than the kernel's 4-row tiles and wins (measured,
+# docs/performance.md). Under avx2 it runs at every row count (kernel_row_limit()): oneDNN's bf16
+# matmul capped at AVX2 ran ~17-21 GFLOP/s at 8-256 rows here, the kernel 50-75.
 MAX_KERNEL_ROWS = 4
 
 
@@ -159,18 +161,42 @@ def _bf16_cpu_input(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     )
 
 
-def _few_bf16_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a linear call is one the few-row kernels take: 1..MAX_KERNEL_ROWS 2-D rows."""
-    return _ENABLED and 0 < x.shape[0] <= MAX_KERNEL_ROWS and x.dim() == 2 and _bf16_cpu_input(x, bias)
+def kernel_row_limit() -> int | None:
+    """The most rows `linear` runs its kernel for: MAX_KERNEL_ROWS under the AVX-512 families, no
+    limit (None) under avx2, where the kernel beats oneDNN at every row count. Decided by the
+    family alone, never by a batch."""
+    return None if _ISA == ISA_AVX2 else MAX_KERNEL_ROWS
+
+
+def _few_bf16_rows(x: torch.Tensor, bias: torch.Tensor | None, limit: int | None = MAX_KERNEL_ROWS) -> bool:
+    """Whether a linear call is one the few-row kernels take: 1..limit (None: any number of) 2-D rows."""
+    m = x.shape[0]
+    return _ENABLED and 0 < m and (limit is None or m <= limit) and x.dim() == 2 and _bf16_cpu_input(x, bias)
+
+
+def linear_row_invariant(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` over this weight runs the kernel at every row count (the avx2 family, a
+    contiguous bf16 CPU weight and bias), so a row's bits never depend on the rows beside it or
+    their number: the batch-invariant forward keeps such a linear as it is."""
+    return (
+        kernel_row_limit() is None
+        and _ENABLED
+        and weight.dtype == torch.bfloat16
+        and weight.is_cpu
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 2-D x; the kernel for a few contiguous bf16 CPU rows.
+    """F.linear(x, weight, bias) for 2-D x; the kernel for contiguous bf16 CPU rows, up to
+    kernel_row_limit() of them (any number under avx2).
 
     The kernel's output for a row depends only on that row and the weights (one dot product per
     output, in a fixed order), never on how many rows share the call."""
     m = x.shape[0]
-    if not (_few_bf16_rows(x, bias) and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+    fits = _few_bf16_rows(x, bias, kernel_row_limit())
+    if not (fits and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
         return F.linear(x, weight, bias)
     x = x.contiguous()
     n, k = weight.shape

@@ -9,9 +9,9 @@ operands in the same order from one call, so its bits are the layer-by-layer for
 It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels (any
 family but torch: the stack runs the family's kernels, AVX-512 or AVX2), a Llama-style block (Qwen3's
 q/k norm included; not Gemma's), SiLU, and every linear packed for the packed kernel (AMX or
-AVX512-BF16: any row count) or, where neither runs, batches of up to cpu_kernels.MAX_KERNEL_ROWS rows
-(the few-row kernel; int8 weights on the int8 kernel under the AVX-512 families, on their dequantized
-bf16 copy under avx2, as Linear.forward).
+AVX512-BF16: any row count), or under avx2 its few-row kernel (any row count, int8 weights read
+dequantized, as Linear.forward), or else batches of up to cpu_kernels.MAX_KERNEL_ROWS rows (the
+AVX-512 few-row kernel; int8 weights on the int8 kernel).
 It runs under the default and the batch-invariant forward alike (DecodeStackForward wraps either),
 with that forward's RoPE tables.
 """
@@ -35,6 +35,8 @@ class DecodeStack:
         s = model.spec
         attn = model.model.layers[0].self_attn
         self.packed = all(lin.packed is not None for lin in _linears(model))
+        # every linear's kernel takes any row count: packed, or the avx2 family's (kernel_row_limit)
+        self.any_rows = self.packed or cpu_kernels.kernel_row_limit() is None
         self._keep: list[torch.Tensor] = []  # every tensor the native object points into
         self._native = cpu_kernels._native.DecodeStack(
             s.num_heads,
@@ -98,7 +100,7 @@ class DecodeStack:
             n > 0
             and batch.num_decode == n
             and not batch.prefill_chunks
-            and (self.packed or n <= cpu_kernels.MAX_KERNEL_ROWS)
+            and (self.any_rows or n <= cpu_kernels.MAX_KERNEL_ROWS)
         )
 
     def __call__(self, x: torch.Tensor, ropes: Ropes, batch: ForwardBatch) -> torch.Tensor:

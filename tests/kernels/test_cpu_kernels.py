@@ -74,6 +74,39 @@ def test_linear_matches_float32_reference_and_is_row_independent(vector_family, 
             assert torch.equal(cpu_kernels.linear(x, w, b), y), "bits depend on the thread count"
 
 
+@pytest.mark.parametrize("n,k", [(576, 576), (7, 37), (1, 33)])
+def test_avx2_linear_runs_every_row_count_with_each_rows_bits(n, k):
+    """The avx2 family's linear runs its kernel at any row count (oneDNN's AVX2 bf16 matmul is
+    ~3x slower at every one): within bf16 rounding of a float32 reference, and a row's bits the
+    same alone as among 5-300 rows at any offset and at one thread, so the batch-invariant forward
+    keeps such a Linear as it is."""
+    if not cpu_kernels.runs_family("avx2"):
+        pytest.skip("this CPU does not run the avx2 family")
+    from minisgl_backend.model.batch_invariant import _row_invariant
+    from minisgl_backend.model.layers import Linear
+
+    g = _gen(13)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(300, k, generator=g).bfloat16()
+    with cpu_kernels.family_override("avx2"):
+        assert cpu_kernels.kernel_row_limit() is None and cpu_kernels.linear_row_invariant(w, b)
+        y = cpu_kernels.linear(x, w, b)
+        ref = x.float() @ w.float().t() + b.float()
+        assert (y.float() - ref).abs().max() <= ref.abs().max() * 2**-7 + 1e-6
+        for m, at in ((1, 0), (1, 299), (5, 3), (9, 40), (37, 250), (260, 20)):
+            part = cpu_kernels.linear(x[at : at + m], w, b)
+            assert torch.equal(part, y[at : at + m]), (
+                f"rows {at}..{at + m} alone differ from the batch of 300"
+            )
+        with _threads(1):
+            assert torch.equal(cpu_kernels.linear(x, w, b), y), "bits depend on the thread count"
+        assert _row_invariant(Linear(k, n).bfloat16()) and not _row_invariant(Linear(k, n))  # fp32: tiled
+    with cpu_kernels.family_override("avx512"):
+        assert cpu_kernels.kernel_row_limit() == cpu_kernels.MAX_KERNEL_ROWS
+        assert not cpu_kernels.linear_row_invariant(w, b)
+
+
 @contextlib.contextmanager
 def _threads(n: int):
     saved = torch.get_num_threads()
@@ -85,10 +118,12 @@ def _threads(n: int):
 
 
 def test_linear_beyond_kernel_rows_and_fp32_is_torch(vector_family):
+    """Beyond MAX_KERNEL_ROWS the AVX-512 families run F.linear; fp32 is F.linear everywhere."""
     g = _gen(1)
     w = torch.randn(64, 96, generator=g).bfloat16()
     x = torch.randn(cpu_kernels.MAX_KERNEL_ROWS + 1, 96, generator=g).bfloat16()
-    assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+    if cpu_kernels.kernel_row_limit() is not None:
+        assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
     assert torch.equal(cpu_kernels.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
     # a non-contiguous input gives the bits of its contiguous copy
     wide = torch.randn(2, 192, generator=g).bfloat16()[:, ::2]
