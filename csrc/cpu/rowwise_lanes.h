@@ -9,27 +9,61 @@
 // V::hsum's tree, so their bits depend on the width (a family's own, fixed order), never on the
 // other rows.
 
-// RMSNorm of one row, with the residual add: x + residual, rounded to the model dtype as torch's add
-// does, is the row normalised and (sr) the new residual stream.
+// RMSNorm's steps on one vector (n elements from p): the residual add (rounded to the dtype as
+// torch's add, stored as the new residual stream), and the normalised output (gemma: (x * rsqrt) *
+// (1 + w) in float32, rounded once; else rounded to the dtype, then w * it).
+template <typename T>
+LANES_TARGET inline typename V::F rms_add(typename V::F x, typename V::F add) {
+    return V::template round<T>(V::add(x, add));
+}
+template <typename T>
+LANES_TARGET inline typename V::F rms_out(typename V::F x, typename V::F inv, typename V::F w, bool gemma) {
+    const typename V::F n = V::mul(x, inv);
+    return gemma ? V::mul(n, V::add(V::set1(1.0f), w)) : V::mul(w, V::template round<T>(n));
+}
+
+// RMSNorm of one row, with the residual add: x + residual is the row normalised and (sr) the new
+// residual stream. The sum of squares runs by lanes, then V::hsum's tree; bf16 rows under AVX2 go 16
+// elements per step as even/odd halves (V::PAIRED_SUMS: its lanes then take an element pair per step,
+// the avx2 family's own order; AVX-512 keeps 16 ordered elements per lane step, its bits as before).
 template <typename T>
 LANES_TARGET void rms_norm_row(T* xr, const T* residual, T* sr, const T* weight, T* out, int64_t dim, float eps,
                                bool gemma) {
     using F = typename V::F;
     F ss = V::zero();
-    for (int64_t i = 0; i < dim; i += V::N) {
-        F v = V::loadn(xr + i, dim - i);
-        if (residual) {
-            v = V::template round<T>(V::add(v, V::loadn(residual + i, dim - i)));
-            V::storen(sr + i, v, dim - i);
-        }
-        ss = V::fmadd(v, v, ss);
-    }
-    const F inv = V::set1(1.0f / std::sqrt(V::hsum(ss) / static_cast<float>(dim) + eps));
     const T* src = residual ? sr : xr;
-    for (int64_t i = 0; i < dim; i += V::N) {
-        const F n = V::mul(V::loadn(src + i, dim - i), inv), w = V::loadn(weight + i, dim - i);
-        // gemma: (x * rsqrt) * (1 + w) in float32, rounded once; else rounded to the dtype, then w * it
-        V::storen(out + i, gemma ? V::mul(n, V::add(V::set1(1.0f), w)) : V::mul(w, V::template round<T>(n)), dim - i);
+    if constexpr (std::is_same_v<T, uint16_t> && V::PAIRED_SUMS) {
+        for (int64_t i = 0; i < dim; i += 2 * V::N) {
+            F e, o;
+            V::split(V::load_pairs(xr + i, dim - i), e, o);
+            if (residual) {
+                F ae, ao;
+                V::split(V::load_pairs(residual + i, dim - i), ae, ao);
+                e = rms_add<T>(e, ae);
+                o = rms_add<T>(o, ao);
+                V::store_pairs(sr + i, V::join(e, o), dim - i);
+            }
+            ss = V::fmadd(o, o, V::fmadd(e, e, ss));
+        }
+        const F inv = V::set1(1.0f / std::sqrt(V::hsum(ss) / static_cast<float>(dim) + eps));
+        for (int64_t i = 0; i < dim; i += 2 * V::N) {
+            F e, o, we, wo;
+            V::split(V::load_pairs(src + i, dim - i), e, o);
+            V::split(V::load_pairs(weight + i, dim - i), we, wo);
+            V::store_pairs(out + i, V::join(rms_out<T>(e, inv, we, gemma), rms_out<T>(o, inv, wo, gemma)), dim - i);
+        }
+    } else {
+        for (int64_t i = 0; i < dim; i += V::N) {
+            F v = V::loadn(xr + i, dim - i);
+            if (residual) {
+                v = rms_add<T>(v, V::loadn(residual + i, dim - i));
+                V::storen(sr + i, v, dim - i);
+            }
+            ss = V::fmadd(v, v, ss);
+        }
+        const F inv = V::set1(1.0f / std::sqrt(V::hsum(ss) / static_cast<float>(dim) + eps));
+        for (int64_t i = 0; i < dim; i += V::N)
+            V::storen(out + i, rms_out<T>(V::loadn(src + i, dim - i), inv, V::loadn(weight + i, dim - i), gemma), dim - i);
     }
 }
 

@@ -392,6 +392,42 @@ def test_rope_matches_apply_rotary(vector_family, dtype, rot, torch_only):
         assert (native - ref).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowwise_rows_do_not_depend_on_the_call(vector_family, dtype):
+    """RMSNorm (+ add, both forms), RoPE and SiLU x up: each row's bits the same alone as in a
+    batch of 40 (the kernels go multi-threaded from 32 rows) and at one thread as at several, with
+    dims that are not whole vectors or pairs (each width's tails)."""
+    g = _gen(9)
+    x, add = (torch.randn(40, 100, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(100, generator=g).to(dtype)
+    qk = torch.randn(40, 5, 24, generator=g).to(dtype)
+    angles = torch.randn(40, 1, 20, generator=g)  # partial rotary: 20 of 24
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    gate_up = (torch.randn(40, 2 * 70, generator=g) * 4).to(dtype)
+
+    def run(rows: slice) -> list[torch.Tensor]:
+        rotated = qk[rows].clone()
+        assert cpu_kernels.rope_(rotated, cos[rows], sin[rows])
+        normed = [
+            t for gemma in (False, True) for t in cpu_kernels.rms_norm(x[rows], w, 1e-6, gemma, add[rows])
+        ]
+        return [
+            *normed,
+            cpu_kernels.rms_norm(x[rows], w, 1e-6, False)[0],
+            rotated,
+            cpu_kernels.silu_and_mul(gate_up[rows]),
+        ]
+
+    full = run(slice(None))
+    for r in (0, 17, 39):
+        for got, want in zip(run(slice(r, r + 1)), full):
+            assert torch.equal(got, want[r : r + 1]), f"row {r} alone differs from the batch of 40"
+    with _threads(1):
+        assert all(torch.equal(a, b) for a, b in zip(run(slice(None)), full)), (
+            "bits depend on the thread count"
+        )
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
 def test_silu_and_mul(vector_family, dtype, tol):
     g = _gen(6)
