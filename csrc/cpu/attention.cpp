@@ -3,19 +3,21 @@
 // Decode rows take one query vector at a time (attend_vectors), prefill blocks 16 query vectors per
 // register (attend_lanes). bf16 scores come from one of three scorers, the machine's kernel family's:
 // float32 FMAs, the AMX tile unit (amx_scores) or vdpbf16ps (dp_scores, with its V sum on vdpbf16ps
-// too); float32 rows always take the FMA scorer. Head dims the AVX-512 paths do not take (not a
-// multiple of 16, or over 256) take the scalar attend_group.
+// too); float32 rows always take the FMA scorer. The avx2 family's blocks run attention_avx2.cpp's
+// 8-lane FMA attention instead (isa). Head dims the vector paths do not take (not a multiple of the
+// lane width, or over 256) take the scalar attend_group, compiled for the family's ISA.
 //
-// Bit-exactness: a row's bits depend only on its query, its position, the cached keys and values and
-// the scorer, never on the other rows of the call, the block they share or the thread count (the
-// contract is spelled out above ATTN_BLOCK), so it serves decode rows and, in the batch-invariant
-// forward, every row.
+// Bit-exactness: a row's bits depend only on its query, its position, the cached keys and values,
+// the ISA and the scorer, never on the other rows of the call, the block they share or the thread
+// count (the contract is spelled out above ATTN_BLOCK, attention.h), so it serves decode rows and,
+// in the batch-invariant forward, every row.
 
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <vector>
 
+#include "attention.h"
 #include "common.h"
 #include "kernels.h"
 
@@ -23,10 +25,13 @@ namespace minisgl::cpu {
 namespace {
 
 // One (sequence, KV head): the group's query heads against keys [first, pos], softmax in float32.
+// Plain C++ that the compiler vectorises for the ISA of the function it is inlined into: attend_group
+// (the AVX-512 families', x86-64-v4, as the clone that ran there before) or attend_group_avx2.
 template <typename T>
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void attend_group(
-    const T* q, const T* kpool, const T* vpool, const int64_t* table, int64_t pos, int64_t kvh, T* out,
-    const AttnShape& s, std::vector<float>& scores, std::vector<float>& acc) {
+__attribute__((always_inline)) inline void attend_group_body(const T* q, const T* kpool, const T* vpool,
+                                                             const int64_t* table, int64_t pos, int64_t kvh, T* out,
+                                                             const AttnShape& s, std::vector<float>& scores,
+                                                             std::vector<float>& acc) {
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
     const int64_t first = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
     const int64_t len = pos - first + 1;
@@ -75,19 +80,23 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) vo
         for (int64_t i = 0; i < d; ++i) store(out, (kvh * g + h) * d + i, acc[h * d + i]);
 }
 
+template <typename T>
+__attribute__((target("arch=x86-64-v4"))) void attend_group(const T* q, const T* kpool, const T* vpool,
+                                                           const int64_t* table, int64_t pos, int64_t kvh, T* out,
+                                                           const AttnShape& s, std::vector<float>& scores,
+                                                           std::vector<float>& acc) {
+    attend_group_body(q, kpool, vpool, table, pos, kvh, out, s, scores, acc);
+}
+
+template <typename T>
+AVX2 void attend_group_avx2(const T* q, const T* kpool, const T* vpool, const int64_t* table, int64_t pos,
+                            int64_t kvh, T* out, const AttnShape& s, std::vector<float>& scores,
+                            std::vector<float>& acc) {
+    attend_group_body(q, kpool, vpool, table, pos, kvh, out, s, scores, acc);
+}
+
 // The same attention on AVX-512 (head_dim a multiple of 16, up to 256) for a block of up to
-// ATTN_BLOCK query rows that share one block table (rows of one prefill chunk; a decode row is a
-// block of one): each key's K and V rows are loaded and converted once per block and KV head and
-// used by every query row and head of the group.
-//
-// Every query's arithmetic is the same whatever block it is in: its scores are one dot product per
-// key (16-wide FMAs over head_dim, then a fixed reduction; or the tile unit's, on every block of the
-// machine), its softmax sums by absolute key position mod 16 (so which lane a key falls in depends on
-// the key alone), and its output sums the keys in key order. A row's bits thus depend only on its
-// query, its position and the cached keys: not on the other rows of the call, the block sizes, the
-// chunking, whether it is a decode or a prefill row or which of attend_vectors / attend_lanes ran.
-// That is what lets the batch-invariant forward use it for every row.
-constexpr int64_t ATTN_BLOCK = 16;
+// ATTN_BLOCK query rows (attention.h: the blocks, and the contract that makes a row's bits its own).
 
 // hsum16's tree (common.h) across 16 vectors, lane by lane: lane l of vsum16(p) has the bits of
 // hsum16 of the vector whose lanes are p[0..15][l].
@@ -95,37 +104,6 @@ AVX512 inline __m512 vsum16(__m512* p) {
     for (int w = 8; w >= 1; w /= 2)
         for (int j = 0; j < w; ++j) p[j] = _mm512_add_ps(p[j], p[j + w]);
     return p[0];
-}
-
-struct AttnScratch {  // per thread, reused across its work items
-    std::vector<float> q, scores, acc, kf, vf;
-    std::vector<uint16_t> stage, pb;
-    std::vector<uint32_t> vpair, ppair;
-    std::vector<int64_t> offsets;
-};
-
-// Which keys a block reads, and where they lie: first[r] the first key row r sees (its window),
-// keys lo..hi the union of the rows' ranges, w.offsets[key - lo] each key's slot in the pool.
-struct BlockKeys {
-    int64_t first[ATTN_BLOCK], lo, hi;
-};
-
-inline BlockKeys block_keys(const int64_t* table, const int64_t* pos, int64_t rows, const AttnShape& s,
-                            AttnScratch& w) {
-    BlockKeys b{{}, INT64_MAX, 0};
-    for (int64_t r = 0; r < rows; ++r) {
-        b.first[r] = s.window > 0 ? std::max<int64_t>(0, pos[r] - s.window + 1) : 0;
-        b.lo = std::min(b.lo, b.first[r]);
-        b.hi = std::max(b.hi, pos[r]);
-    }
-    const int64_t row = s.kv_heads * s.head_dim;
-    w.offsets.resize(static_cast<size_t>(b.hi - b.lo + 1));
-    for (int64_t key = b.lo; key <= b.hi;) {  // pool offsets block by block: no division per key
-        const int64_t at = table[key / s.block_size] * s.block_size * row;
-        for (int64_t t = key % s.block_size; t < s.block_size && key <= b.hi; ++t, ++key)
-            w.offsets[key - b.lo] = at + t * row;
-    }
-    return b;
 }
 
 // The keys of the 16-key tile from key t that lie in [first, last], as lanes.
@@ -800,22 +778,6 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
     }
 }
 
-// A decode block's K and then V rows are requested into L2 before its scores are computed, so that
-// their memory latencies overlap one another and the scoring instead of stalling the scores and the V
-// sum key by key (the rows of one KV head are 2-4 lines every kv_heads * head_dim elements, a stride
-// the hardware prefetcher does not follow across shuffled blocks): V alone made decode attention at
-// batch 8-32 ~20% faster; K too, 21.6 -> 16.7 ms for a batch-32 step of SmolLM2 from memory, one thread
-// (python -m minisgl_backend.bench.attention, case decode_step).
-template <typename T>
-AVX512 inline void prefetch_rows(const T* pool, const BlockKeys& b, int64_t kvh, const AttnShape& s,
-                                 const AttnScratch& w) {
-    const int64_t bytes = s.head_dim * static_cast<int64_t>(sizeof(T));
-    for (int64_t j = 0; j <= b.hi - b.lo; ++j) {
-        const char* row = reinterpret_cast<const char*>(pool + w.offsets[j] + kvh * s.head_dim);
-        for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(row + line, _MM_HINT_T1);
-    }
-}
-
 template <typename T>
 AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
                          const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
@@ -836,19 +798,19 @@ AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kp
 template <typename T>
 void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables,
                        const int64_t* row_table, const int64_t* positions, uintptr_t out, int64_t n,
-                       const AttnShape& s, int scorer, int threads) {
+                       const AttnShape& s, int scorer, int threads, int isa) {
     const auto* qp = reinterpret_cast<const T*>(q);
     const auto* kp = reinterpret_cast<const T*>(k);
     const auto* vp = reinterpret_cast<const T*>(v);
     const auto* tp = reinterpret_cast<const int64_t*>(tables);
     auto* op = reinterpret_cast<T*>(out);
     const int64_t per_row = s.heads * s.head_dim;
-    static const bool avx512 = cpu_has_avx512();
-    const bool vector = avx512 && s.head_dim % 16 == 0 && s.head_dim <= 256;
+    const bool avx2 = require_isa(isa) == ISA_AVX2;
+    const bool vector = s.head_dim % (avx2 ? 8 : 16) == 0 && s.head_dim <= 256;
     // The tile unit or vdpbf16ps scores bf16 rows: on a machine that has it, every block of every
     // call (the bits of a row depend on which scorer ran, so the choice depends on the machine's
-    // kernel family and the shape only). Otherwise, and for float32, the FMA scorer.
-    const bool bf16_scorer = vector && std::is_same_v<T, uint16_t> &&
+    // kernel family and the shape only). Otherwise, and for float32 and the avx2 family, the FMA scorer.
+    const bool bf16_scorer = vector && !avx2 && std::is_same_v<T, uint16_t> &&
                              ((scorer == SCORE_AMX && s.head_dim % 32 == 0) || scorer == SCORE_DP);
     const int used = bf16_scorer ? scorer : SCORE_FMA;
     const bool tiles = used == SCORE_AMX;
@@ -867,12 +829,16 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
         for (int64_t item = 0; item < blocks * s.kv_heads; ++item) {
             const int64_t b = item / s.kv_heads, kvh = item % s.kv_heads, r0 = starts[b];
             const int64_t* table = tp + row_table[r0] * s.table_stride;
-            if (vector)
-                attend_block<T>(qp + r0 * q_stride, q_stride, starts[b + 1] - r0, kp, vp, table, positions + r0, kvh,
-                                op + r0 * per_row, s, used, w);
+            const T* qr = qp + r0 * q_stride;
+            T* o = op + r0 * per_row;
+            if (vector && avx2)
+                attend_block_avx2<T>(qr, q_stride, starts[b + 1] - r0, kp, vp, table, positions + r0, kvh, o, s, w);
+            else if (vector)
+                attend_block<T>(qr, q_stride, starts[b + 1] - r0, kp, vp, table, positions + r0, kvh, o, s, used, w);
+            else if (avx2)
+                attend_group_avx2<T>(qr, kp, vp, table, positions[r0], kvh, o, s, w.scores, w.acc);
             else
-                attend_group<T>(qp + r0 * q_stride, kp, vp, table, positions[r0], kvh, op + r0 * per_row, s, w.scores,
-                                w.acc);
+                attend_group<T>(qr, kp, vp, table, positions[r0], kvh, o, s, w.scores, w.acc);
         }
         if (tiles) release_tiles();
     }
@@ -880,7 +846,7 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
 
 // The decode stack's (bf16; paged_attention instantiates the float32 one).
 template void paged_attention_t<uint16_t>(uintptr_t, int64_t, uintptr_t, uintptr_t, uintptr_t, const int64_t*,
-                                          const int64_t*, uintptr_t, int64_t, const AttnShape&, int, int);
+                                          const int64_t*, uintptr_t, int64_t, const AttnShape&, int, int, int);
 
 // Every block a query will read lies inside its table row and the pool: a bad table is an error,
 // never a read out of bounds.
@@ -900,7 +866,7 @@ bool tables_in_bounds(const int64_t* tables, const int64_t* row_table, const int
 void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t row_table,
                      uintptr_t positions, uintptr_t out, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t num_blocks, int64_t num_tables, int64_t table_stride, double scale,
-                     double softcap, int64_t window, bool bf16, int scorer, int threads) {
+                     double softcap, int64_t window, bool bf16, int scorer, int threads, int isa) {
     if (heads % kv_heads != 0) throw std::invalid_argument("heads must be a multiple of kv_heads");
     const auto* rt = reinterpret_cast<const int64_t*>(row_table);
     const auto* pp = reinterpret_cast<const int64_t*>(positions);
@@ -916,9 +882,9 @@ void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, ui
                       static_cast<float>(softcap),
                       window};
     if (bf16)
-        paged_attention_t<uint16_t>(q, q_stride, k, v, tables, rt, pp, out, n, s, scorer, threads);
+        paged_attention_t<uint16_t>(q, q_stride, k, v, tables, rt, pp, out, n, s, scorer, threads, isa);
     else
-        paged_attention_t<float>(q, q_stride, k, v, tables, rt, pp, out, n, s, SCORE_FMA, threads);
+        paged_attention_t<float>(q, q_stride, k, v, tables, rt, pp, out, n, s, SCORE_FMA, threads, isa);
 }
 
 }  // namespace minisgl::cpu

@@ -15,10 +15,12 @@ using namespace minisgl::cpu;
 
 PYBIND11_MODULE(_kernels, m) {
     m.doc() = "CPU decode kernels for minisgl (pointer-level; use minisgl_backend.model.cpu_kernels).";
-    m.def("has_avx512", &cpu_has_avx512, "True if this CPU runs linear_bf16.");
+    m.def("has_avx512", &cpu_has_avx512, "True if this CPU runs the AVX-512 kernels (isa=2).");
+    m.def("has_avx2", &cpu_has_avx2, "True if this CPU runs the AVX2 + FMA kernels (isa=1).");
     m.def("linear_bf16", &linear_bf16, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
-          py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
-          "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]); contiguous bfloat16; bias 0 = none.");
+          py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"), py::arg("isa"),
+          "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for m <= 4; contiguous bfloat16; bias 0 = none; isa 1 AVX2, "
+          "2 AVX-512.");
     m.def("has_amx", &cpu_has_amx, "True if this CPU runs linear_amx (and the process may use its tiles).");
     m.def("packed_amx_elems", &packed_amx_elems, py::arg("n"), py::arg("k"), "bf16 elements of pack_amx's output.");
     m.def("pack_amx", &pack_amx, py::call_guard<py::gil_scoped_release>(), py::arg("w"), py::arg("out"), py::arg("n"),
@@ -40,7 +42,7 @@ PYBIND11_MODULE(_kernels, m) {
           py::arg("threads"),
           "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for any m over pack_dpbf16(w); contiguous bfloat16.");
     m.def("stream_read", &stream_read, py::call_guard<py::gil_scoped_release>(), py::arg("buf"), py::arg("bytes"),
-          py::arg("threads"), "Read `bytes` of buf once over `threads` (a memory bandwidth probe); returns their sum.");
+          py::arg("threads"), py::arg("isa"), "Read `bytes` of buf once over `threads` (a memory bandwidth probe); returns their sum.");
     m.def("linear_int8", &linear_int8, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
           py::arg("scale"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
           py::arg("threads"),
@@ -50,29 +52,29 @@ PYBIND11_MODULE(_kernels, m) {
           py::arg("positions"), py::arg("out"), py::arg("rows"), py::arg("heads"), py::arg("kv_heads"),
           py::arg("head_dim"), py::arg("block_size"), py::arg("num_blocks"), py::arg("num_tables"),
           py::arg("table_stride"), py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("bf16"),
-          py::arg("scorer"), py::arg("threads"),
+          py::arg("scorer"), py::arg("threads"), py::arg("isa"),
           "Each query row over its paged K/V: q [rows,h,d] (rows q_row_stride apart), out [rows,h,d], pools "
           "[slots,kvh,d], tables int64 [num_tables,stride], row_table int64 [rows] (the row's table), positions "
           "int64 [rows] (the query's position; keys 0..pos, or the last `window`).");
     m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("residual"),
           py::arg("sum_out"), py::arg("weight"), py::arg("out"), py::arg("rows"), py::arg("dim"), py::arg("eps"),
-          py::arg("gemma"), py::arg("bf16"), py::arg("threads"),
+          py::arg("gemma"), py::arg("bf16"), py::arg("threads"), py::arg("isa"),
           "out = RMSNorm(x [+ residual]) row by row; with residual, sum_out receives x + residual.");
     m.def("rope", &rope, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("cos"), py::arg("sin"),
           py::arg("rows"), py::arg("heads"), py::arg("rot"), py::arg("row_stride"), py::arg("head_stride"),
-          py::arg("bf16"), py::arg("threads"), "Rotate the first `rot` features of every head of x in place.");
+          py::arg("bf16"), py::arg("threads"), py::arg("isa"), "Rotate the first `rot` features of every head of x in place.");
     m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>(), py::arg("gate_up"),
-          py::arg("out"), py::arg("rows"), py::arg("dim"), py::arg("bf16"), py::arg("threads"),
+          py::arg("out"), py::arg("rows"), py::arg("dim"), py::arg("bf16"), py::arg("threads"), py::arg("isa"),
           "out [rows, dim] = silu(gate) * up for gate_up [rows, 2 * dim] = [gate | up].");
     py::class_<StackLinear>(m, "StackLinear")
         .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t>(), py::arg("weight"),
              py::arg("packed"), py::arg("bias"), py::arg("qweight"), py::arg("qscale"), py::arg("n"), py::arg("k"));
     py::class_<DecodeStack>(m, "DecodeStack")
         .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t, int,
-                      int>(),
+                      int, int>(),
              py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"),
              py::arg("eps"), py::arg("scale"), py::arg("softcap"), py::arg("block_size"), py::arg("num_blocks"),
-             py::arg("scorer"), py::arg("pack_kind"))
+             py::arg("scorer"), py::arg("pack_kind"), py::arg("isa"))
         .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
              py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("kpool"),
              py::arg("vpool"), py::arg("window"), py::arg("rope"), py::arg("gated"))

@@ -1,6 +1,8 @@
 // The helpers every CPU kernel family shares (csrc/cpu/*.cpp, built into minisgl_backend.native._kernels):
 // bf16 <-> float32 conversion, the CPU feature checks, the target attributes each family compiles
-// under, and the 16-lane loads, stores, exp and sums they are written with.
+// under, the 16-lane (AVX-512) and 8-lane (AVX2 + FMA) loads, stores, exp and sums they are written
+// with, and Lanes16 / Lanes8, the same operations under one name per width for the kernels written
+// once for both (rowwise_lanes.h, linear_lanes.h).
 //
 // Bit-exactness: every helper here is a fixed sequence of operations (fixed reduction trees, one
 // rounding rule), inlined into each kernel, so a kernel's bits do not depend on which file it is in.
@@ -10,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <type_traits>
 
 #include <immintrin.h>
@@ -19,6 +22,7 @@
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl")))
 #define DPBF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define AVX2 __attribute__((target("avx2,fma")))
 
 namespace minisgl::cpu {
 
@@ -79,6 +83,23 @@ inline bool cpu_has_amx() {
         return false;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+// The avx2 family: AVX2 and FMA (Haswell / Zen 1 and later), 8 float32 lanes.
+inline bool cpu_has_avx2() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// Which vector code a kernel entry point runs: the process's kernel family's, passed from Python
+// (cpu_kernels.py), so that MINISGL_KERNELS=avx2 runs the 8-lane code on a CPU that has AVX-512 too.
+// Never more than the CPU has: require_isa throws before any such instruction runs.
+enum Isa : int { ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+inline Isa require_isa(int isa) {
+    static const bool avx2 = cpu_has_avx2(), avx512 = cpu_has_avx512();
+    if ((isa == ISA_AVX512 && avx512) || (isa == ISA_AVX2 && avx2)) return static_cast<Isa>(isa);
+    throw std::invalid_argument("this CPU does not run the requested kernel ISA (cpu_kernels.family())");
 }
 
 inline bool cpu_has_avx512_bf16() {
@@ -213,5 +234,206 @@ AVX512 inline float hsum16(__m512 v) {
     const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
 }
+
+// ---- 8 lanes at a time (AVX2 + FMA: no mask registers, no scalef) --------------------------------
+
+// The first min(n, 8) lanes as an all-ones / zero mask (maskload / maskstore's operand), n >= 1.
+AVX2 inline __m256i first_lanes8(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 8 float32 rounded to bf16 (round-to-nearest-even, NaN kept a quiet NaN: f32_to_bf16, eight at a
+// time), left in float32: the bf16 bits in the high halves, zeros below. In the float domain, with no
+// packing, since AVX2 has no 32 -> 16-bit narrowing within a register (round16's vpmovdw).
+AVX2 inline __m256 round8_f32(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v), hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), hi);
+    const __m256i nan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), hi);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nan), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// 8 float32 to bf16 as 8 uint16 (round8_f32's high halves, packed; no value exceeds 0xffff, so packus
+// does not saturate, and the 64-bit permute puts the two 128-bit halves' lanes back in order).
+AVX2 inline __m128i round_to_bf16x8(__m256 v) {
+    const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(round8_f32(v)), 16);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
+}
+
+AVX2 inline __m256 widen_bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+
+// load8n / store8n: the first min(n, 8) elements (n >= 1), widened to float32 / rounded to the
+// array's dtype; lanes past n load as zero and are not stored. Short bf16 runs go through a zeroed
+// 8-element copy (AVX2 has no 16-bit masked load).
+template <typename T>
+AVX2 inline __m256 load8n(const T* p, int64_t n);
+template <>
+AVX2 inline __m256 load8n<float>(const float* p, int64_t n) {
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes8(n));
+}
+template <>
+AVX2 inline __m256 load8n<uint16_t>(const uint16_t* p, int64_t n) {
+    if (n >= 8) return widen_bf16x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    alignas(16) uint16_t b[8] = {};
+    std::memcpy(b, p, static_cast<size_t>(n) * 2);
+    return widen_bf16x8(_mm_load_si128(reinterpret_cast<const __m128i*>(b)));
+}
+
+template <typename T>
+AVX2 inline void store8n(T* p, __m256 v, int64_t n);
+template <>
+AVX2 inline void store8n<float>(float* p, __m256 v, int64_t n) {
+    if (n >= 8) _mm256_storeu_ps(p, v);
+    else _mm256_maskstore_ps(p, first_lanes8(n), v);
+}
+template <>
+AVX2 inline void store8n<uint16_t>(uint16_t* p, __m256 v, int64_t n) {
+    const __m128i h = round_to_bf16x8(v);
+    if (n >= 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+        return;
+    }
+    alignas(16) uint16_t b[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(b), h);
+    std::memcpy(p, b, static_cast<size_t>(n) * 2);
+}
+
+template <typename T>
+AVX2 inline __m256 round8(__m256 v) {  // to the dtype and back, as storing and loading it
+    if constexpr (std::is_same_v<T, float>) return v;
+    else return round8_f32(v);
+}
+
+// exp(x) on 8 lanes, Cephes' expf: n = round(x log2 e), f = x - n ln 2 (in two FMAs, ln 2 split so
+// the first product is exact), exp(f) = 1 + f + f^2 P(f) (degree-5 minimax, |f| <= ln 2 / 2), times
+// 2^n built in the exponent field. Relative error below 1.2e-7 (measured over [-87, 88.3] in steps
+// of 1e-3; exp16's is 3.8e-6 there) in ~17 instructions, fewer than exp16's at half its width.
+// Clamped as exp16 is below (exp(-87)), and above at 88.3 (n <= 127, so 2^n is a normal float):
+// SiLU of a gate below -88.3 is then ~-4e-37 where exp16 gives -0, both zero to bf16 and float32
+// sums alike.
+AVX2 inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+    static constexpr float c[6] = {5.0000001201e-1f, 1.6666665459e-1f, 4.1665795894e-2f,
+                                   8.3334519073e-3f, 1.3981999507e-3f, 1.9875691500e-4f};
+    __m256 p = _mm256_set1_ps(c[5]);
+    for (int i = 4; i >= 0; --i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c[i]));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+
+// The fixed reduction order of 8 lanes: lane j with lane j+4, then j with j+2, j with j+1.
+AVX2 inline float hsum8(__m256 v) {
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+// reduce4 on 8 lanes: [sum(a), sum(b), sum(c), sum(d)], each from its own vector's lanes by a fixed tree.
+AVX2 inline __m128 reduce4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+    const __m256 abcd = _mm256_add_ps(
+        _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))),
+        _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// ---- one name per operation for both widths -------------------------------------------------------
+//
+// The kernels written once for both families (rowwise_lanes.h, linear_lanes.h) call these. A function
+// compiles for one ISA only (its target attribute cannot depend on a template argument), so each such
+// file is included twice, in namespace avx512 with V = Lanes16 under LANES_TARGET = AVX512 and in
+// namespace avx2 with V = Lanes8 under AVX2; the 16-lane members are the helpers above, unchanged, so
+// the AVX-512 kernels keep their bits.
+struct Lanes16 {
+    using F = __m512;
+    using W = __m512i;        // one k-step of bf16 weights: 16 (even, odd) pairs
+    static constexpr int N = 16;
+    static constexpr bool PAIRED_SUMS = false;  // rowwise_lanes.h rms_norm_row: 16 ordered elements a step
+    AVX512 static F zero() { return _mm512_setzero_ps(); }
+    AVX512 static F set1(float x) { return _mm512_set1_ps(x); }
+    AVX512 static F add(F a, F b) { return _mm512_add_ps(a, b); }
+    AVX512 static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+    AVX512 static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    AVX512 static F div(F a, F b) { return _mm512_div_ps(a, b); }
+    AVX512 static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    AVX512 static F loadu(const float* p) { return _mm512_loadu_ps(p); }
+    template <typename T>
+    AVX512 static F loadn(const T* p, int64_t n) { return load16m(p, first_lanes(n)); }
+    template <typename T>
+    AVX512 static void storen(T* p, F v, int64_t n) { store16m(p, v, first_lanes(n)); }
+    template <typename T>
+    AVX512 static F round(F v) { return round16<T>(v); }
+    AVX512 static F exp(F x) { return exp16(x); }
+    AVX512 static float hsum(F v) { return hsum16(v); }
+    AVX512 static __m128 reduce4(F a, F b, F c, F d) { return minisgl::cpu::reduce4(a, b, c, d); }
+    // The first min(n, 32) bf16 of a row (zeros past n), and their even / odd elements as float32.
+    AVX512 static W load_pairs(const uint16_t* p, int64_t n) {
+        return _mm512_maskz_loadu_epi16(n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1, p);
+    }
+    AVX512 static void split(W w, F& even, F& odd) {
+        even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    }
+    // split's inverse, rounding each float32 to bf16 (round_to_bf16's bits), and its masked store.
+    AVX512 static W join(F even, F odd) {
+        return _mm512_or_si512(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(odd)), 16),
+                               _mm512_cvtepu16_epi32(round_to_bf16(even)));
+    }
+    AVX512 static void store_pairs(uint16_t* p, W w, int64_t n) {
+        _mm512_mask_storeu_epi16(p, n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1, w);
+    }
+};
+
+struct Lanes8 {
+    using F = __m256;
+    using W = __m256i;  // 8 (even, odd) pairs
+    static constexpr int N = 8;
+    static constexpr bool PAIRED_SUMS = true;  // bf16 RMSNorm on even/odd halves (no widen / narrow)
+    AVX2 static F zero() { return _mm256_setzero_ps(); }
+    AVX2 static F set1(float x) { return _mm256_set1_ps(x); }
+    AVX2 static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    AVX2 static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+    AVX2 static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    AVX2 static F div(F a, F b) { return _mm256_div_ps(a, b); }
+    AVX2 static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    AVX2 static F loadu(const float* p) { return _mm256_loadu_ps(p); }
+    template <typename T>
+    AVX2 static F loadn(const T* p, int64_t n) { return load8n(p, n); }
+    template <typename T>
+    AVX2 static void storen(T* p, F v, int64_t n) { store8n(p, v, n); }
+    template <typename T>
+    AVX2 static F round(F v) { return round8<T>(v); }
+    AVX2 static F exp(F x) { return exp8(x); }
+    AVX2 static float hsum(F v) { return hsum8(v); }
+    AVX2 static __m128 reduce4(F a, F b, F c, F d) { return reduce4x8(a, b, c, d); }
+    AVX2 static W load_pairs(const uint16_t* p, int64_t n) {
+        if (n >= 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        alignas(32) uint16_t b[16] = {};
+        std::memcpy(b, p, static_cast<size_t>(n) * 2);
+        return _mm256_load_si256(reinterpret_cast<const __m256i*>(b));
+    }
+    AVX2 static void split(W w, F& even, F& odd) {
+        even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    }
+    AVX2 static W join(F even, F odd) {  // round8_f32 leaves the bf16 bits high, zeros below
+        return _mm256_or_si256(_mm256_castps_si256(round8_f32(odd)), _mm256_srli_epi32(_mm256_castps_si256(round8_f32(even)), 16));
+    }
+    AVX2 static void store_pairs(uint16_t* p, W w, int64_t n) {
+        if (n >= 16) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w);
+            return;
+        }
+        alignas(32) uint16_t b[16];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(b), w);
+        std::memcpy(p, b, static_cast<size_t>(n) * 2);
+    }
+};
 
 }  // namespace minisgl::cpu

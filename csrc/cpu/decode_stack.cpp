@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "common.h"
 #include "kernels.h"
 
 namespace minisgl::cpu {
@@ -22,31 +23,37 @@ namespace {
 // What StackLinear::packed holds (cpu_kernels.pack_kind()).
 enum PackKind : int { PACK_NONE = 0, PACK_AMX = 1, PACK_DPBF16 = 2 };
 
-// Linear.forward's choice at m rows: int8 at one row where packed (at up to 4 where not), the packed
-// kernel (AMX tiles or AVX512-BF16 panels) where packed, else the few-row AVX-512 kernel (the builder
-// never lets m exceed 4 there).
-void stack_linear(const StackLinear& l, int pack_kind, const uint16_t* x, uint16_t* y, int64_t m, int threads) {
+// Linear.forward's choice at m rows: int8 at one row where packed (at up to 4 where not; AVX-512
+// only: the avx2 family reads the dequantized bf16 weight, as cpu_kernels.linear_int8 declines there),
+// the packed kernel (AMX tiles or AVX512-BF16 panels) where packed, else the few-row kernel of the
+// family's ISA (under the AVX-512 families the builder never lets m exceed 4 there; the avx2 one
+// takes any m, as cpu_kernels.linear does).
+void stack_linear(const StackLinear& l, int pack_kind, const uint16_t* x, uint16_t* y, int64_t m, int threads,
+                  int isa) {
     const auto xp = reinterpret_cast<uintptr_t>(x), yp = reinterpret_cast<uintptr_t>(y);
-    if (l.qweight && (!l.packed || m == 1) && m <= 4)
+    if (l.qweight && isa == ISA_AVX512 && (!l.packed || m == 1) && m <= 4)
         linear_int8(xp, l.qweight, l.qscale, l.bias, yp, m, l.n, l.k, threads);
     else if (l.packed && pack_kind == PACK_AMX)
         linear_amx(xp, l.packed, l.bias, yp, m, l.n, l.k, threads);
     else if (l.packed && pack_kind == PACK_DPBF16)
         linear_dpbf16(xp, l.packed, l.bias, yp, m, l.n, l.k, threads);
     else
-        linear_bf16(xp, l.weight, l.bias, yp, m, l.n, l.k, threads);
+        linear_bf16(xp, l.weight, l.bias, yp, m, l.n, l.k, threads, isa);
 }
 
 }  // namespace
 
 DecodeStack::DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
                          double eps, double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer,
-                         int pack_kind)
+                         int pack_kind, int isa)
     : h_(heads), kvh_(kv_heads), d_(head_dim), hidden_(hidden), inter_(intermediate), eps_(static_cast<float>(eps)),
       scale_(static_cast<float>(scale)), softcap_(static_cast<float>(softcap)), bs_(block_size), blocks_(num_blocks),
-      scorer_(scorer), pack_kind_(pack_kind) {
-    if (heads % kv_heads != 0 || head_dim % 16 != 0 || head_dim > 256)
-        throw std::invalid_argument("DecodeStack: heads must be a multiple of kv_heads, head_dim of 16 (<= 256)");
+      scorer_(scorer), pack_kind_(pack_kind), isa_(require_isa(isa)) {
+    if (heads % kv_heads != 0 || head_dim % (isa_ == ISA_AVX2 ? 8 : 16) != 0 || head_dim > 256)
+        throw std::invalid_argument(
+            "DecodeStack: heads must be a multiple of kv_heads, head_dim of the lane width (16, avx2 8; <= 256)");
+    if (isa_ == ISA_AVX2 && pack_kind != PACK_NONE)
+        throw std::invalid_argument("DecodeStack: the avx2 family packs nothing");
 }
 
 void DecodeStack::add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down,
@@ -85,17 +92,17 @@ void DecodeStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t posit
         const StackLayer& l = layers_[i];
         // The previous layer's `x + mlp(h)` fused into this layer's input norm (as add_and_norm).
         rms_norm_t(xs, i ? mlp : nullptr, i ? xs : nullptr, reinterpret_cast<const uint16_t*>(l.input_norm),
-                   normed.data(), n, hidden_, eps_, false, threads);
-        stack_linear(l.qkv, pack_kind_, normed.data(), qkv.data(), n, threads);
+                   normed.data(), n, hidden_, eps_, false, threads, isa_);
+        stack_linear(l.qkv, pack_kind_, normed.data(), qkv.data(), n, threads, isa_);
         for (int64_t r = 0; l.q_norm && r < n; ++r) {  // Qwen3: each head's q and k normed, in place
             uint16_t *qr = qkv.data() + r * width, *kr = qr + h_ * d_;
             const auto* qw = reinterpret_cast<const uint16_t*>(l.q_norm);
             const auto* kw = reinterpret_cast<const uint16_t*>(l.k_norm);
-            rms_norm_t<uint16_t>(qr, nullptr, nullptr, qw, qr, h_, d_, eps_, false, threads);
-            rms_norm_t<uint16_t>(kr, nullptr, nullptr, kw, kr, kvh_, d_, eps_, false, threads);
+            rms_norm_t<uint16_t>(qr, nullptr, nullptr, qw, qr, h_, d_, eps_, false, threads, isa_);
+            rms_norm_t<uint16_t>(kr, nullptr, nullptr, kw, kr, kvh_, d_, eps_, false, threads, isa_);
         }
         rope_t(qkv.data(), reinterpret_cast<const uint16_t*>(cos[l.rope]), reinterpret_cast<const uint16_t*>(sin[l.rope]),
-               n, h_ + kvh_, rot[l.rope], width, d_, threads);
+               n, h_ + kvh_, rot[l.rope], width, d_, threads, isa_);
         auto* kp = reinterpret_cast<uint16_t*>(l.kpool);
         auto* vp = reinterpret_cast<uint16_t*>(l.vpool);
         for (int64_t r = 0; r < n; ++r) {  // KVCache.write
@@ -106,18 +113,18 @@ void DecodeStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t posit
         ls.window = l.window;
         paged_attention_t<uint16_t>(reinterpret_cast<uintptr_t>(qkv.data()), width, l.kpool, l.vpool, tables,
                                     row_table.data(), pos, reinterpret_cast<uintptr_t>(attn.data()), n, ls, scorer_,
-                                    threads);
-        stack_linear(l.o, pack_kind_, attn.data(), attn_out.data(), n, threads);
+                                    threads, isa_);
+        stack_linear(l.o, pack_kind_, attn.data(), attn_out.data(), n, threads, isa_);
         rms_norm_t(xs, attn_out.data(), xs, reinterpret_cast<const uint16_t*>(l.post_norm), normed.data(), n, hidden_,
-                   eps_, false, threads);
+                   eps_, false, threads, isa_);
         if (l.gated) {  // MLP.forward's fused path
             linear_dpbf16_silu(reinterpret_cast<uintptr_t>(normed.data()), l.gate_up.packed,
                                reinterpret_cast<uintptr_t>(act.data()), n, inter_, hidden_, threads);
         } else {
-            stack_linear(l.gate_up, pack_kind_, normed.data(), gate_up.data(), n, threads);
-            silu_and_mul_t(gate_up.data(), act.data(), n, inter_, threads);
+            stack_linear(l.gate_up, pack_kind_, normed.data(), gate_up.data(), n, threads, isa_);
+            silu_and_mul_t(gate_up.data(), act.data(), n, inter_, threads, isa_);
         }
-        stack_linear(l.down, pack_kind_, act.data(), mlp, n, threads);
+        stack_linear(l.down, pack_kind_, act.data(), mlp, n, threads, isa_);
     }
 }
 

@@ -11,9 +11,9 @@
 
 namespace minisgl::cpu {
 
-// ---- linear_fma.cpp: 1-4 rows on AVX-512 (float32 FMAs over split bf16 pairs) ----
+// ---- linear_fma.cpp: 1-4 rows on float32 FMAs over split bf16 pairs, AVX-512 or AVX2 (isa: common.h Isa) ----
 void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
-                 int threads);
+                 int threads, int isa);
 
 // ---- linear_amx.cpp: any row count on the AMX tile unit, over weights packed at load ----
 int64_t packed_amx_elems(int64_t N, int64_t K);
@@ -32,7 +32,8 @@ void linear_dpbf16_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, i
 void linear_int8(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y, int64_t M, int64_t N,
                  int64_t K, int threads);
 
-// ---- attention.cpp: every query row over its paged K/V, read in place ----
+// ---- attention.cpp (AVX-512, and the block splitting), attention_avx2.cpp (the avx2 family's blocks):
+// every query row over its paged K/V, read in place ----
 struct AttnShape {
     int64_t heads, kv_heads, head_dim, block_size, table_stride;
     float scale, softcap;  // softcap 0: none
@@ -46,30 +47,30 @@ bool tables_in_bounds(const int64_t* tables, const int64_t* row_table, const int
 void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t row_table,
                      uintptr_t positions, uintptr_t out, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t num_blocks, int64_t num_tables, int64_t table_stride, double scale,
-                     double softcap, int64_t window, bool bf16, int scorer, int threads);
+                     double softcap, int64_t window, bool bf16, int scorer, int threads, int isa);
 template <typename T>
 void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables,
                        const int64_t* row_table, const int64_t* positions, uintptr_t out, int64_t n,
-                       const AttnShape& s, int scorer, int threads);
+                       const AttnShape& s, int scorer, int threads, int isa);
 
-// ---- rowwise.cpp: RMSNorm (+ residual add), RoPE, SiLU x up; the typed forms for the decode
-// stack (instantiated for bf16, uint16_t) ----
+// ---- rowwise.cpp: RMSNorm (+ residual add), RoPE, SiLU x up, AVX-512 or AVX2 (isa); the typed forms
+// for the decode stack (instantiated for bf16, uint16_t) ----
 void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t sum_out, uintptr_t weight, uintptr_t out, int64_t rows,
-              int64_t dim, double eps, bool gemma, bool bf16, int threads);
+              int64_t dim, double eps, bool gemma, bool bf16, int threads, int isa);
 void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr,
-          int64_t sh, bool bf16, int threads);
-void silu_and_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, bool bf16, int threads);
+          int64_t sh, bool bf16, int threads, int isa);
+void silu_and_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, bool bf16, int threads, int isa);
 template <typename T>
 void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim,
-                float eps, bool gemma, int threads);
+                float eps, bool gemma, int threads, int isa);
 template <typename T>
 void rope_t(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
-            int threads);
+            int threads, int isa);
 template <typename T>
-void silu_and_mul_t(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads);
+void silu_and_mul_t(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads, int isa);
 
 // ---- probes.cpp ----
-double stream_read(uintptr_t buf, int64_t bytes, int threads);
+double stream_read(uintptr_t buf, int64_t bytes, int threads, int isa);
 
 // ---- decode_stack.cpp: every layer of a decode-only batch in one call ----
 struct StackLinear {
@@ -87,7 +88,8 @@ struct StackLayer {
 class DecodeStack {
   public:
     DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
-                double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind);
+                double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind,
+                int isa);
     void add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down, uintptr_t input_norm,
                    uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t kpool, uintptr_t vpool,
                    int64_t window, int64_t rope, bool gated);
@@ -101,6 +103,7 @@ class DecodeStack {
     int64_t bs_, blocks_;
     int scorer_;
     int pack_kind_;
+    int isa_;
     std::vector<StackLayer> layers_;
 };
 

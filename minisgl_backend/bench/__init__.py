@@ -10,7 +10,8 @@ Behind `minisgl bench-serve`: serve.py, concurrent streaming HTTP clients agains
 
 Run as `python -m minisgl_backend.bench.<name> --help` (each its own flags; the lm-eval and serve
 ones start fresh processes from a source checkout):
-- linear, attention: the native kernels' micro-benchmarks (bf16 linear, paged attention);
+- linear, attention, rowwise: the native kernels' micro-benchmarks (bf16 linear, paged attention,
+  RMSNorm / RoPE / SiLU x up), each against torch's own op;
 - decode_profile: decode steps of the model alone, with torch.profiler's op split;
 - callbacks: the completion path, the Python tracker vs the native one;
 - lm_eval: the same lm_eval run with `--model hf` and `--model minisgl` (time, parity);

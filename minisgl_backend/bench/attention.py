@@ -7,9 +7,11 @@ shuffled blocks. Prints one JSON line per case, milliseconds per layer, best of 
 thread's CPU time at one thread, wall time otherwise):
 
 - prefill chunks (`start` cached tokens, then `rows` new ones): `paged_attention` with each scorer
-  this CPU runs (`fma`: AVX-512 float32; `dp`: AVX512-BF16; `amx`: the tile unit), against SDPA on
-  the context gathered from the pool, as the forward ran it before the kernel served prefill rows;
-- decode rows (`batch` rows at `context` keys each): the same scorers;
+  this process runs (`fma`: float32 FMAs, AVX-512 or, under the avx2 family, AVX2; `dp`:
+  AVX512-BF16; `amx`: the tile unit), against SDPA on the context gathered from the pool, as the
+  forward runs it where the kernel does not serve prefill rows;
+- decode rows (`batch` rows at `context` keys each): the same scorers, against the torch path of
+  `Attention._decode_attention` (each row's blocks gathered, batched matmuls, masked softmax);
 - decode steps: the same rows over 30 layers' pools (ms per step), whose K/V come from memory as
   in the model, where the pools of one layer above stay in cache.
 
@@ -45,6 +47,19 @@ def sdpa_chunk(q, k, v, table, start, ctx) -> torch.Tensor:
     return F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
 
 
+def torch_decode(q, k, v, tables, pos, scale) -> torch.Tensor:
+    """model/layers.py Attention._decode_attention's torch path (the gather through the tables
+    included, the mask built outside as the forward builds it once per step)."""
+    bsz, group = q.shape[0], HEADS // KV_HEADS
+    flat = tables.reshape(-1)
+    kc = k.index_select(0, flat).view(bsz, -1, KV_HEADS, HEAD_DIM)
+    vc = v.index_select(0, flat).view(bsz, -1, KV_HEADS, HEAD_DIM)
+    mask = (torch.arange(kc.shape[1])[None, :] <= pos[:, None])[:, None, None, :]
+    scores = torch.matmul(q.view(bsz, KV_HEADS, group, HEAD_DIM), kc.permute(0, 2, 3, 1)) * scale
+    probs = torch.softmax(scores.float().masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype)
+    return torch.matmul(probs, vc.transpose(1, 2)).view(bsz, HEADS, HEAD_DIM)
+
+
 def kernel_calls(scorers: list[str], *args: object) -> dict[str, functools.partial[object]]:
     """paged_attention(*args) on each scorer, as calls without arguments (no mask, no sinks)."""
     return {
@@ -59,9 +74,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     a = ap.parse_args()
     if not cpu_kernels.available():
-        raise SystemExit(
-            "the native kernels do not run here (not built, MINISGL_CPU_KERNELS=0 or no AVX-512)"
-        )
+        raise SystemExit("the native kernels do not run here (not built, MINISGL_CPU_KERNELS=0 or no AVX2)")
     torch.set_num_threads(a.threads)
     clock = time.thread_time if a.threads == 1 else time.perf_counter
     dtype = getattr(torch, a.dtype)
@@ -89,6 +102,7 @@ def main() -> None:
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)
         pos = torch.full((batch,), context - 1)
         fns = kernel_calls(scorers, q, k, v, tables, torch.arange(batch), pos, scale)
+        fns["torch_gathered"] = functools.partial(torch_decode, q, k, v, tables, pos, scale)
         ms = {name: round(best_of(fn, clock) * 1e3, 3) for name, fn in fns.items()}
         print(
             json.dumps({"case": "decode", "batch": batch, "context": context, "threads": a.threads, "ms": ms})

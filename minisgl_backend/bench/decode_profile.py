@@ -8,7 +8,8 @@ Builds a KV cache, prefills `batch` random prompts of `context` tokens, then tim
 steps and prints one JSON line (min and median step time, tokens/s). --cpu-time times each step by
 the calling thread's CPU time instead of wall time (with --threads 1 it is robust to other processes
 on a shared machine). --profile adds torch.profiler's table of the ops of 10 steps. Run it with
-MINISGL_CPU_KERNELS=0 for the torch-only path, MINISGL_AMX=0 for the AVX-512 kernels without AMX.
+MINISGL_CPU_KERNELS=0 for the torch-only path, MINISGL_AMX=0 for the AVX-512 kernels without AMX,
+MINISGL_KERNELS=<family> for any other family (the JSON names it).
 --layer-loop runs the Python layer loop where the native decode stack would run (model/decode_stack.py).
 """
 
@@ -101,6 +102,7 @@ def main() -> None:
                 "deterministic": a.deterministic,
                 "int8": a.int8,
                 "threads": torch.get_num_threads(),
+                "kernels": cpu_kernels.family(),
                 "cpu_kernels": cpu_kernels.available(),
                 "amx": cpu_kernels.amx_available(),
                 "decode_stack": not a.layer_loop and stacked.stack(model, kv) is not None,

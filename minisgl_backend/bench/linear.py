@@ -1,4 +1,4 @@
-"""Micro-benchmark of one bf16 linear: the packed kernel against oneDNN and the few-row AVX-512 kernel.
+"""Micro-benchmark of one bf16 linear: the packed kernel and the few-row kernel against oneDNN.
 
     python -m minisgl_backend.bench.linear [--n 3072] [--k 576] [--rows 1 4 8 32 512] [--threads 1]
     python -m minisgl_backend.bench.linear --stream [--threads 2]
@@ -6,10 +6,14 @@
 Prints one JSON line per row count with GFLOP/s (2 * rows * n * k per call; at one row that is
 also GB/s of weights), best of 5 by the calling thread's CPU time at one thread (robust on a shared
 machine) and by wall time otherwise. The packed kernel is the process's kernel family's (`amx` or
-`avx512bf16`; MINISGL_KERNELS picks a lower one); its column is named after the family. --stream
-instead times one decode step's worth of SmolLM2's linears (121 distinct weights, ~270 MB, so they
-come from L3/memory as in the model) at each row count: the figure behind docs/performance.md's
-weight-stream numbers.
+`avx512bf16`; MINISGL_KERNELS picks a lower one); its column is named after the family. The few-row
+kernel (up to 4 rows; any number under avx2) is the family's width: `avx512_few_rows`, or
+`avx2_few_rows` under avx2.
+--stream instead times one decode step's worth of SmolLM2's linears (121 distinct weights, ~270 MB,
+so they come from L3/memory as in the model) at each row count, on the packed kernel, or where the
+family packs nothing on Linear.forward's choice (the few-row kernel up to 4 rows, oneDNN beyond;
+the avx2 kernel at every row count; oneDNN alone under the torch family): the figure behind
+docs/performance.md's weight-stream numbers.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ SMOLLM2_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, ga
 SMOLLM2_LAYERS, SMOLLM2_VOCAB = 30, 49152
 
 
-def stream_step(xs: dict, shapes: list, packs: list) -> None:
-    for (n, k), p in zip(shapes, packs):
-        cpu_kernels.linear_packed(xs[k], p, (n, k))
+def stream_step(xs: dict, shapes: list, weights: list, packed: bool) -> None:
+    for (n, k), w in zip(shapes, weights):
+        if packed:
+            cpu_kernels.linear_packed(xs[k], w, (n, k))
+        else:
+            cpu_kernels.linear(xs[k], w)
 
 
 def best_of(fn, clock) -> float:
@@ -55,33 +62,36 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--stream", action="store_true")
     a = ap.parse_args()
-    if not cpu_kernels.packs():
+    if not (cpu_kernels.available() or a.stream):
         raise SystemExit(
-            f"kernel family {cpu_kernels.family()} packs nothing (no AMX or AVX512-BF16, or capped by "
-            "MINISGL_KERNELS / MINISGL_AMX=0 / MINISGL_CPU_KERNELS=0): nothing to compare"
+            f"kernel family {cpu_kernels.family()} runs no native linear (not built, no AVX2, or "
+            "MINISGL_KERNELS=torch / MINISGL_CPU_KERNELS=0): nothing to compare"
         )
     torch.set_num_threads(a.threads)
+    packs = cpu_kernels.packs()
     clock = time.thread_time if a.threads == 1 else time.perf_counter
     g = torch.Generator().manual_seed(0)
     if a.stream:
         shapes = SMOLLM2_LAYER * SMOLLM2_LAYERS + [(SMOLLM2_VOCAB, 576)]
-        packs = [cpu_kernels.pack((torch.randn(n, k, generator=g) * 0.05).bfloat16()) for n, k in shapes]
+        weights = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for n, k in shapes]
+        if packs:
+            weights = [cpu_kernels.pack(w) for w in weights]
         for m in a.rows:
             xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {k for _, k in shapes}}
-            ms = best_of(functools.partial(stream_step, xs, shapes, packs), clock) * 1e3
-            out = {"rows": m, "threads": a.threads, "linears": len(shapes), "step_ms": round(ms, 2)}
-            print(json.dumps(out))
+            ms = best_of(functools.partial(stream_step, xs, shapes, weights, packs), clock) * 1e3
+            out = {"family": cpu_kernels.family(), "rows": m, "threads": a.threads, "linears": len(shapes)}
+            print(json.dumps(out | {"step_ms": round(ms, 2)}))
         return
     w = (torch.randn(a.n, a.k, generator=g) * 0.05).bfloat16()
     packed = cpu_kernels.pack(w)
+    few_rows = ("avx2" if cpu_kernels.isa() == cpu_kernels.ISA_AVX2 else "avx512") + "_few_rows"
     for m in a.rows:
         x = torch.randn(m, a.k, generator=g).bfloat16()
-        fns = {
-            cpu_kernels.family(): functools.partial(cpu_kernels.linear_packed, x, packed, (a.n, a.k)),
-            "onednn": functools.partial(F.linear, x, w),
-        }
-        if m <= cpu_kernels.MAX_KERNEL_ROWS:
-            fns["avx512_few_rows"] = functools.partial(cpu_kernels.linear, x, w)
+        fns = {"onednn": functools.partial(F.linear, x, w)}
+        if packs:
+            fns[cpu_kernels.family()] = functools.partial(cpu_kernels.linear_packed, x, packed, (a.n, a.k))
+        if cpu_kernels.kernel_row_limit() is None or m <= cpu_kernels.MAX_KERNEL_ROWS:
+            fns[few_rows] = functools.partial(cpu_kernels.linear, x, w)
         flops = 2 * m * a.n * a.k
         row = {name: round(flops / best_of(fn, clock) / 1e9, 1) for name, fn in fns.items()}
         print(json.dumps({"n": a.n, "k": a.k, "rows": m, "threads": a.threads, "gflop_per_s": row}))

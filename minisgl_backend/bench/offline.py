@@ -10,6 +10,7 @@ import torch
 from minisgl_backend.bench.measure import random_prompts, summarize
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.engine import Engine
+from minisgl_backend.model import cpu_kernels
 from minisgl_backend.types import SamplingParams
 
 
@@ -89,6 +90,7 @@ def bench(
             "input_len": input_len,
             "output_len": output_len,
             "chunk_size": config.chunk_size,
+            "kernels": cpu_kernels.family(),  # the CPU kernel family of this process
         },
         "results": rows,
         "kv_blocks_after_drain": leaked,

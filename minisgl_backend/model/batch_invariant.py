@@ -29,9 +29,10 @@ are shared with the default path. The default path itself is left untouched.
 
 On a CPU with the native kernels (docs/architecture.md §11d) two of these give way to kernels whose
 bits are row-invariant by construction, so they serve the default and this forward alike: a packed
-linear (AMX, `Linear.pack`) stays as it is instead of becoming a TiledLinear, and attention for
-every row runs through `cpu_kernels.paged_attention` instead of `attend`. Which path a model takes
-depends on its device, dtype and shapes only, so every row of every batch takes the same one.
+linear (AMX or AVX512-BF16, `Linear.pack`), or a bf16 linear under the avx2 family (its kernel at
+every row count), stays as it is instead of becoming a TiledLinear, and attention for every row runs
+through `cpu_kernels.paged_attention` instead of `attend`. Which path a model takes depends on its
+device, dtype, shapes and the kernel family only, so every row of every batch takes the same one.
 """
 
 from __future__ import annotations
@@ -260,14 +261,17 @@ class BatchInvariantForward:
 
 
 def _row_invariant(lin: nn.Linear) -> bool:
-    return isinstance(lin, Linear) and lin.packed is not None and lin.qweight is None
+    if not isinstance(lin, Linear) or lin.qweight is not None:
+        return False
+    return lin.packed is not None or cpu_kernels.linear_row_invariant(lin.weight, lin.bias)
 
 
 def enable(model: CausalLM) -> BatchInvariantForward:
     """Make `model`'s linears row-invariant and return the batch-invariant forward that runs it (call
     on the compute thread: builds a table and probes the tile sizes of each distinct linear shape)."""
     probed: dict[tuple, tuple[int, ...]] = {}
-    # A packed Linear (AMX kernel at every row count, no int8 path) is row-invariant as it is. Any
+    # A packed Linear (AMX or AVX512-BF16 kernel at every row count, no int8 path) is row-invariant
+    # as it is, and so is a bf16 Linear under the avx2 family (its kernel at every row count). Any
     # other linear would send few-row calls to the AVX-512 kernel, whose bits differ from oneDNN's:
     # it becomes a TiledLinear, whose calls are all oneDNN calls of probed shapes.
     linears = [mod for mod in model.modules() if isinstance(mod, nn.Linear) and not _row_invariant(mod)]

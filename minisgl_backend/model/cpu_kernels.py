@@ -2,7 +2,7 @@
 
 Each wrapper takes and returns torch tensors and checks what the native code assumes (device,
 dtype, contiguity, shapes). Where a check fails, or the extension was not built, or the process's
-kernel family (FAMILIES below: amx, avx512bf16, avx512, torch) lacks the kernel, `linear` runs
+kernel family (FAMILIES below: amx, avx512bf16, avx512, avx2, torch) lacks the kernel, `linear` runs
 F.linear itself and the others return None (False for `rope_`), so the caller keeps its torch
 expression. `MINISGL_KERNELS=<family>` caps the family (`MINISGL_CPU_KERNELS=0`: torch everywhere,
 how the two are compared; `MINISGL_AMX=0`: no AMX).
@@ -30,26 +30,37 @@ try:  # built by setup.py when a C++ compiler is present (optional, like the in-
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
 
-# Rows up to which linear() uses the kernel: beyond, oneDNN's AMX/AVX-512 matmul reuses each weight
-# across more rows than the kernel's 4-row tiles and wins (measured, docs/performance.md).
+# Rows up to which linear() uses the kernel under the AVX-512 families: beyond, oneDNN's AMX/AVX-512
+# matmul reuses each weight across more rows than the kernel's 4-row tiles and wins (measured,
+# docs/performance.md). Under avx2 it runs at every row count (kernel_row_limit()): oneDNN's bf16
+# matmul capped at AVX2 ran ~17-21 GFLOP/s at 8-256 rows here, the kernel 50-75.
 MAX_KERNEL_ROWS = 4
 
 
 # The kernel families, fastest first. A CPU runs every family from the best it supports down:
 #   amx         bf16 linears and attention scores on the AMX tile unit (Sapphire Rapids and later)
 #   avx512bf16  bf16 linears on vdpbf16ps (AMD Zen 4/5, Cooper Lake); the rest as avx512
-#   avx512      AVX-512 F/BW/DQ/VL: few-row linears, paged attention, row-wise ops; F.linear beyond
+#   avx512      AVX-512 F/BW/DQ/VL: few-row linears (bf16 and int8), paged attention, row-wise ops;
+#               F.linear beyond
+#   avx2        AVX2 + FMA (Haswell, Zen 1-3): the few-row bf16 linear, paged attention (decode rows;
+#               prefill chunks only in the batch-invariant forward, see attention_runs), row-wise ops,
+#               at 8 lanes; int8 linears read their dequantized bf16 weight; F.linear beyond
 #   torch       torch's own ops everywhere
 # MINISGL_KERNELS=<family> caps the family at a lower one (how each is measured and tested on a
 # machine that runs a higher one); MINISGL_AMX=0 caps it at avx512bf16 and MINISGL_CPU_KERNELS=0
 # at torch, as before.
-FAMILIES = ("amx", "avx512bf16", "avx512", "torch")
+FAMILIES = ("amx", "avx512bf16", "avx512", "avx2", "torch")
+
+# The vector code each native family's entry points run (csrc/cpu/common.h Isa).
+ISA_AVX2, ISA_AVX512 = 1, 2
 
 
 def machine_family() -> str:
     """The best kernel family this CPU and build run, whatever the environment asks."""
-    if _native is None or not _native.has_avx512():
+    if _native is None:
         return "torch"
+    if not _native.has_avx512():
+        return "avx2" if _native.has_avx2() else "torch"
     if _native.has_amx():
         return "amx"
     return "avx512bf16" if _native.has_avx512_bf16() else "avx512"
@@ -66,12 +77,14 @@ def _chosen_family() -> str:
     return max(cap, machine_family(), key=FAMILIES.index)
 
 
-def _state(name: str) -> tuple[str, bool, bool, str | None]:
-    """(family, any native kernel, AMX tiles, which packed linear pack()/linear_packed() run)."""
-    return name, name != "torch", name == "amx", {"amx": "amx", "avx512bf16": "dpbf16"}.get(name)
+def _state(name: str) -> tuple[str, bool, bool, str | None, int]:
+    """(family, any native kernel, AMX tiles, which packed linear pack()/linear_packed() run, the
+    ISA the native entry points run)."""
+    packs = {"amx": "amx", "avx512bf16": "dpbf16"}.get(name)
+    return name, name != "torch", name == "amx", packs, ISA_AVX2 if name == "avx2" else ISA_AVX512
 
 
-_FAMILY, _ENABLED, _AMX, _PACKS = _state(_chosen_family())
+_FAMILY, _ENABLED, _AMX, _PACKS, _ISA = _state(_chosen_family())
 
 
 def runs_family(name: str) -> bool:
@@ -84,15 +97,15 @@ def family_override(name: str) -> Iterator[None]:
     """Run the block as if the process had started with MINISGL_KERNELS=`name` (tests and benchmarks
     compare families in one process). Weights packed before or inside the block keep their layout:
     pack them inside it, and build a DecodeStack there too."""
-    global _FAMILY, _ENABLED, _AMX, _PACKS
+    global _FAMILY, _ENABLED, _AMX, _PACKS, _ISA
     if name not in FAMILIES or not runs_family(name):
         raise ValueError(f"kernel family {name!r} does not run here; these do: {', '.join(_runnable())}")
     saved = _FAMILY
-    _FAMILY, _ENABLED, _AMX, _PACKS = _state(name)
+    _FAMILY, _ENABLED, _AMX, _PACKS, _ISA = _state(name)
     try:
         yield
     finally:
-        _FAMILY, _ENABLED, _AMX, _PACKS = _state(saved)
+        _FAMILY, _ENABLED, _AMX, _PACKS, _ISA = _state(saved)
 
 
 def _runnable() -> list[str]:
@@ -105,8 +118,27 @@ def family() -> str:
 
 
 def available() -> bool:
-    """True if the native kernels are built, enabled and this CPU runs them (AVX-512 F/BW/DQ/VL)."""
+    """True if the native kernels are built, enabled and this CPU runs them (a family other than
+    torch: AVX-512 F/BW/DQ/VL, or AVX2 + FMA)."""
     return _ENABLED
+
+
+def isa() -> int:
+    """The vector code this process's native entry points run (ISA_AVX512 or ISA_AVX2; the
+    DecodeStack's too)."""
+    return _ISA
+
+
+def lanes() -> int:
+    """float32 lanes of that code (16 or 8): the paged attention's vector paths and the decode stack
+    take head dims that are a multiple of it (up to 256)."""
+    return 8 if _ISA == ISA_AVX2 else 16
+
+
+def avx512_available() -> bool:
+    """True if this process runs the AVX-512 kernels (amx, avx512bf16 or avx512: the int8 linear,
+    the packed linears' families), not the avx2 family's."""
+    return _ENABLED and _ISA == ISA_AVX512
 
 
 def amx_available() -> bool:
@@ -124,23 +156,47 @@ def _bf16_cpu_input(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     none: what every native linear takes."""
     return (
         x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
+        and x.is_cpu
         and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
     )
 
 
-def _few_bf16_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a linear call is one the few-row kernels take: 1..MAX_KERNEL_ROWS 2-D rows."""
-    return _ENABLED and 0 < x.shape[0] <= MAX_KERNEL_ROWS and x.dim() == 2 and _bf16_cpu_input(x, bias)
+def kernel_row_limit() -> int | None:
+    """The most rows `linear` runs its kernel for: MAX_KERNEL_ROWS under the AVX-512 families, no
+    limit (None) under avx2, where the kernel beats oneDNN at every row count. Decided by the
+    family alone, never by a batch."""
+    return None if _ISA == ISA_AVX2 else MAX_KERNEL_ROWS
+
+
+def _few_bf16_rows(x: torch.Tensor, bias: torch.Tensor | None, limit: int | None = MAX_KERNEL_ROWS) -> bool:
+    """Whether a linear call is one the few-row kernels take: 1..limit (None: any number of) 2-D rows."""
+    m = x.shape[0]
+    return _ENABLED and 0 < m and (limit is None or m <= limit) and x.dim() == 2 and _bf16_cpu_input(x, bias)
+
+
+def linear_row_invariant(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` over this weight runs the kernel at every row count (the avx2 family, a
+    contiguous bf16 CPU weight and bias), so a row's bits never depend on the rows beside it or
+    their number: the batch-invariant forward keeps such a linear as it is."""
+    return (
+        kernel_row_limit() is None
+        and _ENABLED
+        and weight.dtype == torch.bfloat16
+        and weight.is_cpu
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for 2-D x; the kernel for a few contiguous bf16 CPU rows.
+    """F.linear(x, weight, bias) for 2-D x; the kernel for contiguous bf16 CPU rows, up to
+    kernel_row_limit() of them (any number under avx2).
 
     The kernel's output for a row depends only on that row and the weights (one dot product per
     output, in a fixed order), never on how many rows share the call."""
     m = x.shape[0]
-    if not (_few_bf16_rows(x, bias) and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+    fits = _few_bf16_rows(x, bias, kernel_row_limit())
+    if not (fits and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
         return F.linear(x, weight, bias)
     x = x.contiguous()
     n, k = weight.shape
@@ -154,6 +210,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         n,
         k,
         torch.get_num_threads(),
+        _ISA,
     )
     return out
 
@@ -241,10 +298,15 @@ def paged_attention(
     keeps its torch path). A row's bits depend only on its query, position and keys, never on the
     other rows (csrc/cpu/attention.cpp, attend_block). IndexError (from the native bounds check) if a
     row's table, position or block id lies outside the tables or the pool. scorer: which unit scores
-    bf16 rows, "fma" (AVX-512 float32), "amx" (the tile unit) or "dp" (vdpbf16ps); None: the
-    process's kernel family's (default_scorer()). Their bits differ; float32 rows always take "fma"."""
+    bf16 rows, "fma" (float32 FMAs: AVX-512, or AVX2 under the avx2 family), "amx" (the tile unit) or
+    "dp" (vdpbf16ps); None: the process's kernel family's (default_scorer()). Their bits differ;
+    float32 rows always take "fma", and so does every row under the avx2 family (ValueError for
+    another scorer there)."""
     if not attention_runs(q, k_pool, v_pool):
         return None
+    scorer = scorer or default_scorer()
+    if not scorer_runs(scorer):
+        raise ValueError(f"attention scorer {scorer!r} does not run under kernel family {_FAMILY}")
     n, h, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:  # rows may be strided (views into the qkv output)
         q = q.contiguous()
@@ -275,8 +337,9 @@ def paged_attention(
         softcap or 0.0,
         window or 0,
         q.dtype == torch.bfloat16,
-        SCORERS[scorer or default_scorer()],
+        SCORERS[scorer],
         torch.get_num_threads(),
+        _ISA,
     )
     return out
 
@@ -292,7 +355,10 @@ def default_scorer() -> str:
 
 
 def scorer_runs(name: str) -> bool:
-    """Whether this machine runs attention scorer `name` (its kernel family or a higher one)."""
+    """Whether this process runs attention scorer `name`: under an AVX-512 family, any scorer whose
+    family this machine runs (tests and benchmarks compare them); under avx2, "fma" alone."""
+    if _ISA == ISA_AVX2:
+        return name == "fma"
     return runs_family(_SCORER_FAMILY[name])
 
 
@@ -301,7 +367,7 @@ def attention_runs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) 
     alone (the same for every row of a model), never by the rows themselves."""
     return (
         _ENABLED
-        and q.device.type == "cpu"
+        and q.is_cpu
         and q.dtype in (torch.float32, torch.bfloat16)
         and k_pool.dtype == q.dtype
         and v_pool.dtype == q.dtype
@@ -333,9 +399,9 @@ def _rowwise_ok(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
     return (
         _ENABLED
-        and first.device.type == "cpu"
+        and first.is_cpu
         and first.dtype in (torch.float32, torch.bfloat16)
-        and all(t.dtype == first.dtype for t in tensors)
+        and all(t.dtype == first.dtype for t in tensors[1:])
     )
 
 
@@ -365,6 +431,7 @@ def rms_norm(
         gemma,
         x.dtype == torch.bfloat16,
         torch.get_num_threads(),
+        _ISA,
     )
     return out, total
 
@@ -394,6 +461,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         x.stride(1),
         x.dtype == torch.bfloat16,
         torch.get_num_threads(),
+        _ISA,
     )
     return True
 
@@ -413,6 +481,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         dim,
         gate_up.dtype == torch.bfloat16,
         torch.get_num_threads(),
+        _ISA,
     )
     return out
 
@@ -421,10 +490,10 @@ def linear_int8(
     x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
     """(x @ qweight^T) * qscale (+ bias) for a few bf16 CPU rows over int8 weights [N, K] with
-    float32 per-output-channel scales [N] (`weight_dtype: int8`). None where the kernel cannot run
-    (the caller runs F.linear on its dequantized bf16 weight)."""
+    float32 per-output-channel scales [N] (`weight_dtype: int8`). None where the kernel cannot run,
+    the avx2 family included (the caller runs `linear` on its dequantized bf16 weight)."""
     m = x.shape[0]
-    if not _few_bf16_rows(x, bias):
+    if not (_ISA == ISA_AVX512 and _few_bf16_rows(x, bias)):
         return None
     x = x.contiguous()
     n, k = qweight.shape
@@ -453,6 +522,6 @@ def stream_read_gbps(megabytes: int = 512, repeat: int = 5) -> float | None:
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
-        _native.stream_read(buf.data_ptr(), buf.numel() * 4, torch.get_num_threads())
+        _native.stream_read(buf.data_ptr(), buf.numel() * 4, torch.get_num_threads(), _ISA)
         best = min(best, time.perf_counter() - start)
     return buf.numel() * 4 / best / 1e9

@@ -6,10 +6,12 @@ docs/performance.md). For a batch of decode rows only, the stack runs the same k
 operands in the same order from one call, so its bits are the layer-by-layer forward's
 (tests/kernels/test_decode_stack.py); prefill and mixed batches keep the layer loop.
 
-It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels, a
-Llama-style block (Qwen3's q/k norm included; not Gemma's), SiLU, and every linear packed for the
-packed kernel (AMX or AVX512-BF16: any row count) or, where neither runs, batches of up to
-cpu_kernels.MAX_KERNEL_ROWS rows (the few-row kernel).
+It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels (any
+family but torch: the stack runs the family's kernels, AVX-512 or AVX2), a Llama-style block (Qwen3's
+q/k norm included; not Gemma's), SiLU, and every linear packed for the packed kernel (AMX or
+AVX512-BF16: any row count), or under avx2 its few-row kernel (any row count, int8 weights read
+dequantized, as Linear.forward), or else batches of up to cpu_kernels.MAX_KERNEL_ROWS rows (the
+AVX-512 few-row kernel; int8 weights on the int8 kernel).
 It runs under the default and the batch-invariant forward alike (DecodeStackForward wraps either),
 with that forward's RoPE tables.
 """
@@ -33,6 +35,8 @@ class DecodeStack:
         s = model.spec
         attn = model.model.layers[0].self_attn
         self.packed = all(lin.packed is not None for lin in _linears(model))
+        # every linear's kernel takes any row count: packed, or the avx2 family's (kernel_row_limit)
+        self.any_rows = self.packed or cpu_kernels.kernel_row_limit() is None
         self._keep: list[torch.Tensor] = []  # every tensor the native object points into
         self._native = cpu_kernels._native.DecodeStack(
             s.num_heads,
@@ -47,6 +51,7 @@ class DecodeStack:
             kv.num_blocks,
             cpu_kernels.SCORERS[cpu_kernels.default_scorer()],
             cpu_kernels.pack_kind(),
+            cpu_kernels.isa(),
         )
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -80,7 +85,7 @@ class DecodeStack:
             and w.dtype == torch.bfloat16
             and not s.gemma
             and s.hidden_act == "silu"
-            and s.head_dim % 16 == 0
+            and s.head_dim % cpu_kernels.lanes() == 0
             and s.head_dim <= 256
             and kv.k[0].dtype == torch.bfloat16
             and all(kv.k[i].is_contiguous() and kv.v[i].is_contiguous() for i in range(s.num_layers))
@@ -95,7 +100,7 @@ class DecodeStack:
             n > 0
             and batch.num_decode == n
             and not batch.prefill_chunks
-            and (self.packed or n <= cpu_kernels.MAX_KERNEL_ROWS)
+            and (self.any_rows or n <= cpu_kernels.MAX_KERNEL_ROWS)
         )
 
     def __call__(self, x: torch.Tensor, ropes: Ropes, batch: ForwardBatch) -> torch.Tensor:

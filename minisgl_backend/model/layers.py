@@ -21,10 +21,11 @@ class Linear(nn.Linear):
     """nn.Linear over the native CPU kernels (`model/cpu_kernels.py`). After pack() (the engine calls
     it on a bf16 CPU model), every bf16 call runs the packed kernel (AMX tiles, or AVX512-BF16 panels
     where there is no AMX) on a packed copy of the weight, at any row count; where neither runs,
-    few-row bf16 calls (decode steps) run the AVX-512 kernel and the rest F.linear. After
+    few-row bf16 calls (decode steps) run the AVX-512 kernel and the rest F.linear, or under the avx2
+    family every bf16 call runs its AVX2 kernel (cpu_kernels.kernel_row_limit). After
     quantize_int8() the few-row calls (one row where packed) read int8 weights instead (half the
-    bytes), and the rest runs on their dequantized bf16 copy, so prefill and decode use the same
-    quantized weights."""
+    bytes; AVX-512 only), and the rest runs on their dequantized bf16 copy, so prefill and decode use
+    the same quantized weights."""
 
     qweight: torch.Tensor | None = None  # int8 [out, in], set by quantize_int8
     qscale: torch.Tensor | None = None  # float32 [out]: weight ~ qweight * qscale[:, None]

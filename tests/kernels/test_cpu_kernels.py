@@ -1,11 +1,14 @@
 """The native CPU kernels (csrc/cpu/ via minisgl_backend/model/cpu_kernels.py) against the
 torch expressions they replace: fp32 within 1e-6, bf16 within bf16 rounding (bitwise where the kernel
-rounds the same steps), the few-row and AMX linears' bits independent of the other rows, and bad
-block tables refused. Skipped (with the reason) where the extension is not built or the CPU lacks
-AVX-512; the AMX tests also where it lacks AMX-BF16."""
+rounds the same steps), the few-row and AMX linears' bits independent of the other rows and the thread
+count, and bad block tables refused. The kernels that come in two widths (the few-row linear, the FMA
+attention, the row-wise ops) are tested at each this CPU runs: AVX-512 (the avx512 family) and AVX2
+(avx2). Skipped (with the reason) where the extension is not built or the CPU lacks AVX2; the
+AVX-512, AMX and AVX512-BF16 tests also where it lacks those."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -20,8 +23,19 @@ from tests.helpers import model_spec
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(),
-    reason="minisgl_backend.native._kernels not built, disabled, or this CPU lacks AVX-512",
+    reason="minisgl_backend.native._kernels not built, disabled, or this CPU lacks AVX2",
 )
+
+# The two widths of the few-row linear, the FMA attention and the row-wise ops: the avx512 family's
+# (16 lanes; the amx and avx512bf16 families run the same code for these) and avx2's (8 lanes).
+VECTOR_FAMILIES = [f for f in ("avx512", "avx2") if cpu_kernels.runs_family(f)]
+
+
+@pytest.fixture(params=VECTOR_FAMILIES)
+def vector_family(request):
+    """Each kernel width this CPU runs, for the test."""
+    with cpu_kernels.family_override(request.param):
+        yield request.param
 
 
 @pytest.fixture
@@ -38,9 +52,12 @@ def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("n,k", [(576, 576), (192, 1536), (7, 37), (49, 64), (1, 33)])
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 1536), (7, 37), (49, 64), (1, 33), (3, 17)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_float32_reference_and_is_row_independent(n, k, bias):
+def test_linear_matches_float32_reference_and_is_row_independent(vector_family, n, k, bias):
+    """The few-row kernel at each width, with N and K that are not whole tiles or k-steps: within bf16
+    rounding of a float32 reference, and a row's bits the same alone as beside 1-3 others and at one
+    thread as at several."""
     g = _gen()
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
@@ -53,13 +70,60 @@ def test_linear_matches_float32_reference_and_is_row_independent(n, k, bias):
         assert (y.float() - F.linear(x, w, b).float()).abs().max() <= ref.abs().max() * 2**-6 + 1e-6
         alone = torch.cat([cpu_kernels.linear(x[i : i + 1], w, b) for i in range(m)])
         assert torch.equal(y, alone), "a row's bits must not depend on the rows beside it"
+        with _threads(1):
+            assert torch.equal(cpu_kernels.linear(x, w, b), y), "bits depend on the thread count"
 
 
-def test_linear_beyond_kernel_rows_and_fp32_is_torch():
+@pytest.mark.parametrize("n,k", [(576, 576), (7, 37), (1, 33)])
+def test_avx2_linear_runs_every_row_count_with_each_rows_bits(n, k):
+    """The avx2 family's linear runs its kernel at any row count (oneDNN's AVX2 bf16 matmul is
+    ~3x slower at every one): within bf16 rounding of a float32 reference, and a row's bits the
+    same alone as among 5-300 rows at any offset and at one thread, so the batch-invariant forward
+    keeps such a Linear as it is."""
+    if not cpu_kernels.runs_family("avx2"):
+        pytest.skip("this CPU does not run the avx2 family")
+    from minisgl_backend.model.batch_invariant import _row_invariant
+    from minisgl_backend.model.layers import Linear
+
+    g = _gen(13)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(300, k, generator=g).bfloat16()
+    with cpu_kernels.family_override("avx2"):
+        assert cpu_kernels.kernel_row_limit() is None and cpu_kernels.linear_row_invariant(w, b)
+        y = cpu_kernels.linear(x, w, b)
+        ref = x.float() @ w.float().t() + b.float()
+        assert (y.float() - ref).abs().max() <= ref.abs().max() * 2**-7 + 1e-6
+        for m, at in ((1, 0), (1, 299), (5, 3), (9, 40), (37, 250), (260, 20)):
+            part = cpu_kernels.linear(x[at : at + m], w, b)
+            assert torch.equal(part, y[at : at + m]), (
+                f"rows {at}..{at + m} alone differ from the batch of 300"
+            )
+        with _threads(1):
+            assert torch.equal(cpu_kernels.linear(x, w, b), y), "bits depend on the thread count"
+        assert _row_invariant(Linear(k, n).bfloat16()) and not _row_invariant(Linear(k, n))  # fp32: tiled
+    with cpu_kernels.family_override("avx512"):
+        assert cpu_kernels.kernel_row_limit() == cpu_kernels.MAX_KERNEL_ROWS
+        assert not cpu_kernels.linear_row_invariant(w, b)
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_linear_beyond_kernel_rows_and_fp32_is_torch(vector_family):
+    """Beyond MAX_KERNEL_ROWS the AVX-512 families run F.linear; fp32 is F.linear everywhere."""
     g = _gen(1)
     w = torch.randn(64, 96, generator=g).bfloat16()
     x = torch.randn(cpu_kernels.MAX_KERNEL_ROWS + 1, 96, generator=g).bfloat16()
-    assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
+    if cpu_kernels.kernel_row_limit() is not None:
+        assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
     assert torch.equal(cpu_kernels.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
     # a non-contiguous input gives the bits of its contiguous copy
     wide = torch.randn(2, 192, generator=g).bfloat16()[:, ::2]
@@ -165,7 +229,7 @@ def _attention_reference(q, k, v, tables, pos, bs, scale, window, cap):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 30.0)])
-def test_decode_attention_matches_reference(dtype, tol, window, cap):
+def test_decode_attention_matches_reference(vector_family, dtype, tol, window, cap):
     q, k, v, tables, pos, bs = _attention_case(dtype)
     scale = q.shape[-1] ** -0.5
     out = cpu_kernels.decode_attention(q, k, v, tables, pos, scale, window, cap)
@@ -178,6 +242,23 @@ def test_decode_attention_matches_reference(dtype, tol, window, cap):
     assert torch.equal(cpu_kernels.decode_attention(strided, k, v, tables, pos, scale, window, cap), out)
 
 
+# (kernel family, attention scorer): the AVX-512 families' three scorers and avx2's FMA one.
+SCORER_CASES = [
+    pytest.param(f, s, id=f"{f}-{s}")
+    for f, s in (("avx512", "fma"), ("avx512", "amx"), ("avx512", "dp"), ("avx2", "fma"))
+    if cpu_kernels.runs_family(f)
+]
+
+
+@pytest.fixture
+def scorer_family(family, scorer):
+    """The block under `family`, skipped where it does not run `scorer`."""
+    with cpu_kernels.family_override(family):
+        if not cpu_kernels.scorer_runs(scorer):
+            pytest.skip(f"this CPU does not run the {scorer} scorer")
+        yield
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize(
     "window,cap,d,bs,group",
@@ -188,20 +269,23 @@ def test_decode_attention_matches_reference(dtype, tol, window, cap):
         (7, None, 16, 4, 3),
         (None, 30.0, 16, 4, 7),
         (None, None, 8, 4, 3),
+        (5, 30.0, 24, 4, 2),
+        (None, None, 12, 4, 3),
     ],
 )
-@pytest.mark.parametrize("scorer", ["fma", "amx", "dp"])
-def test_paged_attention_rows_do_not_depend_on_the_call(dtype, tol, window, cap, d, bs, group, scorer):
+@pytest.mark.parametrize("family,scorer", SCORER_CASES)
+def test_paged_attention_rows_do_not_depend_on_the_call(
+    dtype, tol, window, cap, d, bs, group, family, scorer, scorer_family
+):
     """Rows of prefill chunks (many rows on one table, in blocks) and decode rows (one per table):
-    each row's output has the same bits alone as in any call, and matches the float64 reference.
-    d=8 takes the scalar path, the others the AVX-512 blocks: blocks of few query vectors one
-    vector at a time, larger ones 16 vectors at a time (attend_vectors / attend_lanes), which must
-    agree bit for bit. With scorer "amx", bf16 scores of d=64/128 come from the AMX tile unit, read
-    from the pool in place (block size 16) or staged (block size 4); with "dp", from vdpbf16ps
-    (AVX512-BF16), read in place. A group of 7 query heads per KV head is the most a decode row sums
-    over V on the few-vector path, in two register groups."""
-    if not cpu_kernels.scorer_runs(scorer):
-        pytest.skip(f"this CPU does not run the {scorer} scorer")
+    each row's output has the same bits alone as in any call and at any thread count, and matches the
+    float64 reference. Under the AVX-512 families d=8, 12 and 24 take the scalar path, the others the
+    AVX-512 blocks; under avx2 every d but 12 takes its 8-lane blocks. In either, blocks of few query
+    vectors go one vector at a time, larger ones a register of vectors at a time (attend_vectors /
+    attend_lanes), which must agree bit for bit. With scorer "amx", bf16 scores of d=64/128 come from
+    the AMX tile unit, read from the pool in place (block size 16) or staged (block size 4); with
+    "dp", from vdpbf16ps (AVX512-BF16), read in place. A group of 7 query heads per KV head is the
+    most a decode row sums over V on the few-vector path, in two (avx2: three) register groups."""
     g = _gen(21)
     kvh, pool = 2, 64
     h = kvh * group
@@ -227,13 +311,15 @@ def test_paged_attention_rows_do_not_depend_on_the_call(dtype, tol, window, cap,
         )
     # a shifted chunk (rows 5.. of the same chunk first in the call) gives the same bits
     assert torch.equal(attend(slice(5, 37)), out[5:37])
+    with _threads(1):
+        assert torch.equal(attend(slice(None)), out), "bits depend on the thread count"
     ref = _attention_reference(q, k, v, tables[row_table], pos, bs, scale, window, cap)
     if scorer == "dp" and dtype == torch.bfloat16:
         tol *= 2  # its V sum takes the probabilities rounded to bf16 (as SDPA's bf16 math path does)
     assert (out.double() - ref).abs().max() < tol
 
 
-def test_decode_attention_matches_the_torch_path(torch_only):
+def test_decode_attention_matches_the_torch_path(vector_family, torch_only):
     """The model's own decode attention with and without the kernel (fp32, GQA, paged)."""
     from minisgl_backend.kvcache.storage import KVCache
     from minisgl_backend.model.llama import Attention
@@ -254,7 +340,7 @@ def test_decode_attention_matches_the_torch_path(torch_only):
     assert (native - plain).abs().max() < 1e-6
 
 
-def test_decode_attention_refuses_out_of_range_tables():
+def test_decode_attention_refuses_out_of_range_tables(vector_family):
     q, k, v, tables, pos, _ = _attention_case(torch.float32)
     with pytest.raises(IndexError, match="outside the tables or the pool"):
         cpu_kernels.decode_attention(q, k, v, tables[:, :1], pos, 1.0, None, None)
@@ -268,7 +354,7 @@ def test_decode_attention_refuses_out_of_range_tables():
 
 @pytest.mark.parametrize("gemma", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_and_fused_add(gemma, dtype, torch_only):
+def test_rms_norm_and_fused_add(vector_family, gemma, dtype, torch_only):
     from minisgl_backend.model.llama import GemmaRMSNorm, RMSNorm
 
     g = _gen(4)
@@ -291,7 +377,7 @@ def test_rms_norm_and_fused_add(gemma, dtype, torch_only):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rot", [16, 8])  # 8: partial rotary over half of each head
-def test_rope_matches_apply_rotary(dtype, rot, torch_only):
+def test_rope_matches_apply_rotary(vector_family, dtype, rot, torch_only):
     g = _gen(5)
     qkv = torch.randn(6, 3 * 4 * 16, generator=g).to(dtype)
     q = qkv[:, : 4 * 16].view(6, 4, 16)  # a strided view, as Attention.qkv makes
@@ -306,8 +392,44 @@ def test_rope_matches_apply_rotary(dtype, rot, torch_only):
         assert (native - ref).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowwise_rows_do_not_depend_on_the_call(vector_family, dtype):
+    """RMSNorm (+ add, both forms), RoPE and SiLU x up: each row's bits the same alone as in a
+    batch of 40 (the kernels go multi-threaded from 32 rows) and at one thread as at several, with
+    dims that are not whole vectors or pairs (each width's tails)."""
+    g = _gen(9)
+    x, add = (torch.randn(40, 100, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(100, generator=g).to(dtype)
+    qk = torch.randn(40, 5, 24, generator=g).to(dtype)
+    angles = torch.randn(40, 1, 20, generator=g)  # partial rotary: 20 of 24
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    gate_up = (torch.randn(40, 2 * 70, generator=g) * 4).to(dtype)
+
+    def run(rows: slice) -> list[torch.Tensor]:
+        rotated = qk[rows].clone()
+        assert cpu_kernels.rope_(rotated, cos[rows], sin[rows])
+        normed = [
+            t for gemma in (False, True) for t in cpu_kernels.rms_norm(x[rows], w, 1e-6, gemma, add[rows])
+        ]
+        return [
+            *normed,
+            cpu_kernels.rms_norm(x[rows], w, 1e-6, False)[0],
+            rotated,
+            cpu_kernels.silu_and_mul(gate_up[rows]),
+        ]
+
+    full = run(slice(None))
+    for r in (0, 17, 39):
+        for got, want in zip(run(slice(r, r + 1)), full):
+            assert torch.equal(got, want[r : r + 1]), f"row {r} alone differs from the batch of 40"
+    with _threads(1):
+        assert all(torch.equal(a, b) for a, b in zip(run(slice(None)), full)), (
+            "bits depend on the thread count"
+        )
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
-def test_silu_and_mul(dtype, tol):
+def test_silu_and_mul(vector_family, dtype, tol):
     g = _gen(6)
     gate_up = (torch.randn(5, 2 * 40, generator=g) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -391,19 +513,60 @@ def test_kernel_family_switch_caps_the_family_and_names_the_valid_ones():
     """MINISGL_KERNELS forces a lower family (never a higher one than the CPU runs); MINISGL_AMX=0
     caps it below AMX; a value that is no family is an error naming the valid ones."""
     assert _family_in_subprocess(MINISGL_KERNELS="avx512").stdout.strip() == "avx512"
+    assert _family_in_subprocess(MINISGL_KERNELS="avx2").stdout.strip() == "avx2"
     assert _family_in_subprocess(MINISGL_KERNELS="amx").stdout.strip() == cpu_kernels.machine_family()
     no_amx = _family_in_subprocess(MINISGL_AMX="0", MINISGL_KERNELS="").stdout.strip()
     assert no_amx == ("avx512bf16" if cpu_kernels.machine_family() == "amx" else cpu_kernels.machine_family())
     bad = _family_in_subprocess(MINISGL_KERNELS="sse2")
-    assert bad.returncode != 0 and "valid: amx, avx512bf16, avx512, torch" in bad.stderr
+    assert bad.returncode != 0 and "valid: amx, avx512bf16, avx512, avx2, torch" in bad.stderr
     with pytest.raises(ValueError, match="does not run here"):
         with cpu_kernels.family_override("nonsense"):
             pass
 
 
-def test_stream_read_probe_reads():
+def test_machine_family_is_the_best_the_cpu_runs(monkeypatch):
+    """machine_family() from the CPU probes: AVX2 + FMA without AVX-512 is the avx2 family, neither
+    is torch (as is a build without the extension)."""
+
+    class Cpu:
+        def __init__(self, avx512: bool, avx2: bool) -> None:
+            self.has_avx512 = self.has_avx512_bf16 = lambda: avx512
+            self.has_avx2 = lambda: avx2
+            self.has_amx = lambda: False
+
+    cases = ((Cpu(True, True), "avx512bf16"), (Cpu(False, True), "avx2"), (Cpu(False, False), "torch"))
+    for cpu, family in cases:
+        monkeypatch.setattr(cpu_kernels, "_native", cpu)
+        assert cpu_kernels.machine_family() == family
+    monkeypatch.setattr(cpu_kernels, "_native", None)
+    assert cpu_kernels.machine_family() == "torch"
+
+
+def test_avx2_family_runs_no_avx512_only_kernel():
+    """Under avx2 every wrapper runs the 8-lane kernels or torch: the int8 linear, the packed linears
+    and the AMX / vdpbf16ps scorers decline (None, or ValueError for a scorer asked by name)."""
+    if not cpu_kernels.runs_family("avx2"):
+        pytest.skip("this CPU does not run the avx2 family")
+    g = _gen(12)
+    x, w = torch.randn(2, 64, generator=g).bfloat16(), torch.randn(32, 64, generator=g).bfloat16()
+    q, k, v, tables, pos, _ = _attention_case(torch.bfloat16)
+    with cpu_kernels.family_override("avx2"):
+        assert cpu_kernels.isa() == cpu_kernels.ISA_AVX2 and cpu_kernels.lanes() == 8
+        assert not (cpu_kernels.avx512_available() or cpu_kernels.amx_available() or cpu_kernels.packs())
+        assert cpu_kernels.pack(w) is None and cpu_kernels.pack_kind() == 0
+        qw, qs = torch.ones(32, 64, dtype=torch.int8), torch.ones(32)
+        assert cpu_kernels.linear_int8(x, qw, qs, None) is None
+        assert cpu_kernels.default_scorer() == "fma"
+        assert [s for s in cpu_kernels.SCORERS if cpu_kernels.scorer_runs(s)] == ["fma"]
+        with pytest.raises(ValueError, match="does not run under kernel family avx2"):
+            cpu_kernels.paged_attention(q, k, v, tables, torch.arange(5), pos, 1.0, None, None, scorer="dp")
+
+
+@pytest.mark.parametrize("family", VECTOR_FAMILIES)
+def test_stream_read_probe_reads(family):
     """minisgl bench's read-rate probe (the batch-1 weight stream is reported against it)."""
-    assert cpu_kernels.stream_read_gbps(megabytes=64, repeat=2) > 0.5
+    with cpu_kernels.family_override(family):
+        assert cpu_kernels.stream_read_gbps(megabytes=64, repeat=2) > 0.5
 
 
 @pytest.mark.parametrize("inter,k", [(1536, 576), (64, 96), (96, 33)])
