@@ -308,9 +308,8 @@ AVX2 inline __m256 round8(__m256 v) {  // to the dtype and back, as storing and 
 // the first product is exact), exp(f) = 1 + f + f^2 P(f) (degree-5 minimax, |f| <= ln 2 / 2), times
 // 2^n built in the exponent field. Relative error below 1.2e-7 (measured over [-87, 88.3] in steps
 // of 1e-3; exp16's is 3.8e-6 there) in ~17 instructions, fewer than exp16's at half its width.
-// Clamped as exp16 is below (exp(-87)), and above at 88.3 (n <= 127, so 2^n is a normal float):
-// SiLU of a gate below -88.3 is then ~-4e-37 where exp16 gives -0, both zero to bf16 and float32
-// sums alike.
+// Clamped as exp16 is below (exp(-87)), and above at 88.3 (n <= 127, so 2^n is a normal float): SiLU
+// of a gate below -88.3 is then ~-4e-37 (through exp16, -0 below -88.7), nothing a sum or bf16 keeps.
 AVX2 inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.3f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),

@@ -42,9 +42,9 @@ MAX_KERNEL_ROWS = 4
 #   avx512bf16  bf16 linears on vdpbf16ps (AMD Zen 4/5, Cooper Lake); the rest as avx512
 #   avx512      AVX-512 F/BW/DQ/VL: few-row linears (bf16 and int8), paged attention, row-wise ops;
 #               F.linear beyond
-#   avx2        AVX2 + FMA (Haswell, Zen 1-3): the few-row bf16 linear, paged attention (decode rows;
-#               prefill chunks only in the batch-invariant forward, see attention_runs), row-wise ops,
-#               at 8 lanes; int8 linears read their dequantized bf16 weight; F.linear beyond
+#   avx2        AVX2 + FMA (Haswell, Zen 1-3): the bf16 linear at every row count, paged attention,
+#               row-wise ops and the decode stack, at 8 lanes; no packing; int8 linears read their
+#               dequantized bf16 weight
 #   torch       torch's own ops everywhere
 # MINISGL_KERNELS=<family> caps the family at a lower one (how each is measured and tested on a
 # machine that runs a higher one); MINISGL_AMX=0 caps it at avx512bf16 and MINISGL_CPU_KERNELS=0
