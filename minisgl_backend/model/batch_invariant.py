@@ -44,7 +44,7 @@ from torch import nn
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.batch import ForwardBatch, row_tables
-from minisgl_backend.model.layers import Attention, Linear
+from minisgl_backend.model.layers import Attention, Linear, kept
 from minisgl_backend.model.llama import CausalLM, Ropes
 
 ROW_MULTIPLE = 4  # attention's matmul row counts are padded to this (see attend)
@@ -220,6 +220,7 @@ class BatchInvariantForward:
         batch: ForwardBatch,
         kv: KVCache,
         scratch: Scratch,
+        keep: torch.Tensor | None,
     ) -> torch.Tensor:
         n = batch.input_ids.shape[0]
         q, k, v = attn.qkv(x, rope, n)
@@ -229,8 +230,11 @@ class BatchInvariantForward:
         if cpu_kernels.attention_runs(q, kpool, vpool):  # every row of every call, or none
             if "rows" not in scratch:  # the same for every layer of the forward
                 scratch["rows"] = row_tables(batch)
-            o = cpu_kernels.paged_attention(q, kpool, vpool, *scratch["rows"], scale, window, cap)
-            return attn.o_proj(o.view(n, attn.h * attn.d))
+            tables, row_table, positions = scratch["rows"]
+            if keep is not None:  # a row's output depends only on its own query and keys
+                q, row_table, positions = q[keep], row_table[keep], positions[keep]
+            o = cpu_kernels.paged_attention(q, kpool, vpool, tables, row_table, positions, scale, window, cap)
+            return attn.o_proj(o.view(q.shape[0], attn.h * attn.d))
         out = x.new_zeros(x.shape[0], attn.h, attn.d)  # row padding stays zero
         b = batch.num_decode
         if b:
@@ -242,7 +246,7 @@ class BatchInvariantForward:
             for s in range(chunk.start, chunk.start + chunk.length, QUERY_TILE):
                 e = min(s + QUERY_TILE, chunk.start + chunk.length)
                 out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale, window, cap)[0]
-        return attn.o_proj(out.view(x.shape[0], attn.h * attn.d))
+        return attn.o_proj(kept(out.view(x.shape[0], attn.h * attn.d), keep))
 
     def ropes(self, model: CausalLM, positions: torch.Tensor, dtype: torch.dtype) -> Ropes:
         return [(cos[positions].to(dtype), sin[positions].to(dtype)) for cos, sin in self.tables]
@@ -252,12 +256,13 @@ class BatchInvariantForward:
     ) -> torch.Tensor:
         scratch: Scratch = {}
 
-        def attend_layer(attn: Attention, h: torch.Tensor) -> torch.Tensor:
-            return self._attention(attn, h, ropes[attn.rope_index], batch, kv, scratch)
+        def attend_layer(attn: Attention, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+            return self._attention(attn, h, ropes[attn.rope_index], batch, kv, scratch, keep)
 
-        for layer in model.model.layers:
+        layers = model.model.layers
+        for layer in layers[:-1]:
             x = layer(x, attend_layer)
-        return x
+        return layers[-1](x, attend_layer, batch.logits_index)
 
 
 def _row_invariant(lin: nn.Linear) -> bool:

@@ -174,7 +174,7 @@ class DecodeStackForward:
     ) -> torch.Tensor:
         stack = self.stack(model, kv)
         if stack is not None and stack.runs(batch):
-            return stack(x, ropes, batch)
+            return stack(x, ropes, batch)[batch.logits_index]
         return self.inner.layers(model, x, ropes, batch, kv)
 
 

@@ -138,6 +138,11 @@ def eager_attention(
     return torch.matmul(probs, v)
 
 
+def kept(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The rows `keep` of x (all of x for None)."""
+    return x if keep is None else x[keep]
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_id: int) -> None:
         super().__init__()
@@ -178,18 +183,22 @@ class Attention(nn.Module):
         masks: list[torch.Tensor | None],
         decode: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
         rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """masks: chunk_mask(chunk, self.window) per prefill chunk; decode: decode_window(batch,
         self.window, block_size) (None: the batch's decode block tables and mask); rows:
         row_tables(batch), where the native paged attention runs for this model and pool (it then
-        serves every row: no prefill chunk's context is gathered)."""
+        serves every row: no prefill chunk's context is gathered); keep: the rows whose output is
+        returned (None: all), see DecoderLayer.forward. K/V are written for every row."""
         n = x.shape[0]
         q, k, v = self.qkv(x, rope, n)
         kv.write(self.layer_id, batch.slot_mapping, k, v)
         if rows is not None:
             kpool, vpool = kv.k[self.layer_id], kv.v[self.layer_id]
+            if keep is not None:  # a row's output depends only on its own query and keys
+                q, rows = q[keep], (rows[0], rows[1][keep], rows[2][keep])
             o = cpu_kernels.paged_attention(q, kpool, vpool, *rows, self.scale, self.window, self.softcap)
-            return self.o_proj(o.view(n, self.h * self.d))
+            return self.o_proj(o.view(q.shape[0], self.h * self.d))
 
         b = batch.num_decode
         out = None if b == n else torch.empty_like(q)
@@ -198,7 +207,7 @@ class Attention(nn.Module):
             full, pos = batch.decode_block_tables, batch.positions[:b]
             o = self._decode_attention(q[:b], tables, mask, kv, full, pos)
             if out is None:  # a decode-only batch: the attention output is the whole output
-                return self.o_proj(o.reshape(n, self.h * self.d))
+                return self.o_proj(kept(o.reshape(n, self.h * self.d), keep))
             out[:b] = o
         for chunk, mask in zip(batch.prefill_chunks, masks):
             s, e = chunk.start, chunk.start + chunk.length
@@ -216,7 +225,7 @@ class Attention(nn.Module):
             else:
                 o = eager_attention(qr, kr, vr, mask, self.scale, self.softcap)
             out[s:e] = o[0].transpose(0, 1)
-        return self.o_proj(out.reshape(n, self.h * self.d))
+        return self.o_proj(kept(out.reshape(n, self.h * self.d), keep))
 
     def _decode_attention(
         self,
@@ -278,9 +287,10 @@ class MLP(nn.Module):
         return self.down_proj(h)
 
 
-# attend(attention module, normed hidden states) -> attention output: the forward pass's attention
-# (default or batch-invariant), with that layer's RoPE and masks already bound.
-Attend = Callable[[Attention, torch.Tensor], torch.Tensor]
+# attend(attention module, normed hidden states, keep) -> attention output at the rows `keep` (None:
+# all): the forward pass's attention (default or batch-invariant), with that layer's RoPE and masks
+# already bound.
+Attend = Callable[[Attention, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
@@ -295,8 +305,13 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm_layer(spec, spec.hidden_size)
             self.post_feedforward_layernorm = norm_layer(spec, spec.hidden_size)
 
-    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
-        a = attend(self.self_attn, self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, attend: Attend, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream after this layer at the rows `keep` (None: all). The last layer of a
+        forward keeps only the rows that need logits: every row's K/V still goes into the cache, but
+        the other rows skip attention, o_proj and the MLP (in a 512-token prefill chunk that is all
+        of the layer but its qkv_proj, about 1/num_layers of the chunk's work)."""
+        a = attend(self.self_attn, self.input_layernorm(x), keep)
+        x = kept(x, keep)
         if not self.gemma:  # post_attention_layernorm is the MLP's input norm
             h, x = self.post_attention_layernorm.add_and_norm(x, a)
             return x + self.mlp(h)

@@ -71,8 +71,9 @@ class Forward(Protocol):
     def layers(
         self, model: CausalLM, x: torch.Tensor, ropes: Ropes, batch: ForwardBatch, kv: KVCache
     ) -> torch.Tensor:
-        """The residual stream after the last layer, for x = the embeddings of the batch's rows (the
-        K/V of its new tokens are written into `kv` on the way)."""
+        """The residual stream after the last layer at the rows batch.logits_index, for x = the
+        embeddings of the batch's rows (the K/V of all its new tokens are written into `kv` on the
+        way; the last layer runs the rest only for those rows, DecoderLayer.forward)."""
         ...
 
 
@@ -102,12 +103,12 @@ class LayerLoop:
                     decode_window(batch, w, kv.block_size),
                 )
 
-        def attend(attn: Attention, h: torch.Tensor) -> torch.Tensor:
-            return attn(h, ropes[attn.rope_index], batch, kv, *masks[attn.window], rows=rows)
+        def attend(attn: Attention, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+            return attn(h, ropes[attn.rope_index], batch, kv, *masks[attn.window], rows=rows, keep=keep)
 
-        for layer in layers:
+        for layer in layers[:-1]:
             x = layer(x, attend)
-        return x
+        return layers[-1](x, attend, batch.logits_index)
 
 
 def build_rotary(spec: ModelSpec) -> nn.ModuleList:
@@ -187,9 +188,9 @@ class CausalLM(nn.Module):
         """Run one mixed batch; returns logits [len(batch.logits_index), vocab] in the model dtype."""
         x = self.embed(batch.input_ids)
         ropes = self.forward_strategy.ropes(self, batch.positions, x.dtype)
-        x = self.forward_strategy.layers(self, x, ropes, batch, kv)
-        # Only rows that sample or score need the LM head (the largest matmul at this model size).
-        return self.logits(x[batch.logits_index])
+        # Only rows that sample or score need the LM head (the largest matmul at this model size),
+        # and the last layer past their K/V: layers() returns those rows only.
+        return self.logits(self.forward_strategy.layers(self, x, ropes, batch, kv))
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         state = fuse_projections({k: v for k, v in state.items() if "rotary_emb" not in k})

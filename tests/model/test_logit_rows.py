@@ -1,0 +1,90 @@
+"""The last layer runs past its K/V only for the rows that need logits (DecoderLayer.forward's `keep`):
+the logits of those rows and every K/V the batch writes are the same bits as when every row of the
+batch asks for logits, on mixed batches (decode rows and prefill chunks, first and later chunks),
+for the default and the deterministic forward, under every kernel family this machine runs. The
+default forward is checked where its linears are row-invariant (packed, or the avx2 family's kernel);
+elsewhere it makes no such promise (oneDNN's bits depend on the row count), and the deterministic one
+does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl_backend.iteration import PrefillChunk
+from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.llama import CausalLM, ForwardBatch
+from minisgl_backend.model.loader import forward_strategy
+from tests.helpers import model_spec
+
+BLOCK = 4
+FAMILIES = [f for f in cpu_kernels.FAMILIES if cpu_kernels.runs_family(f)]
+
+
+def _model(deterministic: bool) -> CausalLM:
+    spec = model_spec(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3, head_dim=32)
+    torch.manual_seed(0)
+    model = CausalLM(spec)
+    with torch.no_grad():
+        for p in model.parameters():  # norm weights too: away from the all-ones init
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    model = model.to(torch.bfloat16)
+    model.pack_weights()
+    model.forward_strategy = forward_strategy(model, deterministic)
+    return model
+
+
+def _batch(step: int, tables: torch.Tensor, all_rows: bool) -> ForwardBatch:
+    """Step 0: first chunks of sequences 0 (10 of 13 tokens) and 1 (whole, 7 tokens). Step 1: a
+    decode row of sequence 1, the last 3 tokens of sequence 0, and the whole of sequence 2 (9)."""
+    decode = [] if step == 0 else [(1, 7)]  # (sequence, position)
+    chunks = [(0, 0, 10), (1, 0, 7)] if step == 0 else [(0, 10, 13), (2, 0, 9)]  # (sequence, from, to)
+    final = {1: 7, 0: 13, 2: 9}  # prompt lengths: a chunk ending there needs its last row's logits
+    seqs = [s for s, _ in decode] + [s for s, _, _ in chunks]
+    pos = torch.cat(
+        [torch.tensor([p for _, p in decode], dtype=torch.int64)] + [torch.arange(a, b) for _, a, b in chunks]
+    )
+    row_seq = torch.tensor([s for s, _ in decode] + [s for s, a, b in chunks for _ in range(a, b)])
+    slots = tables[row_seq, pos // BLOCK] * BLOCK + pos % BLOCK
+    ids = torch.randint(0, 96, (len(pos),), generator=torch.Generator().manual_seed(step))
+    b = len(decode)
+    dec_tables = dec_mask = None
+    if b:
+        dec_tables = tables[[s for s, _ in decode]]
+        keys = torch.arange(dec_tables.shape[1] * BLOCK)
+        dec_mask = (keys[None, :] <= pos[:b, None])[:, None, None, :]
+    parts, want, start = [], list(range(b)), b
+    for s, a, e in chunks:
+        parts.append(PrefillChunk(start, e - a, e, tables[s][: -(-e // BLOCK)]))
+        if e == final[s]:
+            want.append(start + e - a - 1)
+        start += e - a
+    assert len(seqs) == b + len(chunks)
+    index = torch.arange(len(pos)) if all_rows else torch.tensor(want)
+    return ForwardBatch(ids, pos, slots, b, dec_tables, dec_mask, tuple(parts), index)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logit_rows_and_kv_are_the_bits_of_the_full_last_layer(family, deterministic):
+    with cpu_kernels.family_override(family):
+        # linears whose kernel takes every row count (packed, or the avx2 family's): elsewhere few rows
+        # take another kernel than many, and only the deterministic forward is row-invariant
+        if not deterministic and not (cpu_kernels.packs() or cpu_kernels.kernel_row_limit() is None):
+            pytest.skip(f"the default forward under {family} is not row-invariant: nothing to compare")
+        model = _model(deterministic)
+        s = model.spec
+        tables = torch.arange(3 * 4).view(3, 4)  # 3 sequences x 4 blocks of 4 slots
+        caches = [
+            KVCache(s.num_layers, 12, BLOCK, s.num_kv_heads, s.head_dim, torch.bfloat16, "cpu")
+            for _ in range(2)
+        ]
+        for step in range(2):
+            full = model(_batch(step, tables, all_rows=True), caches[0])
+            wanted = _batch(step, tables, all_rows=False)
+            kept = model(wanted, caches[1])
+            assert kept.shape[0] == wanted.logits_index.numel() < full.shape[0]
+            assert torch.equal(kept, full[wanted.logits_index]), f"step {step}: logits differ"
+            for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+                assert torch.equal(a, b), f"step {step}: the K/V written differ"
