@@ -29,7 +29,10 @@ namespace {
 
 constexpr int DP_ROWS = 6;            // rows per register tile: 6 x 4 accumulators + 4 weights + 1 input
 constexpr int64_t DP_ROW_CHUNK = 96;  // rows per pass over a panel: their K block of x stays in L2
-constexpr int64_t DP_KC = 256;        // k-pairs per block at many rows: a panel's block (64 KB) stays in L2
+// Most k-pairs per block at many rows: a panel's block (up to 80 KB) stays in L2. K is cut into
+// blocks of even length, so no short tail block spills and reloads the accumulators for a few pairs
+// (SmolLM2's K = 576 is one block of 288, not 256 + 32: ~2% at 2048 rows, measured on a Zen 4).
+constexpr int64_t DP_KC = 320;
 // Lines of the panel this many bytes ahead are requested into L1: at one to a few rows a step is a
 // weight stream, and the hardware prefetcher alone leaves it short of the memory's rate.
 constexpr int64_t DP_PREFETCH_BYTES = 1024;
@@ -108,7 +111,8 @@ DPBF16 void dp_linear(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t
     const int64_t chunks = (M + DP_ROW_CHUNK - 1) / DP_ROW_CHUNK;
     // One spill of a chain per K block costs nothing at many rows; at a tile or less there is no reuse
     // of the panel to keep in cache, so the chain runs over the whole of K.
-    const int64_t kc = M <= DP_ROWS ? pairs : DP_KC;
+    const int64_t blocks = (pairs + DP_KC - 1) / DP_KC;
+    const int64_t kc = M <= DP_ROWS ? pairs : (pairs + blocks - 1) / blocks;
     // Static over (panel, chunk), panel-major: each thread streams one contiguous slice of the
     // weights once, a panel's K block staying in L2 while every chunk of rows passes over it.
 #pragma omp parallel for num_threads(threads) schedule(static)
