@@ -41,7 +41,6 @@ def _batch(step: int, tables: torch.Tensor, all_rows: bool) -> ForwardBatch:
     decode = [] if step == 0 else [(1, 7)]  # (sequence, position)
     chunks = [(0, 0, 10), (1, 0, 7)] if step == 0 else [(0, 10, 13), (2, 0, 9)]  # (sequence, from, to)
     final = {1: 7, 0: 13, 2: 9}  # prompt lengths: a chunk ending there needs its last row's logits
-    seqs = [s for s, _ in decode] + [s for s, _, _ in chunks]
     pos = torch.cat(
         [torch.tensor([p for _, p in decode], dtype=torch.int64)] + [torch.arange(a, b) for _, a, b in chunks]
     )
@@ -60,7 +59,6 @@ def _batch(step: int, tables: torch.Tensor, all_rows: bool) -> ForwardBatch:
         if e == final[s]:
             want.append(start + e - a - 1)
         start += e - a
-    assert len(seqs) == b + len(chunks)
     index = torch.arange(len(pos)) if all_rows else torch.tensor(want)
     return ForwardBatch(ids, pos, slots, b, dec_tables, dec_mask, tuple(parts), index)
 
