@@ -125,6 +125,7 @@ class Engine:
         self.model_dir = loaded.model_dir
         self.tokenizer = loaded.tokenizer
         self.vocab_size = spec.vocab_size
+        self.model_spec = spec  # the model's shape, as the benchmarks count its work
         self.decode_weight_bytes = loaded.model.decode_weight_bytes()  # what minisgl bench reports
         limits = [spec.max_position_embeddings, self.num_blocks * config.block_size]
         self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))

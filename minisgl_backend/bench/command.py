@@ -67,6 +67,8 @@ def _peers(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
     print(f"kernels: {result['kernels']} (this CPU runs up to {result['machine_kernels']})")
     if result["decode"]:
         print("batch-1 decode: " + ", ".join(f"{k} {v:.3g}" for k, v in result["decode"].items()))
+    if result["prefill"]:
+        print("prefill: " + ", ".join(f"{k} {v:.3g}" for k, v in result["prefill"].items()))
     return result
 
 

@@ -1,15 +1,21 @@
 """`minisgl bench --scenario peers`: output tok/s of the default and deterministic configs on the
-peer harness's workloads, and the batch-1 decode step against the machine's weight-read rate."""
+peer harness's workloads, the batch-1 decode step against the machine's weight-read rate, and the
+prefill workload against the rate of the model's largest linear on this machine (the compute roof a
+prefill can reach: linears are ~90-95% of its FLOPs)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import torch
+
 from minisgl_backend.bench.measure import random_prompts, summarize
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.engine import Engine
 from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.layers import Linear
+from minisgl_backend.model.spec import ModelSpec
 from minisgl_backend.types import SamplingParams
 
 # The peers scenario: the workloads of ../shared/peers (and the speed issues): random-token prompts,
@@ -23,6 +29,39 @@ PEER_WORKLOADS = {
 PEER_VARIANTS = {"default": {}, "deterministic": {"deterministic": True}}
 
 
+def prefill_gflop(spec: ModelSpec, n: int, length: int) -> float:
+    """GFLOP (2 per multiply-add) of the forward that prefills n prompts of `length` tokens and
+    computes one token's logits each: every layer's linears and causal attention over every token,
+    except the last layer past its K/V (qkv_proj only: DecoderLayer.forward's `keep`), and the LM
+    head for one row per prompt. Sliding windows are not counted (a window only lowers it)."""
+    h, kvh, d, hidden = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+    qkv = 2 * hidden * (h + 2 * kvh) * d
+    rest = 2 * h * d * hidden + 3 * 2 * hidden * spec.intermediate_size  # o_proj, gate/up and down
+    attend = 4 * h * d * length * (length + 1) // 2  # QK and PV, token p seeing keys 0..p
+    full_layers = spec.num_layers - 1
+    per_prompt = full_layers * (length * (qkv + rest) + attend) + length * qkv + rest + 4 * h * d * length
+    return n * (per_prompt + 2 * hidden * spec.vocab_size) / 1e9
+
+
+def linear_rate_gflops(spec: ModelSpec, rows: int = 1024, repeat: int = 5) -> float:
+    """GFLOP/s of the model's gate/up projection ([rows, hidden] x [hidden, 2 x intermediate], the
+    largest share of a prefill's FLOPs) through Linear.forward as the engine runs it in this process
+    (packed where the kernel family packs), random bf16 weights, best of `repeat` at torch's thread
+    count."""
+    lin = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.02)
+        lin.pack()
+        x = torch.randn(rows, spec.hidden_size, dtype=torch.bfloat16)
+        lin(x)
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            lin(x)
+            best = min(best, time.perf_counter() - t0)
+    return 2 * rows * lin.weight.numel() / best / 1e9
+
+
 def bench_peers(base: EngineConfig, repeat: int = 3) -> dict[str, Any]:
     """Each PEER_VARIANTS config on each PEER_WORKLOADS workload, measured as the peer harness
     measures vLLM and HF: a warm-up on 2 prompts, then the best of `repeat` full runs, with the
@@ -30,10 +69,13 @@ def bench_peers(base: EngineConfig, repeat: int = 3) -> dict[str, Any]:
     Returns {"rows": workload -> {variant: output tok/s (prefill: seconds), "<variant> cost %"},
     "kernels": the kernel family, "decode": the batch-1 weight stream}: the default config's
     decode step at one request (its mean time per output token), the weight bytes a step reads,
-    their ratio and the machine's streaming read rate measured beside it."""
+    their ratio and the machine's streaming read rate measured beside it; "prefill": the prefill
+    workload's GFLOP (prefill_gflop), the default config's GFLOP/s on it, and that against the
+    rate of the model's largest linear measured beside it (linear_rate_gflops)."""
     base = base.replace(prefix_cache="off")
     rows: dict[str, dict[str, float]] = {name: {} for name in PEER_WORKLOADS}
     stream: dict[str, float] = {}
+    compute: dict[str, float] = {}
     for variant, overrides in PEER_VARIANTS.items():
         with Engine(base.replace(**overrides)) as engine:
             for name, (n, input_len, output_len) in PEER_WORKLOADS.items():
@@ -53,6 +95,11 @@ def bench_peers(base: EngineConfig, repeat: int = 3) -> dict[str, Any]:
                 print(f"  {variant} {name}: {rows[name][variant]:.2f} {unit}", flush=True)
                 if n == 1 and variant == "default":
                     stream = {"step_ms": 1000 * tpot, "weight_bytes": engine.decode_weight_bytes}
+                if prefill and variant == "default":  # the roof measured while the engine idles
+                    work = prefill_gflop(engine.model_spec, n, input_len)
+                    linear = linear_rate_gflops(engine.model_spec)
+                    compute = {"gflop": work, "gflop_per_s": work / best, "linear_gflop_per_s": linear}
+                    compute["fraction_of_linear"] = work / best / linear
     if stream:
         stream["weights_gb_per_s"] = stream["weight_bytes"] / (stream["step_ms"] / 1000) / 1e9
         read = cpu_kernels.stream_read_gbps()
@@ -69,4 +116,5 @@ def bench_peers(base: EngineConfig, repeat: int = 3) -> dict[str, Any]:
         "kernels": cpu_kernels.family(),
         "machine_kernels": cpu_kernels.machine_family(),
         "decode": stream,
+        "prefill": compute,
     }

@@ -86,3 +86,46 @@ def test_logit_rows_and_kv_are_the_bits_of_the_full_last_layer(family, determini
             assert torch.equal(kept, full[wanted.logits_index]), f"step {step}: logits differ"
             for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
                 assert torch.equal(a, b), f"step {step}: the K/V written differ"
+
+
+def test_prefill_forward_runs_the_linear_work_the_peers_bench_counts():
+    """bench/peers.prefill_gflop (the `minisgl bench --scenario peers` compute roof line) against the
+    multiply-adds the forward's linears actually run, counted by a hook on every Linear call: the
+    last layer takes only the logit rows past its qkv_proj."""
+    from minisgl_backend.bench.peers import prefill_gflop
+    from minisgl_backend.model.layers import Linear
+
+    model = _model(deterministic=False)
+    s = model.spec
+    n, length = 2, 9
+    counted = []
+    hooks = [
+        m.register_forward_hook(
+            lambda mod, inp, out: counted.append(2 * inp[0].shape[0] * mod.weight.numel())
+        )
+        for m in model.modules()
+        if isinstance(m, Linear)
+    ]
+    kv = KVCache(s.num_layers, 12, BLOCK, s.num_kv_heads, s.head_dim, torch.bfloat16, "cpu")
+    tables = torch.arange(12).view(2, 6)
+    pos = torch.cat([torch.arange(length)] * n)
+    slots = torch.cat(
+        [tables[i][torch.arange(length) // BLOCK] * BLOCK + torch.arange(length) % BLOCK for i in range(n)]
+    )
+    chunks = tuple(
+        PrefillChunk(i * length, length, length, tables[i][: -(-length // BLOCK)]) for i in range(n)
+    )
+    ids = torch.randint(0, 96, (n * length,), generator=torch.Generator().manual_seed(0))
+    model(
+        ForwardBatch(ids, pos, slots, 0, None, None, chunks, torch.tensor([length - 1, 2 * length - 1])), kv
+    )
+    for h in hooks:
+        h.remove()
+    h, d = s.num_heads, s.head_dim
+    attention = n * 4 * h * d * ((s.num_layers - 1) * length * (length + 1) // 2 + length)
+    # The MLP's gate/up runs as linear_packed_silu where packed, outside Linear.forward's hook.
+    gate_up = 2 * s.hidden_size * 2 * s.intermediate_size * n * ((s.num_layers - 1) * length + 1)
+    unhooked = gate_up if model.model.layers[0].mlp.gate_up_proj.gated else 0
+    assert (sum(counted) + unhooked + attention) / 1e9 == pytest.approx(
+        prefill_gflop(s, n, length), rel=1e-12
+    )
