@@ -106,6 +106,42 @@ AVX512 inline __m512 vsum16(__m512* p) {
     return p[0];
 }
 
+// r[j] lane i -> r[i] lane j: a 16 x 16 matrix of 32-bit elements transposed in registers.
+AVX512 inline void transpose16(__m512i* r) {
+    __m512i t[16];
+    for (int j = 0; j < 16; j += 2) {
+        t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+        t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+    }
+    for (int a = 0; a < 16; a += 4) {  // u[a + c]'s 128-bit lane L: rows a..a+3 of column 4L + c
+        r[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+        r[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+        r[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+        r[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes across r[c], r[4 + c], r[8 + c], r[12 + c]
+        const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+        t[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        t[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// acc[i] lane l = dim c0 + i of lane l's output vector (a lane group's V sum, dims in registers):
+// transposed, each of the first n lanes' 16 dims stored at lane_out[l] + c0, rounded as store16m
+// (store's bits, sixteen at a time), instead of 16 x n scalar stores.
+template <typename T>
+AVX512 inline void store_lanes(const __m512* acc, T* const* lane_out, int64_t n, int64_t c0) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(acc[i]);
+    transpose16(r);
+    for (int64_t l = 0; l < n; ++l) store16m(lane_out[l] + c0, _mm512_castsi512_ps(r[l]), 0xffff);
+}
+
 // The keys of the 16-key tile from key t that lie in [first, last], as lanes.
 inline __mmask16 tile_lanes(int64_t first, int64_t last, int64_t t) {
     const int64_t a = std::max<int64_t>(first - t, 0), e = std::min<int64_t>(last - t, 15);
@@ -298,9 +334,9 @@ DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t
 
 // A prefill block's V sum for one lane group (attend_lanes', with the dp scorer): sc[key * 16 + lane]
 // the exponentials of keys lo..hi, normalized (x inv, each lane's 1 / sum) as they are rounded to
-// bf16 pairs; out_tile [chunk][dim][lane] the sums.
+// bf16 pairs; the first n lanes' sums stored at lane_out[lane] (store_lanes).
 DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, const AttnShape& s, AttnScratch& w,
-                               float* out_tile) {
+                               uint16_t* const* lane_out, int64_t n) {
     const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = b.hi / 2 - p0 + 1;
     w.ppair.resize(static_cast<size_t>(pairs * 16));
     for (int64_t t = 0; t < pairs; ++t) {
@@ -321,7 +357,7 @@ DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, 
                 acc[i] = _mm512_dpbf16_ps(acc[i], vb, pp);
             }
         }
-        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out_tile + (c * 16 + i) * 16, acc[i]);
+        store_lanes(acc, lane_out, n, c * 16);
     }
 }
 
@@ -514,41 +550,17 @@ DPBF16 void dp_scores(const uint16_t* kpool, const int64_t* table, const AttnSha
 // the raw bf16 bits; lanes past n are zero.
 AVX512 inline void pack_query_pairs(const uint16_t* q, int64_t q_stride, int64_t v0, int64_t n, int64_t kvh,
                                     const AttnShape& s, uint32_t* qb) {
-    const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
-    for (int64_t l = 0; l < 16; ++l) {
-        if (l >= n) {
-            for (int64_t i = 0; i < d / 2; ++i) qb[i * 16 + l] = 0u;
-            continue;
-        }
-        const uint16_t* qv = q + (v0 + l) / g * q_stride + (kvh * g + (v0 + l) % g) * d;
-        for (int64_t i = 0; i < d / 2; ++i)
-            qb[i * 16 + l] = static_cast<uint32_t>(qv[2 * i]) | static_cast<uint32_t>(qv[2 * i + 1]) << 16;
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads, pairs = d / 2;
+    for (int64_t c = 0; c < pairs; c += 16) {  // head_dim a multiple of 16: 8 or 16 pairs at a time
+        const int take = static_cast<int>(std::min<int64_t>(16, pairs - c));
+        const __mmask16 in_row = static_cast<__mmask16>((1u << take) - 1);
+        __m512i r[16];
+        for (int64_t l = 0; l < 16; ++l)
+            r[l] = l < n ? _mm512_maskz_loadu_epi32(in_row, q + (v0 + l) / g * q_stride + (kvh * g + (v0 + l) % g) * d + 2 * c)
+                         : _mm512_setzero_si512();
+        transpose16(r);
+        for (int i = 0; i < take; ++i) _mm512_storeu_si512(qb + (c + i) * 16, r[i]);
     }
-}
-
-// r[j] lane i -> r[i] lane j: a 16 x 16 matrix of 32-bit elements transposed in registers.
-AVX512 inline void transpose16(__m512i* r) {
-    __m512i t[16];
-    for (int j = 0; j < 16; j += 2) {
-        t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
-        t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
-    }
-    for (int a = 0; a < 16; a += 4) {  // u[a + c]'s 128-bit lane L: rows a..a+3 of column 4L + c
-        r[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
-        r[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
-        r[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
-        r[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
-    }
-    for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes across r[c], r[4 + c], r[8 + c], r[12 + c]
-        const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-        const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-        const __m512i v3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-        t[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        t[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-        t[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        t[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-    }
-    for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
 // dp_scores for the few query vectors of a decode block, with the keys in the lanes instead: a
@@ -700,6 +712,8 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
             lasts[l] = l < n ? static_cast<int32_t>(pos[r]) : -1;
         }
         const __m512i first_v = _mm512_load_si512(firsts), last_v = _mm512_load_si512(lasts);
+        T* lane_out[16];  // lane l's output vector: row (v0 + l) / g, head kvh * g + (v0 + l) % g
+        for (int64_t l = 0; l < n; ++l) lane_out[l] = out + (v0 + l) / g * s.heads * d + (kvh * g + (v0 + l) % g) * d;
         float* sc = w.scores.data() - base * 16;  // sc[key * 16 + lane]
         const __m512 scale = _mm512_set1_ps(s.scale);
         if constexpr (std::is_same_v<T, uint16_t>) {
@@ -750,17 +764,11 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         const __m512 inv = _mm512_maskz_div_ps(used, one, vsum16(part));
         if constexpr (std::is_same_v<T, uint16_t>)
             if (dp) {
-                w.acc.resize(static_cast<size_t>(d * 16));
-                dp_lanes_value_sum(sc, inv, b, s, w, w.acc.data());  // [dim][lane]
-                for (int64_t l = 0; l < n; ++l) {
-                    const int64_t r = (v0 + l) / g, h = (v0 + l) % g;
-                    for (int64_t i = 0; i < d; ++i) store(out + r * s.heads * d, (kvh * g + h) * d + i, w.acc[i * 16 + l]);
-                }
+                dp_lanes_value_sum(sc, inv, b, s, w, lane_out, n);
                 continue;
             }
         for (int64_t key = lo; key <= b.hi; ++key)
             _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), inv));
-        alignas(64) float tile[16][16];
         for (int64_t c = 0; c < chunks; ++c) {
             __m512 acc[16];
             for (auto& a : acc) a = _mm512_setzero_ps();
@@ -769,11 +777,7 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
                 const float* vr = w.vf.data() + j * d + c * 16;
                 for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_set1_ps(vr[i]), acc[i]);
             }
-            for (int i = 0; i < 16; ++i) _mm512_store_ps(tile[i], acc[i]);
-            for (int64_t l = 0; l < n; ++l) {
-                const int64_t r = (v0 + l) / g, h = (v0 + l) % g;
-                for (int i = 0; i < 16; ++i) store(out + r * s.heads * d, (kvh * g + h) * d + c * 16 + i, tile[i][l]);
-            }
+            store_lanes(acc, lane_out, n, c * 16);
         }
     }
 }
