@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 
-from minisgl_backend.bench.linear import best_of
+from minisgl_backend.bench.linear import best_of, kernel_bench_args
 from minisgl_backend.model import cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -69,15 +68,7 @@ def kernel_calls(scorers: list[str], *args: object) -> dict[str, functools.parti
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    a = ap.parse_args()
-    if not cpu_kernels.available():
-        raise SystemExit("the native kernels do not run here (not built, MINISGL_CPU_KERNELS=0 or no AVX2)")
-    torch.set_num_threads(a.threads)
-    clock = time.thread_time if a.threads == 1 else time.perf_counter
-    dtype = getattr(torch, a.dtype)
+    a, clock, dtype = kernel_bench_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     g = torch.Generator().manual_seed(0)
     scale = HEAD_DIM**-0.5
     bf16 = a.dtype == "bfloat16"

@@ -22,6 +22,7 @@ import argparse
 import functools
 import json
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,23 @@ def best_of(fn, clock) -> float:
                 break
         best = min(best, (clock() - t) / reps)
     return best
+
+
+Clock = Callable[[], float]
+
+
+def kernel_bench_args(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, Clock, torch.dtype]:
+    """The shared start of the attention and row-wise kernel benchmarks: adds --threads (1) and
+    --dtype (bfloat16) to `ap`, parses, stops unless the native kernels run, sets torch's threads.
+    Returns (args, clock, dtype); the clock is the calling thread's CPU time at one thread (robust on
+    a shared machine), wall time otherwise."""
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    a = ap.parse_args()
+    if not cpu_kernels.available():
+        raise SystemExit("the native kernels do not run here (not built, MINISGL_CPU_KERNELS=0 or no AVX2)")
+    torch.set_num_threads(a.threads)
+    return a, time.thread_time if a.threads == 1 else time.perf_counter, getattr(torch, a.dtype)
 
 
 def main() -> None:

@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 
 import torch
 import torch.nn.functional as F
 
-from minisgl_backend.bench.linear import best_of
+from minisgl_backend.bench.linear import best_of, kernel_bench_args
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.layers import RMSNorm
 from minisgl_backend.model.rope import rotate_half
@@ -42,14 +41,7 @@ def torch_add_and_norm(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    a = ap.parse_args()
-    if not cpu_kernels.available():
-        raise SystemExit("the native kernels do not run here (not built, MINISGL_CPU_KERNELS=0 or no AVX2)")
-    torch.set_num_threads(a.threads)
-    clock = time.thread_time if a.threads == 1 else time.perf_counter
-    dtype = getattr(torch, a.dtype)
+    a, clock, dtype = kernel_bench_args(ap)
     g = torch.Generator().manual_seed(0)
     norm = RMSNorm(HIDDEN, 1e-5).to(dtype)
     for m in a.rows:
