@@ -43,7 +43,7 @@ def prefill_gflop(spec: ModelSpec, n: int, length: int) -> float:
     return n * (per_prompt + 2 * hidden * spec.vocab_size) / 1e9
 
 
-def linear_rate_gflops(spec: ModelSpec, rows: int = 1024, repeat: int = 5) -> float:
+def linear_rate_gflops(spec: ModelSpec, rows: int = 1024, repeat: int = 10) -> float:
     """GFLOP/s of the model's gate/up projection ([rows, hidden] x [hidden, 2 x intermediate], the
     largest share of a prefill's FLOPs) through Linear.forward as the engine runs it in this process
     (packed where the kernel family packs), random bf16 weights, best of `repeat` at torch's thread
