@@ -33,6 +33,21 @@ def model_spec(**over: Any):
     return ModelSpec(**(shape | attention | plain | over))
 
 
+def random_bf16_model(spec: Any) -> Any:
+    """A CausalLM of `spec` with seeded random weights (norm weights too: away from the all-ones
+    init), in bf16, not yet packed: what the kernel-level model tests run on."""
+    import torch
+
+    from minisgl_backend.model.llama import CausalLM
+
+    torch.manual_seed(0)
+    model = CausalLM(spec)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    return model.to(torch.bfloat16)
+
+
 def hf_tiny_config(**over: Any) -> dict[str, Any]:
     """Keyword arguments of a 2-layer transformers config (SmolLM2's vocabulary, hidden 64, GQA 4/2,
     untied, large random weights), with `over`."""

@@ -16,7 +16,7 @@ from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.decode_stack import DecodeStack, DecodeStackForward
 from minisgl_backend.model.llama import CausalLM, ForwardBatch, Linear, ModelSpec
 from minisgl_backend.model.loader import forward_strategy
-from tests.helpers import model_spec
+from tests.helpers import model_spec, random_bf16_model
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(),
@@ -45,12 +45,7 @@ def _spec(**over) -> ModelSpec:
 
 
 def _model(spec: ModelSpec, mode: str) -> CausalLM:
-    torch.manual_seed(0)
-    model = CausalLM(spec)
-    with torch.no_grad():
-        for p in model.parameters():  # norm weights too: away from the all-ones init
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
-    model = model.to(torch.bfloat16)
+    model = random_bf16_model(spec)
     if mode == "int8":
         model.quantize_int8()
     if mode != "unpacked":

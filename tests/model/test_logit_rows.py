@@ -16,7 +16,7 @@ from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.llama import CausalLM, ForwardBatch
 from minisgl_backend.model.loader import forward_strategy
-from tests.helpers import model_spec
+from tests.helpers import model_spec, random_bf16_model
 
 BLOCK = 4
 FAMILIES = [f for f in cpu_kernels.FAMILIES if cpu_kernels.runs_family(f)]
@@ -24,12 +24,7 @@ FAMILIES = [f for f in cpu_kernels.FAMILIES if cpu_kernels.runs_family(f)]
 
 def _model(deterministic: bool) -> CausalLM:
     spec = model_spec(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=3, head_dim=32)
-    torch.manual_seed(0)
-    model = CausalLM(spec)
-    with torch.no_grad():
-        for p in model.parameters():  # norm weights too: away from the all-ones init
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
-    model = model.to(torch.bfloat16)
+    model = random_bf16_model(spec)
     model.pack_weights()
     model.forward_strategy = forward_strategy(model, deterministic)
     return model
