@@ -92,11 +92,13 @@ class OptionalBuildExt(build_ext):
                 ext.extra_compile_args += ["-std=c++17", "-O2", "-g0", "-fvisibility=hidden"]
                 ext.extra_link_args += ["-ldl"]  # dlopen of the CUDA runtime at run time
                 if ext is KERNELS:
-                    # libgomp.so.1 is the soname torch's wheel loads too: one OpenMP runtime, one team.
+                    # The kernels run on their own pool (csrc/cpu/pool.h) or, where torch computes much
+                    # of the forward, on OpenMP's team: libgomp.so.1 is the soname torch's wheel loads
+                    # too, so that is one runtime and one team.
                     # -Wno-*uninitialized: GCC 12 flags the _mm512_undefined_* placeholders of immintrin.h.
                     quiet = ["-Wno-uninitialized", "-Wno-maybe-uninitialized"]
-                    ext.extra_compile_args += ["-O3", "-fopenmp", *quiet]
-                    ext.extra_link_args += ["-fopenmp"]
+                    ext.extra_compile_args += ["-O3", "-fopenmp", "-pthread", *quiet]
+                    ext.extra_link_args += ["-fopenmp", "-pthread"]
             super().build_extension(ext)
         except Exception as exc:  # compiler missing or failing, pybind11 missing, ...
             bar = "=" * 78

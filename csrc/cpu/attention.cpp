@@ -824,13 +824,15 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
         if (!vector || r == 0 || row_table[r] != row_table[r - 1] || r - starts.back() == ATTN_BLOCK) starts.push_back(r);
     const int64_t blocks = static_cast<int64_t>(starts.size());
     starts.push_back(n);
-#pragma omp parallel num_threads(threads)
-    {
+    // One item at a time: a long prefill block costs many decode rows.
+    run_parallel(threads, blocks * s.kv_heads, 1, [&](WorkShare& share, int slot) {
         AttnScratch w;
-        if (tiles) configure_score_tiles();
-        // Dynamic: a long prefill block costs many decode rows.
-#pragma omp for schedule(dynamic)
-        for (int64_t item = 0; item < blocks * s.kv_heads; ++item) {
+        bool configured = false;
+        for (int64_t item, item_end; share.claim(slot, item, item_end);) {
+            if (tiles && !configured) {
+                configure_score_tiles();
+                configured = true;
+            }
             const int64_t b = item / s.kv_heads, kvh = item % s.kv_heads, r0 = starts[b];
             const int64_t* table = tp + row_table[r0] * s.table_stride;
             const T* qr = qp + r0 * q_stride;
@@ -844,8 +846,8 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
             else
                 attend_group<T>(qr, kp, vp, table, positions[r0], kvh, o, s, w.scores, w.acc);
         }
-        if (tiles) release_tiles();
-    }
+        if (configured) release_tiles();
+    });
 }
 
 // The decode stack's (bf16; paged_attention instantiates the float32 one).

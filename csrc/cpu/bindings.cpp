@@ -1,8 +1,8 @@
 // The Python module minisgl_backend.native._kernels: pybind11 bindings of every family's entry points
 // (kernels.h). Pointer-level: use minisgl_backend.model.cpu_kernels, which checks shapes and dtypes
-// and falls back to torch where a kernel cannot run. Built without torch headers; OpenMP is the same
-// libgomp torch loads (one soname, one runtime, one thread team), the caller passes torch's thread
-// count, and every kernel runs with the GIL released.
+// and falls back to torch where a kernel cannot run. Built without torch headers; every kernel runs
+// on the library's own thread pool (pool.h) with the thread count the caller passes, and with the
+// GIL released.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -43,6 +43,19 @@ PYBIND11_MODULE(_kernels, m) {
           "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for any m over pack_dpbf16(w); contiguous bfloat16.");
     m.def("stream_read", &stream_read, py::call_guard<py::gil_scoped_release>(), py::arg("buf"), py::arg("bytes"),
           py::arg("threads"), py::arg("isa"), "Read `bytes` of buf once over `threads` (a memory bandwidth probe); returns their sum.");
+    m.def("pool_set_test_delay", &pool_set_test_delay, py::arg("slot"), py::arg("micros"),
+          "Test hook: pool thread `slot` sleeps `micros` after its first claim in every call (0 = off).");
+    m.def("pool_claims", &pool_claims, py::call_guard<py::gil_scoped_release>(), py::arg("threads"), py::arg("n"),
+          py::arg("grain"), "Test hook: n empty items over `threads`; the slot that claimed each item.");
+    m.def("pool_set_spin", &pool_set_spin, py::arg("micros"),
+          "How long a waiting pool thread spins before it sleeps, in microseconds (process-wide).");
+    m.def("pool_spin", &pool_spin, "The pool's spin time in microseconds.");
+    m.def("pool_use_openmp", &pool_use_openmp, py::arg("on"),
+          "Run kernels on the OpenMP team torch uses (True) or on the kernels' own pool (False, the default).");
+    m.def("pool_uses_openmp", &pool_uses_openmp, "Whether kernels run on the OpenMP team.");
+    m.def("pool_contended", &pool_contended,
+          "Whether the kernels' threads have been kept waiting for a core lately (another busy process).");
+    m.def("pool_threads", &pool_threads, "How many pool threads have been started (the caller not counted).");
     m.def("linear_int8", &linear_int8, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
           py::arg("scale"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
           py::arg("threads"),

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "pool.h"
+
 namespace minisgl::cpu {
 
 // ---- linear_fma.cpp: 1-4 rows on float32 FMAs over split bf16 pairs, AVX-512 or AVX2 (isa: common.h Isa) ----

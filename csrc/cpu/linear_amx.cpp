@@ -105,17 +105,18 @@ void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads) {
     const auto* wp = reinterpret_cast<const uint16_t*>(w);
     auto* op = reinterpret_cast<uint16_t*>(out);
     const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t nb = 0; nb < NB; ++nb)
-        for (int64_t kb = 0; kb < KB; ++kb)
-            for (int64_t j = 0; j < 2; ++j)
-                for (int64_t pair = 0; pair < 16; ++pair)
-                    for (int64_t n = 0; n < 16; ++n)
-                        for (int64_t e = 0; e < 2; ++e) {
-                            const int64_t row = nb * 32 + j * 16 + n, col = kb * 32 + 2 * pair + e;
-                            op[((((nb * KB + kb) * 2 + j) * 16 + pair) * 16 + n) * 2 + e] =
-                                row < N && col < K ? wp[row * K + col] : 0;
-                        }
+    parallel_for(threads, NB, 0, [&](int64_t nb0, int64_t nb1) {
+        for (int64_t nb = nb0; nb < nb1; ++nb)
+            for (int64_t kb = 0; kb < KB; ++kb)
+                for (int64_t j = 0; j < 2; ++j)
+                    for (int64_t pair = 0; pair < 16; ++pair)
+                        for (int64_t n = 0; n < 16; ++n)
+                            for (int64_t e = 0; e < 2; ++e) {
+                                const int64_t row = nb * 32 + j * 16 + n, col = kb * 32 + 2 * pair + e;
+                                op[((((nb * KB + kb) * 2 + j) * 16 + pair) * 16 + n) * 2 + e] =
+                                    row < N && col < K ? wp[row * K + col] : 0;
+                            }
+    });
 }
 
 AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
@@ -131,29 +132,28 @@ AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, 
         for (int64_t m = 0; m < M; ++m) std::memcpy(padded.data() + m * xs, xp + m * K, K * 2);
         xp = padded.data();
     }
-#pragma omp parallel num_threads(threads)
-    {
-        alignas(64) float sums[32 * 32];
-        int ra_now = -1, rb_now = -1;  // the thread's tile shape (ldtilecfg only when it changes)
-        for (int64_t c0 = 0; c0 < M; c0 += AMX_ROW_CHUNK) {
-            const int64_t c1 = std::min(M, c0 + AMX_ROW_CHUNK);
-            // Static over weight blocks: each thread streams one contiguous slice of the weights,
-            // and a block's weights stay in L1/L2 while every row of the chunk uses them.
-#pragma omp for schedule(static)
-            for (int64_t nb = 0; nb < NB; ++nb)
-                for (int64_t m0 = c0; m0 < c1; m0 += 32) {
-                    const int rows = static_cast<int>(std::min<int64_t>(32, c1 - m0));
-                    const int ra = std::min(16, rows), rb = rows - ra;
-                    if (ra != ra_now || rb != rb_now) {
-                        configure_tiles(ra, rb);
-                        ra_now = ra;
-                        rb_now = rb;
+    for (int64_t c0 = 0; c0 < M; c0 += AMX_ROW_CHUNK) {
+        const int64_t c1 = std::min(M, c0 + AMX_ROW_CHUNK);
+        // Over weight blocks: each thread starts on one contiguous slice of the weights (pool.h), and
+        // a block's weights stay in L1/L2 while every row of the chunk uses them.
+        run_parallel(threads, NB, 0, [&](WorkShare& share, int slot) AMX {
+            alignas(64) float sums[32 * 32];
+            int ra_now = -1, rb_now = -1;  // the thread's tile shape (ldtilecfg only when it changes)
+            for (int64_t nb0, nb1; share.claim(slot, nb0, nb1);)
+                for (int64_t nb = nb0; nb < nb1; ++nb)
+                    for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+                        const int rows = static_cast<int>(std::min<int64_t>(32, c1 - m0));
+                        const int ra = std::min(16, rows), rb = rows - ra;
+                        if (ra != ra_now || rb != rb_now) {
+                            configure_tiles(ra, rb);
+                            ra_now = ra;
+                            rb_now = rb;
+                        }
+                        amx_block(xp + m0 * xs, xs, wp + nb * KB * 1024, KB, ra, rb, sums);
+                        store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N);
                     }
-                    amx_block(xp + m0 * xs, xs, wp + nb * KB * 1024, KB, ra, rb, sums);
-                    store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N);
-                }
-        }
-        if (ra_now >= 0) _tile_release();
+            if (ra_now >= 0) _tile_release();
+        });
     }
 }
 

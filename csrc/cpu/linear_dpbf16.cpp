@@ -113,23 +113,24 @@ DPBF16 void dp_linear(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t
     // of the panel to keep in cache, so the chain runs over the whole of K.
     const int64_t blocks = (pairs + DP_KC - 1) / DP_KC;
     const int64_t kc = M <= DP_ROWS ? pairs : (pairs + blocks - 1) / blocks;
-    // Static over (panel, chunk), panel-major: each thread streams one contiguous slice of the
-    // weights once, a panel's K block staying in L2 while every chunk of rows passes over it.
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t item = 0; item < chunks * panels; ++item) {
-        alignas(64) float sums[DP_ROW_CHUNK * 64];
-        const int64_t c0 = item % chunks * DP_ROW_CHUNK, c1 = std::min(M, c0 + DP_ROW_CHUNK);
-        const int64_t n0 = item / chunks * 64, width = std::min<int64_t>(64, np - n0);
-        const int vectors = static_cast<int>(width / 16);
-        const uint16_t* panel = wp + n0 * kp;
-        for (int64_t k0 = 0; k0 < pairs; k0 += kc)
-            for (int64_t r0 = c0; r0 < c1; r0 += DP_ROWS) {
-                const int rows = static_cast<int>(std::min<int64_t>(DP_ROWS, c1 - r0));
-                dp_tile_for(rows, vectors)(xp + r0 * kp, kp, panel, k0, std::min(pairs, k0 + kc),
-                                           sums + (r0 - c0) * 64, k0 == 0, r0 == c0);
-            }
-        finish(sums, c0, c1, n0, vectors);
-    }
+    // Over (panel, chunk), panel-major: each thread starts on one contiguous slice of the weights
+    // (pool.h), a panel's K block staying in L2 while every chunk of rows passes over it.
+    parallel_for(threads, chunks * panels, 1, [&](int64_t i0, int64_t i1) DPBF16 {
+        for (int64_t item = i0; item < i1; ++item) {
+            alignas(64) float sums[DP_ROW_CHUNK * 64];
+            const int64_t c0 = item % chunks * DP_ROW_CHUNK, c1 = std::min(M, c0 + DP_ROW_CHUNK);
+            const int64_t n0 = item / chunks * 64, width = std::min<int64_t>(64, np - n0);
+            const int vectors = static_cast<int>(width / 16);
+            const uint16_t* panel = wp + n0 * kp;
+            for (int64_t k0 = 0; k0 < pairs; k0 += kc)
+                for (int64_t r0 = c0; r0 < c1; r0 += DP_ROWS) {
+                    const int rows = static_cast<int>(std::min<int64_t>(DP_ROWS, c1 - r0));
+                    dp_tile_for(rows, vectors)(xp + r0 * kp, kp, panel, k0, std::min(pairs, k0 + kc),
+                                               sums + (r0 - c0) * 64, k0 == 0, r0 == c0);
+                }
+            finish(sums, c0, c1, n0, vectors);
+        }
+    });
 }
 
 }  // namespace
@@ -144,18 +145,19 @@ void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, i
     const auto* wp = reinterpret_cast<const uint16_t*>(w);
     auto* op = reinterpret_cast<uint16_t*>(out);
     const int64_t np = (N + 15) / 16 * 16, panels = (np + 63) / 64, kp = K + K % 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-        const int64_t n0 = p * 64, width = std::min<int64_t>(64, np - n0);
-        uint16_t* panel = op + n0 * kp;
-        for (int64_t pair = 0; pair < kp / 2; ++pair)
-            for (int64_t j = 0; j < width; ++j)
-                for (int64_t e = 0; e < 2; ++e) {
-                    const int64_t n = gated ? (j < 32 ? n0 / 2 + j : N / 2 + n0 / 2 + j - 32) : n0 + j;
-                    const int64_t k = 2 * pair + e;
-                    panel[(pair * width + j) * 2 + e] = n < N && k < K ? wp[n * K + k] : 0;
-                }
-    }
+    parallel_for(threads, panels, 0, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) {
+            const int64_t n0 = p * 64, width = std::min<int64_t>(64, np - n0);
+            uint16_t* panel = op + n0 * kp;
+            for (int64_t pair = 0; pair < kp / 2; ++pair)
+                for (int64_t j = 0; j < width; ++j)
+                    for (int64_t e = 0; e < 2; ++e) {
+                        const int64_t n = gated ? (j < 32 ? n0 / 2 + j : N / 2 + n0 / 2 + j - 32) : n0 + j;
+                        const int64_t k = 2 * pair + e;
+                        panel[(pair * width + j) * 2 + e] = n < N && k < K ? wp[n * K + k] : 0;
+                    }
+        }
+    });
 }
 
 DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,

@@ -86,16 +86,16 @@ void linear_int8(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uint
     for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) xf[m * xs + k] = bf16_to_f32(xp[m * K + k]);
     const int64_t blocks = N / 4, tail = N % 4;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static) nowait
-        for (int64_t b = 0; b < blocks; ++b) tiles_int8(xf.data(), xs, wp, sp, bp, yp, M, N, K, b);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < M * tail; ++t) {
-            const int64_t m = t / tail, n = blocks * 4 + t % tail;
+    parallel_for(threads, blocks + M * tail, 0, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            if (i < blocks) {
+                tiles_int8(xf.data(), xs, wp, sp, bp, yp, M, N, K, i);
+                continue;
+            }
+            const int64_t t = i - blocks, m = t / tail, n = blocks * 4 + t % tail;
             tail_int8(xf.data() + m * xs, wp + n * K, sp[n], bp ? bp + n : nullptr, yp + m * N + n, K);
         }
-    }
+    });
 }
 
 }  // namespace minisgl::cpu

@@ -103,16 +103,17 @@ inline void linear(const uint16_t* xp, const uint16_t* wp, const uint16_t* bp, u
     for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) (k % 2 ? xo : xe)[m * xs + k / 2] = bf16_to_f32(xp[m * K + k]);
     const int64_t blocks = N / TILE_ROWS, tail = N % TILE_ROWS;
-    // Static schedule: each thread streams one contiguous slice of the weight matrix; the split input
-    // rows stay in L1, and a weight tile stays there while every input row uses it.
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static) nowait
-        for (int64_t b = 0; b < blocks; ++b) tiles_bf16(xe, xo, xs, wp, bp, yp, M, N, K, b);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < M * tail; ++t) {
-            const int64_t m = t / tail, n = blocks * TILE_ROWS + t % tail;
+    // Each thread starts on one contiguous slice of the weight matrix (pool.h); the split input rows
+    // stay in L1, and a weight tile stays there while every input row uses it. The tail's single
+    // outputs come last.
+    parallel_for(threads, blocks + M * tail, 0, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+            if (i < blocks) {
+                tiles_bf16(xe, xo, xs, wp, bp, yp, M, N, K, i);
+                continue;
+            }
+            const int64_t t = i - blocks, m = t / tail, n = blocks * TILE_ROWS + t % tail;
             tail_bf16(xe + m * xs, xo + m * xs, wp + n * K, bp ? bp + n : nullptr, yp + m * N + n, K);
         }
-    }
+    });
 }

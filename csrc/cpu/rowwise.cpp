@@ -34,19 +34,24 @@ using V = Lanes8;
 }  // namespace
 }  // namespace avx2
 
+// Row-wise work is a few microseconds a row: under 32 rows, waking other threads costs more than
+// it saves.
+inline int row_threads(int64_t rows, int threads) { return rows >= 32 ? threads : 1; }
+
 template <typename T>
 void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim,
                 float eps, bool gemma, int threads, int isa) {
     const bool wide = require_isa(isa) == ISA_AVX512;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 32)
-    for (int64_t r = 0; r < rows; ++r) {
-        T* sr = sum_out ? sum_out + r * dim : nullptr;
-        const T* res = residual ? residual + r * dim : nullptr;
-        if (wide)
-            avx512::rms_norm_row(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
-        else
-            avx2::rms_norm_row(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
-    }
+    parallel_for(row_threads(rows, threads), rows, 0, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            T* sr = sum_out ? sum_out + r * dim : nullptr;
+            const T* res = residual ? residual + r * dim : nullptr;
+            if (wide)
+                avx512::rms_norm_row(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
+            else
+                avx2::rms_norm_row(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
+        }
+    });
 }
 // The decode stack's (bf16).
 template void rms_norm_t(uint16_t*, const uint16_t*, uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, float,
@@ -70,14 +75,15 @@ template <typename T>
 void rope_t(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
             int threads, int isa) {
     const bool wide = require_isa(isa) == ISA_AVX512;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 32)
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t h = 0; h < heads; ++h) {
-            if (wide)
-                avx512::rope_head(x + r * sr + h * sh, cos + r * rot, sin + r * rot, rot / 2);
-            else
-                avx2::rope_head(x + r * sr + h * sh, cos + r * rot, sin + r * rot, rot / 2);
-        }
+    parallel_for(row_threads(rows, threads), rows, 0, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+            for (int64_t h = 0; h < heads; ++h) {
+                if (wide)
+                    avx512::rope_head(x + r * sr + h * sh, cos + r * rot, sin + r * rot, rot / 2);
+                else
+                    avx2::rope_head(x + r * sr + h * sh, cos + r * rot, sin + r * rot, rot / 2);
+            }
+    });
 }
 template void rope_t(uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int,
                      int);
@@ -96,14 +102,15 @@ void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads
 template <typename T>
 void silu_and_mul_t(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads, int isa) {
     const bool wide = require_isa(isa) == ISA_AVX512;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 32)
-    for (int64_t r = 0; r < rows; ++r) {
-        const T* g = gate_up + r * 2 * dim;
-        if (wide)
-            avx512::silu_and_mul_row(g, g + dim, out + r * dim, dim);
-        else
-            avx2::silu_and_mul_row(g, g + dim, out + r * dim, dim);
-    }
+    parallel_for(row_threads(rows, threads), rows, 0, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const T* g = gate_up + r * 2 * dim;
+            if (wide)
+                avx512::silu_and_mul_row(g, g + dim, out + r * dim, dim);
+            else
+                avx2::silu_and_mul_row(g, g + dim, out + r * dim, dim);
+        }
+    });
 }
 template void silu_and_mul_t(const uint16_t*, uint16_t*, int64_t, int64_t, int, int);
 
