@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import copy
 import itertools
+import logging
 import numbers
 import queue
 import random
@@ -40,6 +41,7 @@ from minisgl_backend.kvcache.block_pool import BlockPool
 from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
 from minisgl_backend.metrics import Metrics, Tracer, install_logging
+from minisgl_backend.model import cpu_threads
 from minisgl_backend.model.loader import DTYPES, LoadedModel, load_model, prepare
 from minisgl_backend.sampling.sampler import sample_key
 from minisgl_backend.scheduler.loop import Abort, Add, Drain, SchedulerLoop, StatsLine
@@ -47,6 +49,8 @@ from minisgl_backend.scheduler.request import Request, SampleGroup
 from minisgl_backend.scheduler.scheduler import Scheduler
 from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
 from minisgl_backend.validation import check_text
+
+log = logging.getLogger("minisgl")
 
 Prompt = str | Sequence[int]
 ParamsLike = SamplingParams | dict | None
@@ -101,9 +105,13 @@ class Engine:
         if overrides:
             config = config.replace(**overrides)
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         install_logging()
+        if torch.device(config.device).type == "cpu":
+            threads = cpu_threads.plan(config.num_threads, config.dtype)
+            cpu_threads.apply(threads)
+            log.info("CPU threads: %s", threads.describe())
+        elif config.num_threads:
+            torch.set_num_threads(config.num_threads)
         tracker = make_tracker(config.callback_impl, config.max_inflight if config.overlap else 1)
         # The metrics thread may log a stats line before the KV cache is sized (num_blocks 0).
         stats = StatsLine(prefix_cache=config.prefix_cache != "off")

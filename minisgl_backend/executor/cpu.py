@@ -17,6 +17,7 @@ import torch
 
 from minisgl_backend.executor.base import STOP, DualWorkerExecutor, forward_batch, index_tensors
 from minisgl_backend.iteration import IterationInputs
+from minisgl_backend.model import cpu_threads
 
 
 class CPUExecutor(DualWorkerExecutor):
@@ -26,6 +27,7 @@ class CPUExecutor(DualWorkerExecutor):
         super().__init__(*args, **kwargs)
 
     def _launch(self, inp: IterationInputs, input_ids: torch.Tensor) -> None:
+        cpu_threads.adapt()
         t0 = time.perf_counter()
         # S16: only the rows that sample or score leave the model, as float32 on the host.
         logits = (

@@ -113,6 +113,59 @@ def _runnable() -> list[str]:
     return [f for f in FAMILIES if runs_family(f)]
 
 
+_THREADS: int | None = None
+
+
+def threads() -> int:
+    """How many threads the native kernels split their work over: set_threads()'s count, else torch's."""
+    return _THREADS or torch.get_num_threads()
+
+
+def set_threads(n: int | None) -> None:
+    """The kernels' thread count (None: follow torch.get_num_threads()); minisgl_backend.model.cpu_threads
+    sets it for an engine."""
+    global _THREADS
+    if n is not None and n < 1:
+        raise ValueError(f"a thread count is at least 1, got {n}")
+    _THREADS = n
+
+
+@contextlib.contextmanager
+def threads_override(n: int) -> Iterator[None]:
+    """Run the block's kernels (and torch's ops) on n threads (tests compare thread counts)."""
+    saved, saved_torch = _THREADS, torch.get_num_threads()
+    set_threads(n)
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        set_threads(saved)
+        torch.set_num_threads(saved_torch)
+
+
+def pool_test_delay(slot: int, micros: int) -> None:
+    """Test hook: the kernels' pool thread `slot` (1 = the first beside the caller) sleeps `micros`
+    after it claims its first items in every parallel call (0: off), as if the OS had taken its core."""
+    if _native is not None:
+        _native.pool_set_test_delay(slot, micros)
+
+
+def native_available() -> bool:
+    """Whether the native kernels were built (else every family is torch's)."""
+    return _native is not None
+
+
+def use_openmp(on: bool) -> None:
+    """Run the kernels on torch's OpenMP team (True) or on their own pool (False, the default)."""
+    if _native is not None:
+        _native.pool_use_openmp(on)
+
+
+def contended() -> bool:
+    """Whether the kernels' threads have been kept waiting for a core lately (another busy process)."""
+    return _native is not None and _native.pool_contended()
+
+
 def family() -> str:
     """The kernel family this process runs (one of FAMILIES)."""
     return _FAMILY
@@ -210,7 +263,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         m,
         n,
         k,
-        torch.get_num_threads(),
+        threads(),
         _ISA,
     )
     return out
@@ -249,9 +302,9 @@ def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     elems = _native.packed_amx_elems(n, k) if _PACKS == "amx" else _native.packed_dpbf16_elems(n, k)
     out = huge_page_empty(elems, torch.bfloat16)
     if _PACKS == "amx":
-        _native.pack_amx(weight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+        _native.pack_amx(weight.data_ptr(), out.data_ptr(), n, k, threads())
     else:
-        _native.pack_dpbf16(weight.data_ptr(), out.data_ptr(), n, k, gated, torch.get_num_threads())
+        _native.pack_dpbf16(weight.data_ptr(), out.data_ptr(), n, k, gated, threads())
     return out
 
 
@@ -266,9 +319,7 @@ def linear_packed_silu(x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, 
     out = torch.empty(*x.shape[:-1], n // 2, dtype=x.dtype)
     if m:
         x = x.contiguous()
-        _native.linear_dpbf16_silu(
-            x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, n // 2, k, torch.get_num_threads()
-        )
+        _native.linear_dpbf16_silu(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, n // 2, k, threads())
     return out
 
 
@@ -289,7 +340,7 @@ def linear_packed(
         x = x.contiguous()
         ptrs = (x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
         run = _native.linear_amx if _PACKS == "amx" else _native.linear_dpbf16
-        run(*ptrs, m, n, k, torch.get_num_threads())
+        run(*ptrs, m, n, k, threads())
     return out
 
 
@@ -357,7 +408,7 @@ def paged_attention(
         window or 0,
         q.dtype == torch.bfloat16,
         SCORERS[scorer],
-        torch.get_num_threads(),
+        threads(),
         _ISA,
     )
     return out
@@ -449,7 +500,7 @@ def rms_norm(
         eps,
         gemma,
         x.dtype == torch.bfloat16,
-        torch.get_num_threads(),
+        threads(),
         _ISA,
     )
     return out, total
@@ -479,7 +530,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         x.stride(0),
         x.stride(1),
         x.dtype == torch.bfloat16,
-        torch.get_num_threads(),
+        threads(),
         _ISA,
     )
     return True
@@ -499,7 +550,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         gate_up.numel() // (2 * dim),
         dim,
         gate_up.dtype == torch.bfloat16,
-        torch.get_num_threads(),
+        threads(),
         _ISA,
     )
     return out
@@ -526,7 +577,7 @@ def linear_int8(
         m,
         n,
         k,
-        torch.get_num_threads(),
+        threads(),
     )
     return out
 
@@ -541,6 +592,6 @@ def stream_read_gbps(megabytes: int = 512, repeat: int = 5) -> float | None:
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
-        _native.stream_read(buf.data_ptr(), buf.numel() * 4, torch.get_num_threads(), _ISA)
+        _native.stream_read(buf.data_ptr(), buf.numel() * 4, threads(), _ISA)
         best = min(best, time.perf_counter() - start)
     return buf.numel() * 4 / best / 1e9

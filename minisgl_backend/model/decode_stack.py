@@ -126,7 +126,7 @@ class DecodeStack:
             [c.data_ptr() for c in cos],
             [s.data_ptr() for s in sin],
             [c.shape[1] for c in cos],
-            torch.get_num_threads(),
+            cpu_kernels.threads(),
         )
         return x + mlp_out
 

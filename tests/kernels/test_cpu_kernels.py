@@ -8,7 +8,6 @@ AVX-512, AMX and AVX512-BF16 tests also where it lacks those."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -107,14 +106,8 @@ def test_avx2_linear_runs_every_row_count_with_each_rows_bits(n, k):
         assert not cpu_kernels.linear_row_invariant(w, b)
 
 
-@contextlib.contextmanager
 def _threads(n: int):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
+    return cpu_kernels.threads_override(n)
 
 
 def test_linear_beyond_kernel_rows_and_fp32_is_torch(vector_family):

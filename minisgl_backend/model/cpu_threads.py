@@ -1,0 +1,154 @@
+"""How many threads a CPU forward runs on, and whose threads they are.
+
+The count: the CPUs this process may use, i.e. its affinity mask (`taskset`, a container's cpuset)
+capped by a cgroup CPU quota (`docker --cpus`), and at most torch's default (the physical cores), unless
+`num_threads` says otherwise. A thread more than the CPUs it can run on only waits for them.
+
+Whose threads: the native kernels run on their own pool (csrc/cpu/pool.h), which hands work out in
+pieces a free thread claims and waits without spinning once the machine is busy, so a thread that the
+OS deschedules costs the others little. Torch's intra-op threads are OpenMP's, which split each op
+evenly and spin between ops; two teams spinning beside each other take each other's cores. So:
+
+- where the kernels run the whole forward's heavy work (bfloat16 under a family with its own linears:
+  amx, avx512bf16, avx2), torch gets one thread (what is left to it is small: embedding rows,
+  residual adds) and the kernels get the pool;
+- where torch's ops do much of it (float32; the avx512 family's many-row linears; the torch family),
+  the kernels run on torch's OpenMP team, as torch's own ops do, and when that team is kept waiting
+  for cores (another busy process, which the pool sees in the kernel's run-queue statistics) the
+  forward drops to one thread until it is not: an evenly split op on a busy machine is slower than one
+  thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minisgl_backend.model import cpu_kernels
+
+log = logging.getLogger("minisgl")
+
+# Torch's intra-op default when this module is first imported (the physical cores, or what the user set).
+_TORCH_DEFAULT = torch.get_num_threads()
+
+# The families whose native linears run every row count in bfloat16.
+_OWN_LINEARS = ("amx", "avx512bf16", "avx2")
+
+
+def cgroup_cpu_quota(
+    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> float | None:
+    """The CPUs' worth of time the process's cgroup may use (cgroup v2 `cpu.max`, or v1
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us`); None without a limit or where it cannot be read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":  # v2: walk up from the process's cgroup; the tightest limit wins
+            best = None
+            here = root / rel
+            while True:
+                try:
+                    quota, period = (here / "cpu.max").read_text().split()[:2]
+                    if quota != "max":
+                        share = int(quota) / int(period)
+                        best = share if best is None else min(best, share)
+                except (OSError, ValueError):
+                    pass
+                if here == root or root not in here.parents:
+                    break
+                here = here.parent
+            if best is not None:
+                return best
+        elif "cpu" in controllers.split(","):
+            for base in (root / "cpu" / rel, root / "cpu,cpuacct" / rel, root / "cpu", root / "cpu,cpuacct"):
+                try:
+                    quota = int((base / "cpu.cfs_quota_us").read_text())
+                    period = int((base / "cpu.cfs_period_us").read_text())
+                except (OSError, ValueError):
+                    continue
+                return quota / period if quota > 0 and period > 0 else None
+    return None
+
+
+def usable_cpus() -> tuple[int, str]:
+    """How many CPUs this process can compute on, and a phrase saying what limits it."""
+    affinity = len(os.sched_getaffinity(0))
+    why = f"{affinity} CPUs in the affinity mask"
+    count = affinity
+    quota = cgroup_cpu_quota()
+    if quota is not None and int(quota) < count:
+        count = max(1, int(quota))
+        why += f", a cgroup quota of {quota:g} CPUs"
+    if _TORCH_DEFAULT < count:
+        count = _TORCH_DEFAULT
+        why += f", torch's default of {_TORCH_DEFAULT} threads (physical cores)"
+    return count, why
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    threads: int  # the forward's threads (kernels, and torch where torch computes)
+    torch_threads: int  # torch's intra-op threads
+    openmp: bool  # kernels on torch's OpenMP team rather than their own pool
+    why: str  # for the start-up line
+
+    def describe(self) -> str:
+        where = (
+            "torch's OpenMP team, one thread while the machine is busy" if self.openmp else "their own pool"
+        )
+        return f"{self.threads} threads ({self.why}); kernels on {where}; torch intra-op {self.torch_threads}"
+
+
+def plan(num_threads: int | None, dtype: str) -> ThreadPlan:
+    """The threads a forward in `dtype` runs on under this process's kernel family."""
+    if num_threads:
+        threads, why = num_threads, "num_threads"
+    else:
+        threads, why = usable_cpus()
+    family = cpu_kernels.family()
+    own = dtype == "bfloat16" and family in _OWN_LINEARS and cpu_kernels.native_available()
+    return ThreadPlan(threads, 1 if own else threads, openmp=not own, why=why)
+
+
+_ACTIVE: ThreadPlan | None = None
+# After the forward drops to one thread on a busy machine, how long it stays there before it tries its
+# planned count again: at one thread the busy signal itself fades, and every try costs a few slow steps.
+HOLD_S = 2.0
+_held_until = 0.0
+
+
+def apply(p: ThreadPlan) -> None:
+    """Make `p` the process's plan: torch's thread count, the kernels' count and pool."""
+    global _ACTIVE
+    _ACTIVE = p
+    torch.set_num_threads(p.torch_threads)
+    cpu_kernels.set_threads(p.threads)
+    cpu_kernels.use_openmp(p.openmp)
+
+
+def adapt() -> None:
+    """Before a forward (on the thread that runs it): under a plan whose threads are OpenMP's, one
+    thread while the kernels' threads are kept waiting for cores, the planned count otherwise."""
+    p = _ACTIVE
+    if p is None or not p.openmp or p.threads == 1:
+        return
+    global _held_until
+    now = time.monotonic()
+    if cpu_kernels.contended():
+        want = 1
+        _held_until = now + HOLD_S
+    else:
+        want = 1 if now < _held_until else p.threads
+    if cpu_kernels.threads() != want:
+        log.info("machine %s: the forward now runs on %d thread(s)", "busy" if want == 1 else "free", want)
+        torch.set_num_threads(want)
+        cpu_kernels.set_threads(want)
