@@ -466,6 +466,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for --scenario/--sweep")
     b.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the default run and --scenario peers: measure again beside N busy processes (each one "
+        "CPU's worth of work, ended with the run) and with one thread beside them; prints both",
+    )
+    b.add_argument(
         "--repeat",
         type=int,
         default=None,

@@ -32,6 +32,12 @@ def run_bench(args: argparse.Namespace, config: ConfigFromFlags) -> int:
         raise MiniSGLError(
             "--trace and --plot record the timeline of --scenario or --sweep runs; give one of them"
         )
+    if args.busy and args.scenario not in (None, "peers") or args.busy and args.sweep:
+        raise MiniSGLError(
+            "--busy measures the default run or --scenario peers; not --sweep or other scenarios"
+        )
+    if args.busy < 0:
+        raise MiniSGLError(f"--busy is a count of busy processes (0 or more), got {args.busy}")
     base: dict[str, Any] | None = None
     if args.shape:
         from minisgl_backend.model.loader import cache_root
@@ -61,10 +67,12 @@ def _peers(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
     from minisgl_backend.bench.measure import format_table
     from minisgl_backend.bench.peers import bench_peers
 
-    result = bench_peers(config, repeat=args.repeat or 3)
+    result = bench_peers(config, repeat=args.repeat or 3, busy=args.busy)
     rows = result["rows"]
     print(format_table(rows, columns=list(next(iter(rows.values())))))
     print(f"kernels: {result['kernels']} (this CPU runs up to {result['machine_kernels']})")
+    if args.busy:
+        print(f"busy: beside {args.busy} busy process(es), each one CPU's worth of work")
     if result["decode"]:
         print("batch-1 decode: " + ", ".join(f"{k} {v:.3g}" for k, v in result["decode"].items()))
     if result["prefill"]:
@@ -141,6 +149,7 @@ def _offline(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
         args.output_len,
         hf=not args.no_hf,
         hf_batch_size=args.hf_batch_size,
+        busy=args.busy,
     )
     print(format_table(result["results"]))
     print(f"KV blocks after drain: {result['kv_blocks_after_drain']}")

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from minisgl_backend.bench.load import CompetingLoad
 from minisgl_backend.bench.measure import random_prompts, summarize
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.engine import Engine
@@ -70,12 +71,26 @@ def bench(
     output_len: int,
     hf: bool = True,
     hf_batch_size: int | None = None,
+    busy: int = 0,
 ) -> dict[str, Any]:
+    """The engine (and HF generate) on one workload; with `busy` > 0 the engine again beside that
+    many busy processes (CompetingLoad), and a one-thread engine beside them, the floor it must beat."""
     with Engine(config) as engine:
         prompts = random_prompts(num_requests, input_len, engine.vocab_size)
+        run_engine(engine, prompts[:2], output_len)  # warm-up
         rows: dict[str, dict[str, Any]] = {"minisgl": run_engine(engine, prompts, output_len)}
+        if busy:
+            with CompetingLoad(busy):
+                rows["minisgl, busy"] = run_engine(engine, prompts, output_len)
         leaked = engine.check_invariants()
         model_dir = str(engine.model_dir)
+    if busy:
+        with CompetingLoad(busy), Engine(config.replace(num_threads=1)) as engine:
+            run_engine(engine, prompts[:2], output_len)
+            rows["minisgl 1 thread, busy"] = run_engine(engine, prompts, output_len)
+        rows["ratio_busy_over_idle"] = {
+            k: rows["minisgl, busy"][k] / rows["minisgl"][k] for k in ("req_per_s", "output_tok_per_s")
+        }
     if hf:
         rows["hf_generate"] = run_hf(
             model_dir, config.dtype, prompts, output_len, hf_batch_size or num_requests
@@ -91,6 +106,7 @@ def bench(
             "output_len": output_len,
             "chunk_size": config.chunk_size,
             "kernels": cpu_kernels.family(),  # the CPU kernel family of this process
+            "busy_processes": busy,
         },
         "results": rows,
         "kv_blocks_after_drain": leaked,

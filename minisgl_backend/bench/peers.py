@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from minisgl_backend.bench.load import CompetingLoad
 from minisgl_backend.bench.measure import random_prompts, summarize
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.engine import Engine
@@ -27,6 +28,9 @@ PEER_WORKLOADS = {
     "32 x 512 -> 1 (prefill)": (32, 512, 1),
 }
 PEER_VARIANTS = {"default": {}, "deterministic": {"deterministic": True}}
+# With a competing load (bench_peers' `busy`): the default config beside it, and one thread beside it
+# (what the engine must never fall below: the threads it adds have to pay for themselves).
+BUSY_VARIANTS = {"default, busy": {}, "1 thread, busy": {"num_threads": 1}}
 
 
 def prefill_gflop(spec: ModelSpec, n: int, length: int) -> float:
@@ -62,7 +66,12 @@ def linear_rate_gflops(spec: ModelSpec, rows: int = 1024, repeat: int = 10) -> f
     return 2 * rows * lin.weight.numel() / best / 1e9
 
 
-def bench_peers(base: EngineConfig, repeat: int = 3) -> dict[str, Any]:
+def _speed(workload: str, row: dict[str, float], a: str, b: str) -> float:
+    """How much faster variant a ran than b on a workload's row (prefill rows are seconds)."""
+    return row[b] / row[a] if "prefill" in workload else row[a] / row[b]
+
+
+def bench_peers(base: EngineConfig, repeat: int = 3, busy: int = 0) -> dict[str, Any]:
     """Each PEER_VARIANTS config on each PEER_WORKLOADS workload, measured as the peer harness
     measures vLLM and HF: a warm-up on 2 prompts, then the best of `repeat` full runs, with the
     prefix cache off (the runs repeat their prompts: with it on, prefill would be cache hits).
@@ -71,13 +80,19 @@ def bench_peers(base: EngineConfig, repeat: int = 3) -> dict[str, Any]:
     decode step at one request (its mean time per output token), the weight bytes a step reads,
     their ratio and the machine's streaming read rate measured beside it; "prefill": the prefill
     workload's GFLOP (prefill_gflop), the default config's GFLOP/s on it, and that against the
-    rate of the model's largest linear measured beside it (linear_rate_gflops)."""
+    rate of the model's largest linear measured beside it (linear_rate_gflops). With `busy` > 0, the
+    BUSY_VARIANTS run too, each beside that many busy processes (CompetingLoad), and every row gets
+    "busy / idle" (the default config's busy figure over its idle one, as a speed ratio) and
+    "busy / 1 thread"."""
     base = base.replace(prefix_cache="off")
+    variants = {name: (overrides, 0) for name, overrides in PEER_VARIANTS.items()}
+    if busy:
+        variants.update({name: (overrides, busy) for name, overrides in BUSY_VARIANTS.items()})
     rows: dict[str, dict[str, float]] = {name: {} for name in PEER_WORKLOADS}
     stream: dict[str, float] = {}
     compute: dict[str, float] = {}
-    for variant, overrides in PEER_VARIANTS.items():
-        with Engine(base.replace(**overrides)) as engine:
+    for variant, (overrides, load) in variants.items():
+        with CompetingLoad(load), Engine(base.replace(**overrides)) as engine:
             for name, (n, input_len, output_len) in PEER_WORKLOADS.items():
                 prompts = random_prompts(n, input_len, engine.vocab_size)
                 params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -108,11 +123,14 @@ def bench_peers(base: EngineConfig, repeat: int = 3) -> dict[str, Any]:
             stream["fraction_of_read"] = stream["weights_gb_per_s"] / read
     for name, row in rows.items():
         for variant in PEER_VARIANTS:
-            if variant != "default":  # a cost: the time it adds (prefill rows are seconds)
-                ratio = row["default"] / row[variant] if "prefill" in name else row[variant] / row["default"]
-                row[f"{variant} cost %"] = 100 * (1 - ratio)
+            if variant != "default":  # a cost: the time it adds
+                row[f"{variant} cost %"] = 100 * (1 - _speed(name, row, variant, "default"))
+        if busy:
+            row["busy / idle"] = _speed(name, row, "default, busy", "default")
+            row["busy / 1 thread"] = _speed(name, row, "default, busy", "1 thread, busy")
     return {
         "rows": rows,
+        "busy_processes": busy,
         "kernels": cpu_kernels.family(),
         "machine_kernels": cpu_kernels.machine_family(),
         "decode": stream,
