@@ -470,8 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="the default run and --scenario peers: measure again beside N busy processes (each one "
-        "CPU's worth of work, ended with the run) and with one thread beside them; prints both",
+        help="measure again beside N busy processes (each one CPU's worth of work, ended with the "
+        "run) and print both: the default run and --scenario peers also at one thread beside them, "
+        "--scenario seed-table|prefix and --sweep every variant",
     )
     b.add_argument(
         "--repeat",

@@ -32,10 +32,6 @@ def run_bench(args: argparse.Namespace, config: ConfigFromFlags) -> int:
         raise MiniSGLError(
             "--trace and --plot record the timeline of --scenario or --sweep runs; give one of them"
         )
-    if args.busy and args.scenario not in (None, "peers") or args.busy and args.sweep:
-        raise MiniSGLError(
-            "--busy measures the default run or --scenario peers; not --sweep or other scenarios"
-        )
     if args.busy < 0:
         raise MiniSGLError(f"--busy is a count of busy processes (0 or more), got {args.busy}")
     base: dict[str, Any] | None = None
@@ -108,15 +104,24 @@ def _configs(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
 
         require_matplotlib()  # before minutes of benchmarking, not after
     events: list[dict[str, Any]] | None = [] if args.trace or args.plot else None
-    rows = bench_configs(
-        config,
-        variants,
-        args.num_requests,
-        args.output_len,
-        args.concurrency,
-        trace_events=events,
-        workload=shared_prefix_prompts if prefix else mixed_prompts,
-    )
+
+    def measure(names: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return bench_configs(
+            config,
+            names,
+            args.num_requests,
+            args.output_len,
+            args.concurrency,
+            trace_events=events,
+            workload=shared_prefix_prompts if prefix else mixed_prompts,
+        )
+
+    rows = measure(variants)
+    if args.busy:  # the same variants again beside the competing load
+        from minisgl_backend.bench.load import CompetingLoad
+
+        with CompetingLoad(args.busy):
+            rows.update(measure({f"{name}, busy": ov for name, ov in variants.items()}))
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump({"traceEvents": events}, f)
@@ -133,6 +138,7 @@ def _configs(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
             "output_len": args.output_len,
             "concurrency": args.concurrency,
             "prompts": "4 shared 512-token stems + 32 own tokens" if prefix else "64 tokens, every 4th 768",
+            "busy_processes": args.busy,
         },
         "results": rows,
     }

@@ -221,3 +221,20 @@ def test_determinism_reports_progress_and_ctrl_c_exits_130_in_one_line(tiny_mode
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "minisgl determinism: interrupted", err
+
+
+def test_bench_busy_measures_idle_busy_and_one_thread(tiny_model_dir, tmp_path):
+    """`minisgl bench --busy 1`: the engine idle, beside one busy process and at one thread beside
+    it, and the ratio row; a negative count is a clear error."""
+    out = tmp_path / "busy.json"
+    args = ("bench", "--model", str(tiny_model_dir), "--no-hf", "--num-requests", "4", "--input-len", "8")
+    r = _minisgl(*args, "--output-len", "4", "--busy", "1", "--json", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    rows = result["results"]
+    assert {"minisgl", "minisgl, busy", "minisgl 1 thread, busy", "ratio_busy_over_idle"} <= set(rows)
+    assert all(rows[k]["requests"] == 4 for k in ("minisgl", "minisgl, busy", "minisgl 1 thread, busy"))
+    assert result["config"]["busy_processes"] == 1
+    assert "ratio_busy_over_idle" in r.stdout
+    bad = _minisgl(*args, "--busy", "-1", timeout=120)
+    assert bad.returncode != 0 and "--busy is a count" in bad.stderr
