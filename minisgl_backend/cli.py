@@ -647,6 +647,13 @@ def _quiet() -> None:
     logging.getLogger("minisgl").setLevel(logging.WARNING)
 
 
+def _flush_logs() -> None:
+    """Log lines still buffered go out before the command's last line, which then stays last."""
+    from minisgl_backend.metrics import flush_logging
+
+    flush_logging()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
@@ -655,9 +662,11 @@ def main(argv: list[str] | None = None) -> int:
             _quiet()
         return args.fn(args)
     except MiniSGLError as e:
+        _flush_logs()
         print(f"minisgl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT, no traceback
+        _flush_logs()
         print(f"minisgl {args.command}: interrupted", file=sys.stderr)
         return 130
 

@@ -108,8 +108,8 @@ class Engine:
         install_logging()
         if torch.device(config.device).type == "cpu":
             threads = cpu_threads.plan(config.num_threads, config.dtype)
-            cpu_threads.apply(threads)
-            log.info("CPU threads: %s", threads.describe())
+            if cpu_threads.apply(threads):
+                log.info("CPU threads: %s", threads.describe())
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         tracker = make_tracker(config.callback_impl, config.max_inflight if config.overlap else 1)

@@ -184,6 +184,12 @@ class RingBufferHandler(logging.Handler):
 _installed: RingBufferHandler | None = None
 
 
+def flush_logging() -> None:
+    """Write out every log record still in the ring buffer (before a last line printed to stderr)."""
+    if _installed is not None:
+        _installed.flush()
+
+
 def install_logging() -> None:
     """Route the `minisgl` logger through the ring buffer to stderr, unless the application already
     configured a handler for it."""

@@ -126,13 +126,16 @@ HOLD_S = 2.0
 _held_until = 0.0
 
 
-def apply(p: ThreadPlan) -> None:
-    """Make `p` the process's plan: torch's thread count, the kernels' count and pool."""
+def apply(p: ThreadPlan) -> bool:
+    """Make `p` the process's plan: torch's thread count, the kernels' count and pool. True if it
+    differs from the plan before (what the engine's start-up line reports once)."""
     global _ACTIVE
+    changed = p != _ACTIVE
     _ACTIVE = p
     torch.set_num_threads(p.torch_threads)
     cpu_kernels.set_threads(p.threads)
     cpu_kernels.use_openmp(p.openmp)
+    return changed
 
 
 def adapt() -> None:
