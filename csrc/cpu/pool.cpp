@@ -123,8 +123,11 @@ class Contention {
                 worst = std::max(worst, static_cast<double>(d - t.delay) / window);
                 measured = true;
             }
-            t.delay = d;  // a thread that has ended reads -1 and is skipped
+            t.delay = d;
         }
+        // A caller thread that has ended reads -1: forget it (an engine's compute thread ends with it).
+        threads_.erase(std::remove_if(threads_.begin(), threads_.end(), [](const Seen& t) { return t.delay < 0; }),
+                       threads_.end());
         if (measured) {
             // Two windows in a row over the share before waiting turns passive: one can be a start-up
             // or a burst of the engine's own threads.
