@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -51,6 +52,17 @@ from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
 from minisgl_backend.validation import check_text
 
 log = logging.getLogger("minisgl")
+
+
+def _own_processors(params: SamplingParams) -> SamplingParams:
+    """`params` for one sequence: each logits processor that has a `fork()` (a stateful one, such as a
+    grammar's parser) replaced by a fork of it, so the n samples of a request and the prompts that
+    share one SamplingParams never advance each other's state."""
+    procs = params.logits_processors
+    if not any(callable(getattr(p, "fork", None)) for p in procs):
+        return params
+    forked = tuple(p.fork() if callable(getattr(p, "fork", None)) else p for p in procs)
+    return dataclasses.replace(params, logits_processors=forked)
 
 Prompt = str | Sequence[int]
 ParamsLike = SamplingParams | dict | None
@@ -349,7 +361,15 @@ class Engine:
         group = SampleGroup(params.n)
         return tuple(
             Request(
-                rid, ids, params, sample_key(seed, i), self._eos_ids, self._detok_tokenizer, handle, i, group
+                rid,
+                ids,
+                _own_processors(params),
+                sample_key(seed, i),
+                self._eos_ids,
+                self._detok_tokenizer,
+                handle,
+                i,
+                group,
             )
             for i in range(params.n)
         )

@@ -132,7 +132,9 @@ class GrammarProcessor:
 
     The engine calls it on the executor's copy worker (the sampling stage, `executor/sample_stage.py`, run
     from `executor/base.py`), before the draw, with all output ids so far; it feeds the matcher the
-    ids it has not seen, then masks. One instance serves one request only (it holds parser state).
+    ids it has not seen, then masks. One instance serves one sequence only (it holds parser state):
+    the engine calls fork() for each sample of a request (SamplingParams.n) and each prompt that shares
+    the params, so every sequence gets its own state from the grammar's start.
     """
 
     def __init__(self, hf_tokenizer: Any, grammar: str) -> None:
@@ -146,7 +148,19 @@ class GrammarProcessor:
         self._first: bytes | None = self._matcher.compute_bitmask()
         if self._matcher.is_error():
             raise GrammarError(f"the output grammar exceeds the parser's limits: {_why(self._matcher)}")
+        self._start = self._matcher.deep_copy()  # the state at the grammar's start, never advanced
+        self._first_mask = self._first
         self._seen = 0
+
+    def fork(self) -> GrammarProcessor:
+        """A processor of the same grammar with its own parser state, at the grammar's start (no
+        recompile: the parser state is copied)."""
+        twin = object.__new__(GrammarProcessor)
+        twin._tok, twin._grammar, twin._start = self._tok, self._grammar, self._start
+        twin._matcher = self._start.deep_copy()
+        twin._first = twin._first_mask = self._first_mask
+        twin._seen = 0
+        return twin
 
     @property
     def grammar(self) -> str:
@@ -155,7 +169,7 @@ class GrammarProcessor:
 
     def __call__(self, output_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         if len(output_ids) < self._seen:  # a preempted request recomputes: replay from scratch
-            self._matcher = llguidance.LLMatcher(self._tok, self._grammar)
+            self._matcher = self._start.deep_copy()
             self._seen = 0
         if len(output_ids) > self._seen:
             self._matcher.consume_tokens(list(output_ids[self._seen :]))

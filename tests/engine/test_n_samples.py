@@ -220,3 +220,47 @@ def test_samples_are_invariant_across_the_scheduling_grid(tiny_model_dir):
     print(report.format_table())
     assert report.points_run == 5 and len(report.requests) == 4
     assert report.num_differing == 0 and all(r.points == 5 for r in report.requests)
+
+
+# ------------------------------------------------------------------------------------ grammars
+@pytest.mark.parametrize(
+    "kind,value,check",
+    [
+        ("regex", r"[0-9]{3}-[a-z]{3}", "regex"),
+        ("choice", ["green", "blue", "red"], "choice"),
+        (
+            "json",
+            {
+                "type": "object",
+                "properties": {"a": {"enum": [1, 2, 3]}},
+                "required": ["a"],
+                "additionalProperties": False,
+            },
+            "json",
+        ),
+    ],
+)
+def test_every_sample_obeys_the_grammar(tiny_model_dir, kind, value, check):
+    """n = 8 samples at a high temperature under one grammar processor: each sample runs its own
+    parser state (a fork), so every sample's text obeys the grammar and ends when it completes; and
+    two prompts sharing one SamplingParams do too."""
+    import json
+    import re
+
+    from minisgl_backend.chat.grammar import GrammarProcessor, guide_grammar
+
+    with Engine(EngineConfig(model=str(tiny_model_dir), **QUIET)) as eng:
+        proc = GrammarProcessor(eng.tokenizer, guide_grammar(kind, value))
+        params = SamplingParams(n=8, temperature=1.5, seed=7, max_tokens=40, logits_processors=(proc,))
+        outs = eng.generate(["Answer:", "Colour:"], params, use_tqdm=False)
+        texts = [(s.text, s.finish_reason) for o in outs for s in o.samples]
+        assert len(texts) == 16
+        for text, reason in texts:
+            assert reason == "stop", (text, reason)
+            if check == "regex":
+                assert re.fullmatch(value, text), text
+            elif check == "choice":
+                assert text in value, text
+            else:
+                assert json.loads(text)["a"] in (1, 2, 3), text
+        assert_drained(eng)
