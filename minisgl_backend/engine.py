@@ -64,6 +64,7 @@ def _own_processors(params: SamplingParams) -> SamplingParams:
     forked = tuple(p.fork() if callable(getattr(p, "fork", None)) else p for p in procs)
     return dataclasses.replace(params, logits_processors=forked)
 
+
 Prompt = str | Sequence[int]
 ParamsLike = SamplingParams | dict | None
 
