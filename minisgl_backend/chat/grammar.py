@@ -9,6 +9,7 @@ JSON-schema structured output (`response_format`) is too: see `chat.template.res
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import weakref
@@ -155,10 +156,9 @@ class GrammarProcessor:
     def fork(self) -> GrammarProcessor:
         """A processor of the same grammar with its own parser state, at the grammar's start (no
         recompile: the parser state is copied)."""
-        twin = object.__new__(GrammarProcessor)
-        twin._tok, twin._grammar, twin._start = self._tok, self._grammar, self._start
+        twin = copy.copy(self)  # a subclass stays that subclass; the tokenizer and start are shared
         twin._matcher = self._start.deep_copy()
-        twin._first = twin._first_mask = self._first_mask
+        twin._first = self._first_mask
         twin._seen = 0
         return twin
 

@@ -23,6 +23,9 @@ import numpy as np
 from minisgl_backend.errors import InvalidSamplingParamsError
 from minisgl_backend.sampling.sampler import SampleRow, _failure
 
+_F32_TINY = np.float32(np.finfo(np.float32).smallest_subnormal)
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
 
 def penalise_row(
     logits: np.ndarray,
@@ -47,9 +50,13 @@ def penalise_row(
         seen[np.asarray(prompt_ids, dtype=np.int64)] = True
         seen[out] = True
         ids = np.flatnonzero(seen)
-        r = np.float32(repetition_penalty)
+        # A valid penalty below float32's smallest value rounds to 0 there: the smallest float32
+        # instead keeps a masked -inf logit -inf (0 times -inf is NaN), and a quotient past float32's
+        # range is capped at its largest value rather than +inf (which would make top-p NaN).
+        r = max(np.float32(repetition_penalty), _F32_TINY)
         v = x[ids]
-        x[ids] = np.where(v > 0, v / r, v * r)
+        with np.errstate(over="ignore"):
+            x[ids] = np.where(v > 0, np.minimum(v / r, _F32_MAX), v * r)
     if (frequency_penalty != 0.0 or presence_penalty != 0.0) and out.size:
         ids, counts = np.unique(out, return_counts=True)
         if frequency_penalty != 0.0:

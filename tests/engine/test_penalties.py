@@ -364,3 +364,16 @@ def test_penalised_requests_are_batch_and_chunk_invariant(tiny_model_dir):
     print(report.format_table())
     assert report.points_run == 4 and len(report.requests) == 9
     assert report.num_differing == 0 and all(r.points == 4 for r in report.requests)
+
+
+def test_a_repetition_penalty_below_float32_range_stays_finite(engine):
+    """repetition_penalty=5e-324 (valid: > 0) rounds to 0 in float32: the penalised logits stay
+    finite or capped, a masked -inf stays -inf, and a top-p draw over them returns tokens."""
+    row = np.array([2.0, -1.0, -np.inf, 0.5], dtype=np.float32)
+    out = penalise_row(row, [0, 1, 2], [], repetition_penalty=5e-324)
+    assert not np.isnan(out).any()
+    assert out[0] == np.finfo(np.float32).max and out[2] == -np.inf and out[3] == 0.5
+    ids = _ids(engine)[:2]
+    params = SamplingParams(temperature=0.8, top_p=0.5, seed=1, max_tokens=4, repetition_penalty=5e-324)
+    outs = engine.generate(ids, params, use_tqdm=False)
+    assert all(len(o.token_ids) == 4 and o.finish_reason == "length" for o in outs)
