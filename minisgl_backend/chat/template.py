@@ -110,7 +110,7 @@ def _args_dict(args: Any) -> Any:
     if isinstance(args, str):
         try:
             return json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: kept as text
             return args
     return args
 

@@ -67,6 +67,8 @@ def _schema_object(text: str) -> dict[str, Any]:
         schema = json.loads(text)
     except ValueError as e:
         raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+    except RecursionError:  # nested past the parser's depth: no schema is that deep
+        raise ValueError("the JSON schema is nested too deeply to parse") from None
     if not isinstance(schema, dict):
         raise ValueError("a JSON schema must be an object")
     return schema

@@ -139,6 +139,21 @@ CASES = [
     ("recursive $ref guided_json", _cmpl(guided_json=SELF_REF), 400, "invalid_grammar", None),
     ("bad Lark grammar", _chat(guided_grammar="start: nothing_defined"), 400, "invalid_grammar", None),
     ("bad regex", _cmpl(guided_regex="(unclosed"), 400, "invalid_grammar", None),
+    # JSON nested past Python's recursion limit inside string fields (the body itself is shallow)
+    (
+        "deeply nested guided_json string",
+        _cmpl(guided_json="[" * 5000 + "]" * 5000),
+        400,
+        "value_error",
+        None,
+    ),
+    (
+        "deeply nested structured_outputs.json string",
+        _chat(structured_outputs={"json": "[" * 5000 + "]" * 5000}),
+        400,
+        "value_error",
+        None,
+    ),
     ("empty choice list", _chat(guided_choice=[]), 400, "too_short", "guided_choice"),
     ("two constraints", _chat(guided_regex="a", guided_choice=["a"]), 400, "value_error", None),
     # work per request
@@ -578,3 +593,20 @@ def test_a_grammar_failing_mid_stream_ends_with_an_error_event_and_done():
     assert events[-1] == "data: [DONE]"
     err = json.loads(events[0][len("data: ") :])["error"]
     assert err["code"] == "invalid_grammar" and "parser's limits" in err["message"]
+
+
+def test_deeply_nested_tool_call_arguments_are_not_a_500(client):
+    """An assistant tool call whose `arguments` string is JSON nested past the parser's depth: kept
+    as text in the prompt, so the request gets a typed answer: here the 400 for a prompt past the
+    tiny model's context (before, a RecursionError made it a 500)."""
+    deep = "[" * 5000 + "]" * 5000
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": deep}}
+    messages = [
+        {"role": "user", "content": "add"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        {"role": "user", "content": "thanks"},
+    ]
+    r = client.post("/v1/chat/completions", json={**CHAT, "messages": messages, "tools": [TOOL]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert_serves(client, MODEL)
