@@ -298,6 +298,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise MiniSGLError(f"--replicas must be >= 1, got {args.replicas}")
     limits = _serve_limits(args)  # a bad limit fails before the model loads
+    if args.api_key is not None and not args.api_key.strip():
+        raise MiniSGLError(
+            "the API key is empty (--api-key or MINISGL_API_KEY): the server would accept any client; "
+            "give a key, or unset MINISGL_API_KEY to serve without one"
+        )
     _check_tool_call_parser(args)
     if args.chat_template:
         _chat_template(args.chat_template)  # a bad reference fails before the model loads
@@ -314,7 +319,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or None,
+        api_key=args.api_key,
         model_name=args.served_model_name,
         log_level=args.log_level,
         limits=limits,
@@ -353,7 +358,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             args.replicas,
             host=args.host,
             port=args.port,
-            api_key=args.api_key or None,
+            api_key=args.api_key,
             model_name=args.served_model_name,
             ray_address=args.ray_address,
             limits=_serve_limits(args),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hmac
 import threading
 import time
 from collections.abc import Callable
@@ -75,6 +76,8 @@ class ServerState:
         owns_backend: bool,
         limits: ServeLimits,
     ) -> ServerState:
+        if api_key is not None and not api_key.strip():
+            raise ValueError("the API key is empty: the server would accept any client; pass None for no key")
         tokenizer = copy.deepcopy(backend.tokenizer)
         return cls(
             backend=backend,
@@ -169,7 +172,8 @@ async def require_api_key(request: Request, state: AppState) -> None:
     if state.api_key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or token.strip() != state.api_key:
+    # compare_digest: the time taken does not tell a client how much of its guess matched
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
         raise APIError(
             401,
             "invalid or missing API key: send 'Authorization: Bearer <key>'",

@@ -238,3 +238,11 @@ def test_bench_busy_measures_idle_busy_and_one_thread(tiny_model_dir, tmp_path):
     assert "ratio_busy_over_idle" in r.stdout
     bad = _minisgl(*args, "--busy", "-1", timeout=120)
     assert bad.returncode != 0 and "--busy is a count" in bad.stderr
+
+
+def test_serve_refuses_an_empty_api_key_before_loading(tiny_model_dir):
+    """`--api-key ""` (or an empty MINISGL_API_KEY) would serve every client with no auth: a start-up
+    error naming the key, before any model loads."""
+    r = _minisgl("serve", "--model", str(tiny_model_dir), "--api-key", " ", "--port", "0", timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "API key is empty" in r.stderr and "Traceback" not in r.stderr
