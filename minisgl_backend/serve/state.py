@@ -132,22 +132,23 @@ class ServerState:
 
     def room(self, prompt_len: int, requested: int | None, what: str) -> int:
         """max_tokens for a prompt of `prompt_len` tokens: `requested` if it fits the context (else
-        a 400, as vLLM), or all the room left when the client asked for no particular number."""
+        a 400, as vLLM), or all the room left when the client asked for no particular number. `what`
+        names the input with its article ("the prompt", "prompt 2", "the conversation")."""
         limit = self.backend.max_model_len
         if prompt_len > limit:
             raise _context_error(
-                f"the {what} has {prompt_len} tokens but the context limit (max_model_len) is {limit}"
+                f"{what} has {prompt_len} tokens but the context limit (max_model_len) is {limit}"
             )
         if requested is None:
             if prompt_len >= limit:
                 raise _context_error(
-                    f"the {what} has {prompt_len} tokens: no room for a reply in max_model_len ({limit})"
+                    f"{what} has {prompt_len} tokens: no room for a reply in max_model_len ({limit})"
                 )
             return limit - prompt_len
         if prompt_len + requested > limit:
             raise _context_error(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the "
+                f"{prompt_len + requested} tokens ({prompt_len} in {what}, {requested} in the "
                 "completion). Please reduce the length of the prompt or completion.",
                 "max_tokens",
             )

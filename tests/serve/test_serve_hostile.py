@@ -610,3 +610,13 @@ def test_deeply_nested_tool_call_arguments_are_not_a_500(client):
     r = client.post("/v1/chat/completions", json={**CHAT, "messages": messages, "tools": [TOOL]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert_serves(client, MODEL)
+
+
+def test_context_errors_read_as_english(client):
+    """The 400 for an input past the context names it once, with its article."""
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 1100, "max_tokens": 2})
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and msg.startswith("the prompt has 1100 tokens"), msg
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 1100}]}
+    msg = client.post("/v1/chat/completions", json=long_chat).json()["error"]["message"]
+    assert msg.startswith("the conversation has ") and "the the" not in msg, msg

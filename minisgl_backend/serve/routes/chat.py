@@ -102,7 +102,9 @@ async def chat_completions(
         return prompt
 
     prompt = await pool.run(prepare)
-    max_tokens = state.room(len(prompt.token_ids), body.max_completion_tokens or body.max_tokens, "messages")
+    max_tokens = state.room(
+        len(prompt.token_ids), body.max_completion_tokens or body.max_tokens, "the conversation"
+    )
     params = body.to_sampling_params(max_tokens, state.backend.vocab_size, prompt.logits_processors)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await submit(state, [prompt.token_ids], [params], rid, body.user, body.stream)
