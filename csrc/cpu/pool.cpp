@@ -87,8 +87,8 @@ int64_t run_delay_ns(pid_t tid) {
 
 // Whether the threads running kernels wait for a core: once a window, the run-queue wait each of
 // them (pool threads and callers) accumulated over the window, as a share of it; the largest share
-// against kContendedShare. On an idle machine it stays near zero; beside another busy process it is
-// tens of percent.
+// against kContendedShare. On an idle machine it stays near zero; beside another busy process the
+// threads spend a large part of every window waiting, far above the threshold.
 class Contention {
   public:
     static constexpr int64_t kWindowNs = 20'000'000;
