@@ -47,15 +47,10 @@ PYBIND11_MODULE(_kernels, m) {
           "Test hook: pool thread `slot` sleeps `micros` after its first claim in every call (0 = off).");
     m.def("pool_claims", &pool_claims, py::call_guard<py::gil_scoped_release>(), py::arg("threads"), py::arg("n"),
           py::arg("grain"), "Test hook: n empty items over `threads`; the slot that claimed each item.");
-    m.def("pool_set_spin", &pool_set_spin, py::arg("micros"),
-          "How long a waiting pool thread spins before it sleeps, in microseconds (process-wide).");
-    m.def("pool_spin", &pool_spin, "The pool's spin time in microseconds.");
     m.def("pool_use_openmp", &pool_use_openmp, py::arg("on"),
           "Run kernels on the OpenMP team torch uses (True) or on the kernels' own pool (False, the default).");
-    m.def("pool_uses_openmp", &pool_uses_openmp, "Whether kernels run on the OpenMP team.");
     m.def("pool_contended", &pool_contended,
           "Whether the kernels' threads have been kept waiting for a core lately (another busy process).");
-    m.def("pool_threads", &pool_threads, "How many pool threads have been started (the caller not counted).");
     m.def("linear_int8", &linear_int8, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
           py::arg("scale"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
           py::arg("threads"),

@@ -47,7 +47,7 @@ int64_t spin_from_env() {
     return v && *v ? std::max<int64_t>(0, std::atoll(v)) * 1000 : 200'000;
 }
 
-std::atomic<int64_t> g_spin_ns{spin_from_env()};
+const int64_t g_spin_ns = spin_from_env();  // MINISGL_SPIN_US, read once at load
 std::atomic<int> g_delay_slot{0};
 std::atomic<int64_t> g_delay_us{0};
 thread_local bool t_in_pool = false;  // a pool thread, or a caller inside run_parallel
@@ -60,7 +60,7 @@ std::atomic<bool> g_contended{false};
 // Spins until done() holds or the spin time is over; true if done() held.
 template <typename Done>
 bool spin_until(const Done& done) {
-    const int64_t budget = g_contended.load(std::memory_order_relaxed) ? 0 : g_spin_ns.load(std::memory_order_relaxed);
+    const int64_t budget = g_contended.load(std::memory_order_relaxed) ? 0 : g_spin_ns;
     if (budget <= 0) return done();
     const int64_t until = now_ns() + budget;
     for (;;) {
@@ -192,11 +192,6 @@ class Pool {
     }
 
     std::mutex call_mu;  // one caller at a time; others run alone
-
-    int threads() {
-        std::lock_guard<std::mutex> lock(grow_mu_);
-        return started_;
-    }
 
   private:
     void grow(int want) {
@@ -341,11 +336,7 @@ void pool_set_test_delay(int slot, int64_t micros) {
     g_delay_us.store(micros);
 }
 
-void pool_set_spin(int64_t micros) { g_spin_ns.store(std::max<int64_t>(0, micros) * 1000); }
-int64_t pool_spin() { return g_spin_ns.load() / 1000; }
-int pool_threads() { return Pool::get().threads(); }
 void pool_use_openmp(bool on) { g_openmp.store(on); }
-bool pool_uses_openmp() { return g_openmp.load(); }
 bool pool_contended() { return g_contended.load(); }
 
 }  // namespace minisgl::cpu

@@ -60,18 +60,10 @@ void pool_set_test_delay(int slot, int64_t micros);
 // Test hook: runs n empty items over `threads` and returns the slot that claimed each one.
 std::vector<int> pool_claims(int threads, int64_t n, int64_t grain);
 
-// Waiting: how long a thread spins before it sleeps (microseconds); both are process-wide.
-void pool_set_spin(int64_t micros);
-int64_t pool_spin();
-
-// How many pool threads exist (the caller not counted).
-int pool_threads();
-
 // Where the threads come from. By default the pool's own. With OpenMP on, every call runs on the
 // OpenMP team instead (the libgomp torch loads): for a process where torch's own parallel ops do much
 // of the work, whose OpenMP threads would otherwise spin beside the pool's and take their cores.
 void pool_use_openmp(bool on);
-bool pool_uses_openmp();
 
 // Whether the threads running kernels have been kept waiting for a core over the last windows
 // (another busy process on the machine): waiting is then passive, and the engine may use fewer threads.

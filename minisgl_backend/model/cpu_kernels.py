@@ -150,11 +150,6 @@ def pool_test_delay(slot: int, micros: int) -> None:
         _native.pool_set_test_delay(slot, micros)
 
 
-def native_available() -> bool:
-    """Whether the native kernels were built (else every family is torch's)."""
-    return _native is not None
-
-
 def use_openmp(on: bool) -> None:
     """Run the kernels on torch's OpenMP team (True) or on their own pool (False, the default)."""
     if _native is not None:

@@ -115,7 +115,7 @@ def plan(num_threads: int | None, dtype: str) -> ThreadPlan:
     else:
         threads, why = usable_cpus()
     family = cpu_kernels.family()
-    own = dtype == "bfloat16" and family in _OWN_LINEARS and cpu_kernels.native_available()
+    own = dtype == "bfloat16" and family in _OWN_LINEARS  # without the native build the family is torch
     return ThreadPlan(threads, 1 if own else threads, openmp=not own, why=why)
 
 
