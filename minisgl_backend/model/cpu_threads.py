@@ -82,7 +82,7 @@ def cgroup_cpu_quota(
 def usable_cpus() -> tuple[int, str]:
     """How many CPUs this process can compute on, and a phrase saying what limits it."""
     affinity = len(os.sched_getaffinity(0))
-    why = f"{affinity} CPUs in the affinity mask"
+    why = f"{_count(affinity, 'CPU')} in the affinity mask"
     count = affinity
     quota = cgroup_cpu_quota()
     if quota is not None and int(quota) < count:
@@ -92,6 +92,10 @@ def usable_cpus() -> tuple[int, str]:
         count = _TORCH_DEFAULT
         why += f", torch's default of {_TORCH_DEFAULT} threads (physical cores)"
     return count, why
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,8 @@ class ThreadPlan:
         where = (
             "torch's OpenMP team, one thread while the machine is busy" if self.openmp else "their own pool"
         )
-        return f"{self.threads} threads ({self.why}); kernels on {where}; torch intra-op {self.torch_threads}"
+        threads = _count(self.threads, "thread")
+        return f"{threads} ({self.why}); kernels on {where}; torch intra-op {self.torch_threads}"
 
 
 def plan(num_threads: int | None, dtype: str) -> ThreadPlan:

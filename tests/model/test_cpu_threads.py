@@ -58,7 +58,7 @@ def test_thread_count_follows_affinity_and_quota(monkeypatch):
     assert cpu_threads.usable_cpus()[0] == 1, "a quota under one CPU still computes on one thread"
     monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0})
     monkeypatch.setattr(cpu_threads, "cgroup_cpu_quota", lambda: None)
-    assert cpu_threads.usable_cpus() == (1, "1 CPUs in the affinity mask")
+    assert cpu_threads.usable_cpus() == (1, "1 CPU in the affinity mask")
     assert cpu_threads.plan(3, "bfloat16").threads == 3, "num_threads wins"
 
 
