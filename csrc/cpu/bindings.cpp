@@ -25,6 +25,9 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("packed_amx_elems", &packed_amx_elems, py::arg("n"), py::arg("k"), "bf16 elements of pack_amx's output.");
     m.def("pack_amx", &pack_amx, py::call_guard<py::gil_scoped_release>(), py::arg("w"), py::arg("out"), py::arg("n"),
           py::arg("k"), py::arg("threads"), "w [n,k] bf16 into linear_amx's tile layout (packed_amx_elems long).");
+    m.def("packed_rows_amx", &packed_rows_amx, py::call_guard<py::gil_scoped_release>(), py::arg("packed"),
+          py::arg("n"), py::arg("k"), py::arg("ids"), py::arg("count"), py::arg("out"), py::arg("threads"),
+          "out[count,k] = rows ids (int64) of the [n,k] weight pack_amx packed; bfloat16.");
     m.def("linear_amx", &linear_amx, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"),
           py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
           "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for any m over pack_amx(w); contiguous bfloat16; bias 0 = none.");
@@ -34,6 +37,9 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("pack_dpbf16", &pack_dpbf16, py::call_guard<py::gil_scoped_release>(), py::arg("w"), py::arg("out"),
           py::arg("n"), py::arg("k"), py::arg("gated"), py::arg("threads"),
           "w [n,k] bf16 into linear_dpbf16's panel layout (gated: a [gate | up] weight for linear_dpbf16_silu).");
+    m.def("packed_rows_dpbf16", &packed_rows_dpbf16, py::call_guard<py::gil_scoped_release>(), py::arg("packed"),
+          py::arg("n"), py::arg("k"), py::arg("gated"), py::arg("ids"), py::arg("count"), py::arg("out"),
+          py::arg("threads"), "out[count,k] = rows ids (int64) of the [n,k] weight pack_dpbf16 packed; bfloat16.");
     m.def("linear_dpbf16_silu", &linear_dpbf16_silu, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
           py::arg("packed"), py::arg("y"), py::arg("m"), py::arg("i"), py::arg("k"), py::arg("threads"),
           "y[m,i] = silu(x @ gate^T) * (x @ up^T) over pack_dpbf16([gate | up], gated=True); bfloat16.");

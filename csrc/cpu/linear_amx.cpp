@@ -119,6 +119,26 @@ void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads) {
     });
 }
 
+// Rows `ids` of the weight pack_amx laid out, back in [count, K] order: the inverse of its index map,
+// so a packed weight is the only copy the model needs (a tied embedding reads its rows from here).
+void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, uintptr_t ids, int64_t count, uintptr_t out,
+                     int threads) {
+    const auto* pp = reinterpret_cast<const uint16_t*>(packed);
+    const auto* ip = reinterpret_cast<const int64_t*>(ids);
+    auto* op = reinterpret_cast<uint16_t*>(out);
+    const int64_t KB = (K + 31) / 32;
+    (void)N;
+    parallel_for(threads, count, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t row = ip[r], nb = row / 32, j = row % 32 / 16, n = row % 16;
+            for (int64_t col = 0; col < K; ++col) {
+                const int64_t kb = col / 32, pair = col % 32 / 2, e = col % 2;
+                op[r * K + col] = pp[((((nb * KB + kb) * 2 + j) * 16 + pair) * 16 + n) * 2 + e];
+            }
+        }
+    });
+}
+
 AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
                     int threads) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x);

@@ -160,6 +160,30 @@ void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, i
     });
 }
 
+// Rows `ids` of the weight pack_dpbf16 laid out (gated or not), back in [count, K] order: the inverse
+// of its index map, so a packed weight is the only copy the model needs.
+void packed_rows_dpbf16(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr_t ids, int64_t count,
+                        uintptr_t out, int threads) {
+    const auto* pp = reinterpret_cast<const uint16_t*>(packed);
+    const auto* ip = reinterpret_cast<const int64_t*>(ids);
+    auto* op = reinterpret_cast<uint16_t*>(out);
+    const int64_t np = (N + 15) / 16 * 16, kp = K + K % 2;
+    parallel_for(threads, count, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t row = ip[r];
+            int64_t p = row / 64, j = row % 64;
+            if (gated) {  // panel p holds gate rows 32p.. then up rows N/2 + 32p..
+                const int64_t half = N / 2, g = row < half ? row : row - half;
+                p = g / 32;
+                j = (row < half ? 0 : 32) + g % 32;
+            }
+            const int64_t n0 = p * 64, width = std::min<int64_t>(64, np - n0);
+            const uint16_t* panel = pp + n0 * kp;
+            for (int64_t k = 0; k < K; ++k) op[r * K + k] = panel[(k / 2 * width + j) * 2 + k % 2];
+        }
+    });
+}
+
 DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
                           int threads) {
     const auto* bp = reinterpret_cast<const uint16_t*>(bias);

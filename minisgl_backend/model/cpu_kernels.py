@@ -286,8 +286,9 @@ def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     """weight [N, K] (bf16, CPU) in the packed linear's layout (AMX tiles, or AVX512-BF16 panels),
     a new tensor of about the same size (zero-padded to whole tiles); None where linear_packed
     cannot run on it (neither family, other dtype or device). The pack is a copy: a later change
-    to `weight` does not reach it. gated: a fused [gate | up] weight packed for linear_packed_silu
-    (AVX512-BF16, gate rows a multiple of 32; None elsewhere): linear_packed cannot read it."""
+    to `weight` does not reach it (packed_rows reads the weight back). gated: a fused [gate | up]
+    weight packed for linear_packed_silu (AVX512-BF16, gate rows a multiple of 32; None elsewhere):
+    linear_packed cannot read it."""
     if gated and not (_PACKS == "dpbf16" and weight.dim() == 2 and weight.shape[0] % 64 == 0):
         return None
     if not (_PACKS and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
@@ -301,6 +302,27 @@ def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     else:
         _native.pack_dpbf16(weight.data_ptr(), out.data_ptr(), n, k, gated, threads())
     return out
+
+
+def packed_rows(
+    packed: torch.Tensor, shape: tuple[int, int], ids: torch.Tensor, gated: bool = False
+) -> torch.Tensor:
+    """Rows `ids` (any shape of int ids, each in [0, N)) of the weight [N, K] = `shape` that
+    pack(weight, gated) packed: [*ids.shape, K] bf16, the original values bit for bit. The pack is
+    then the only copy a layer needs: its embedding rows and any caller of the plain weight read it
+    back from there."""
+    n, k = shape
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and not bool(((flat >= 0) & (flat < n)).all()):
+        raise IndexError(f"row ids out of range for a weight of {n} rows")
+    out = torch.empty(flat.numel(), k, dtype=torch.bfloat16)
+    if flat.numel():
+        ptrs = (packed.data_ptr(), n, k)
+        if _PACKS == "amx":
+            _native.packed_rows_amx(*ptrs, flat.data_ptr(), flat.numel(), out.data_ptr(), threads())
+        else:
+            _native.packed_rows_dpbf16(*ptrs, gated, flat.data_ptr(), flat.numel(), out.data_ptr(), threads())
+    return out.reshape(*ids.shape, k)
 
 
 def linear_packed_silu(x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor | None:
