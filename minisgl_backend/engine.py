@@ -148,6 +148,11 @@ class Engine:
         self.vocab_size = spec.vocab_size
         self.model_spec = spec  # the model's shape, as the benchmarks count its work
         self.decode_weight_bytes = loaded.model.decode_weight_bytes()  # what minisgl bench reports
+        # What the model needs (its parameters in the model dtype) and what it holds once prepared
+        # (packs in place of weights): `minisgl bench --scenario memory` sets them beside the RSS.
+        self.weight_bytes = loaded.model.weight_bytes()
+        self.held_weight_bytes = loaded.model.held_bytes()
+        self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v))
         limits = [spec.max_position_embeddings, self.num_blocks * config.block_size]
         self.max_model_len = min(limits + ([config.max_model_len] if config.max_model_len else []))
         executor.attach(loaded.model, kv, TokenTable(config.max_num_seqs, self.max_model_len + 1))

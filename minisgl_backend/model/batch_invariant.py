@@ -74,6 +74,8 @@ class TiledLinear(nn.Linear):
     with the last zero-padded. A row's bits then depend only on the row itself."""
 
     tiles: tuple[int, ...] = (ROW_TILE,)
+    packed = None  # never packed: the model's callers read Linear's attributes of it too
+    gated = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
@@ -207,7 +209,7 @@ class BatchInvariantForward:
     """The deterministic forward of one CausalLM (a model/llama.py Forward; holds its RoPE tables)."""
 
     def __init__(self, model: CausalLM) -> None:
-        positions = torch.arange(model.spec.max_position_embeddings, device=model.lm_head.weight.device)
+        positions = torch.arange(model.spec.max_position_embeddings, device=model.device)
         # [max_pos, 1, rotary dim] float32 cos/sin per RoPE of the model, computed once by the same
         # Rotary (so the same variant) as the default path.
         self.tables = [rotary(positions, torch.float32) for rotary in model.model.rotary]
@@ -281,6 +283,8 @@ def enable(model: CausalLM) -> BatchInvariantForward:
     # it becomes a TiledLinear, whose calls are all oneDNN calls of probed shapes.
     linears = [mod for mod in model.modules() if isinstance(mod, nn.Linear) and not _row_invariant(mod)]
     for lin in [mod for mod in linears if not isinstance(mod, TiledLinear)]:
+        if isinstance(lin, Linear):
+            model.unpack_layer(lin)  # F.linear reads the weight in its own layout
         key = (tuple(lin.weight.shape), lin.weight.dtype, lin.bias is not None)
         if key not in probed:
             with torch.no_grad():

@@ -78,11 +78,10 @@ class DecodeStack:
         whose forward the stack reproduces (a subclass, such as the batch-invariant TiledLinear,
         runs other kernels)."""
         s = model.spec
-        w = model.lm_head.weight
         return (
             cpu_kernels.available()
-            and w.device.type == "cpu"
-            and w.dtype == torch.bfloat16
+            and model.device.type == "cpu"
+            and model.lm_head.weight.dtype == torch.bfloat16
             and not s.gemma
             and s.hidden_act == "silu"
             and s.head_dim % cpu_kernels.lanes() == 0
@@ -139,7 +138,7 @@ class DecodeStack:
     def _linear(self, lin: Linear):
         n, k = lin.weight.shape
         return cpu_kernels._native.StackLinear(
-            self._ptr(lin.weight),
+            self._ptr(lin.weight if lin.packed is None else None),  # a packed layer's weight is the pack
             self._ptr(lin.packed),
             self._ptr(lin.bias),
             self._ptr(lin.qweight),

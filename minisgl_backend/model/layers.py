@@ -20,12 +20,13 @@ from minisgl_backend.model.spec import ACTIVATIONS, ModelSpec
 class Linear(nn.Linear):
     """nn.Linear over the native CPU kernels (`model/cpu_kernels.py`). After pack() (the engine calls
     it on a bf16 CPU model), every bf16 call runs the packed kernel (AMX tiles, or AVX512-BF16 panels
-    where there is no AMX) on a packed copy of the weight, at any row count; where neither runs,
-    few-row bf16 calls (decode steps) run the AVX-512 kernel and the rest F.linear, or under the avx2
-    family every bf16 call runs its AVX2 kernel (cpu_kernels.kernel_row_limit). After
-    quantize_int8() the few-row calls (one row where packed) read int8 weights instead (half the
-    bytes; AVX-512 only), and the rest runs on their dequantized bf16 copy, so prefill and decode use
-    the same quantized weights."""
+    where there is no AMX) at any row count, and the packed tensor is the layer's only copy of its
+    weight: `weight` keeps the shape and dtype on the meta device, and dense() reads the values back
+    from the pack. Where neither packed family runs, few-row bf16 calls (decode steps) run the
+    AVX-512 kernel and the rest F.linear, or under the avx2 family every bf16 call runs its AVX2
+    kernel (cpu_kernels.kernel_row_limit). After quantize_int8() the few-row calls (one row where
+    packed) read int8 weights instead (half the bytes; AVX-512 only), and the rest runs on their
+    dequantized bf16 copy, so prefill and decode use the same quantized weights."""
 
     qweight: torch.Tensor | None = None  # int8 [out, in], set by quantize_int8
     qscale: torch.Tensor | None = None  # float32 [out]: weight ~ qweight * qscale[:, None]
@@ -43,33 +44,60 @@ class Linear(nn.Linear):
             out = cpu_kernels.linear_packed(x, self.packed, self.weight.shape, self.bias)
             if out is not None:
                 return out
-        return cpu_kernels.linear(x, self.weight, self.bias)
+        # Inputs the packed kernels do not take (another dtype) read the weight back from the pack:
+        # correct, and never on an engine's path (its activations are the packed model's dtype).
+        return cpu_kernels.linear(x, self.dense(), self.bias)
+
+    def dense(self) -> torch.Tensor:
+        """The weight [out, in] in its own layout: `weight` itself, or read back from the pack (a new
+        tensor, the same bits) once pack() has released it."""
+        if self.packed is None:
+            return self.weight
+        rows = torch.arange(self.weight.shape[0])
+        return cpu_kernels.packed_rows(self.packed, self.weight.shape, rows, self.gated)
 
     @torch.no_grad()
     def pack(self, gated: bool = False) -> bool:
-        """Pack the current weight for the packed kernel (a copy: call again after changing the
-        weight). False where it cannot run (neither AMX nor AVX512-BF16, not bf16 on the CPU).
-        gated: a SiLU MLP's [gate | up] weight, packed for the fused linear_packed_silu where that
-        runs (AVX512-BF16, no bias, not int8); Linear.forward then reads the weight itself."""
-        self.packed = None
+        """Move the weight into the packed kernel's layout: the pack replaces it (`weight` becomes a
+        meta tensor of its shape), so the model holds its weights once. False, and nothing changes,
+        where the packed kernels cannot run (neither AMX nor AVX512-BF16, not bf16 on the CPU).
+        Packing again (another `gated`) reads the values back from the current pack; to change the
+        weight, unpack() first. gated: a SiLU MLP's [gate | up] weight, packed for the fused
+        linear_packed_silu where that runs (AVX512-BF16, no bias, not int8)."""
+        weight = self.dense()
+        packed = None
         if gated and self.bias is None and self.qweight is None:
-            self.packed = cpu_kernels.pack(self.weight, gated=True)
-        self.gated = self.packed is not None
-        if not self.gated:
-            self.packed = cpu_kernels.pack(self.weight)
-        return self.packed is not None
+            packed = cpu_kernels.pack(weight, gated=True)
+        is_gated = packed is not None
+        if not is_gated:
+            packed = cpu_kernels.pack(weight)
+        if packed is None:
+            return False
+        self.packed, self.gated = packed, is_gated
+        self.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+        return True
+
+    @torch.no_grad()
+    def unpack(self) -> None:
+        """Give the layer its weight back in its own layout and drop the pack (no-op if unpacked)."""
+        if self.packed is not None:
+            self.weight = nn.Parameter(self.dense(), requires_grad=False)
+            self.packed, self.gated = None, False
 
     @torch.no_grad()
     def quantize_int8(self) -> None:
         """Symmetric per-output-channel int8 (absmax / 127), the weight-only scheme of gpt-fast; the
-        bf16 weight is replaced by its dequantized value (a new tensor: a tied embedding keeps its own)."""
+        bf16 weight is replaced by its dequantized value (a new tensor: a tied embedding keeps its
+        own), packed again if it was packed."""
+        was_packed, gated = self.packed is not None, self.gated
+        self.unpack()
         w = self.weight.float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.qweight, self.qscale = q.contiguous(), scale.contiguous()
         self.weight = nn.Parameter((q.float() * scale[:, None]).to(self.weight.dtype), requires_grad=False)
-        if self.packed is not None:  # the pack holds the old weight
-            self.pack()
+        if was_packed:
+            self.pack(gated)
 
 
 class RMSNorm(nn.Module):

@@ -3,7 +3,7 @@ Gemma 2 and Gemma 3 (text).
 
 Parameter names mirror Hugging Face's, except that every layer holds its q/k/v projections as one
 `qkv_proj` and its gate/up projections as one `gate_up_proj` (Phi-3's own layout; other checkpoints
-are concatenated at load, `fuse_projections`): one matmul instead of three and two, which at decode
+are read into their rows at load, `fused_layout`): one matmul instead of three and two, which at decode
 is one weight stream and one call. The only difference from the reference
 implementation is attention: K/V of new tokens are written into the block pool, and every query
 reads its whole context back through its block table. The architectures differ by switches read
@@ -24,6 +24,7 @@ from torch import nn
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.batch import ForwardBatch, chunk_mask, decode_window, row_tables
+from minisgl_backend.model.checkpoint import Checkpoint
 from minisgl_backend.model.layers import (
     Attention,
     DecoderLayer,
@@ -53,7 +54,7 @@ __all__ = [
     "Ropes",
     "build_rotary",
     "chunk_mask",
-    "fuse_projections",
+    "fused_layout",
 ]
 
 # (cos, sin) [N, 1, rotary dim] per RoPE of the model (Decoder.rotary), for the N rows of a batch.
@@ -143,18 +144,51 @@ class CausalLM(nn.Module):
         """`weight_dtype: int8`: every linear layer, the LM head included (untied from the embedding,
         which stays exact), holds int8 weights for decode (see Linear.quantize_int8)."""
         self.weights_version += 1
+        if self.embeds_from_head():  # the embedding keeps the exact weights in its own tensor
+            self.model.embed_tokens.weight = nn.Parameter(self.lm_head.dense(), requires_grad=False)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quantize_int8()
 
     def pack_weights(self) -> int:
-        """Pack every linear layer's weight for the packed kernel (Linear.pack); returns how many took
-        it (0 without AMX or AVX512-BF16, or for a model that is not bf16 on the CPU). Costs one
-        more copy of those weights in memory: F.linear paths and the tied embedding keep reading
-        the original."""
+        """Move every linear layer's weight into the packed kernel's layout (Linear.pack: the pack
+        replaces the weight); returns how many took it (0 without AMX or AVX512-BF16, or for a model
+        that is not bf16 on the CPU). A tied embedding is released with the LM head's weight and
+        reads its rows from the head's pack (embed), so every weight is held once."""
         self.weights_version += 1
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
         gated = {id(layer.mlp.gate_up_proj) for layer in self.model.layers if layer.mlp.hidden_act == "silu"}
-        return sum(m.pack(gated=id(m) in gated) for m in self.modules() if isinstance(m, Linear))
+        packed = sum(m.pack(gated=id(m) in gated) for m in self.modules() if isinstance(m, Linear))
+        if tied and self.lm_head.packed is not None:
+            self.model.embed_tokens.weight = self.lm_head.weight  # the meta stand-in: rows come from the pack
+        return packed
+
+    def unpack_weights(self) -> None:
+        """Undo pack_weights: every linear layer (and a tied embedding) holds its weight in its own
+        layout again, for a caller that changes weights in place."""
+        for m in list(self.modules()):
+            if isinstance(m, Linear):
+                self.unpack_layer(m)
+
+    def unpack_layer(self, lin: Linear) -> None:
+        """Linear.unpack on one of this model's layers; a tied embedding reading its rows from the
+        LM head's pack shares the unpacked weight again."""
+        self.weights_version += 1
+        shared = lin is self.lm_head and self.embeds_from_head()
+        lin.unpack()
+        if shared:
+            self.model.embed_tokens.weight = lin.weight
+
+    def embeds_from_head(self) -> bool:
+        """Whether the embedding's rows are read from the packed LM head (a tied embedding after
+        pack_weights) rather than from its own weight."""
+        head = self.lm_head
+        return getattr(head, "packed", None) is not None and self.model.embed_tokens.weight is head.weight
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (its final norm's weight is never packed or released)."""
+        return self.model.norm.weight.device
 
     def decode_weight_bytes(self) -> int:
         """Bytes of linear weights one decode step of one row reads, as Linear.forward picks them
@@ -169,12 +203,35 @@ class CausalLM(nn.Module):
                 total += lin.weight.numel() * lin.weight.element_size()
         return total
 
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters in its dtype, a tied one once: what the model needs."""
+        params = {id(p): p for p in self.parameters()}.values()
+        return sum(p.numel() * p.element_size() for p in params)
+
+    def held_bytes(self) -> int:
+        """Bytes of memory the model's tensors hold: parameters and buffers not released (meta),
+        packs, int8 weights and scales, each storage once. pack_weights keeps this within the pack
+        layouts' padding of weight_bytes(); int8 adds its own weights beside the bf16 ones."""
+        tensors = [*self.parameters(), *self.buffers()]
+        for m in self.modules():
+            extra = (getattr(m, name, None) for name in ("packed", "qweight", "qscale"))
+            tensors += [t for t in extra if t is not None]
+        storages = {}
+        for t in tensors:
+            if not t.is_meta:
+                s = t.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+        return sum(storages.values())
+
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        if self.embeds_from_head():
+            x = cpu_kernels.packed_rows(self.lm_head.packed, self.lm_head.weight.shape, input_ids)
+        else:
+            x = self.model.embed_tokens(input_ids)
         if self.spec.gemma:  # the scale rounded to the model dtype first, as transformers does
             x = x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype, device=x.device)
         return x
@@ -192,34 +249,63 @@ class CausalLM(nn.Module):
         # and the last layer past their K/V: layers() returns those rows only.
         return self.logits(self.forward_strategy.layers(self, x, ropes, batch, kv))
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        state = fuse_projections({k: v for k, v in state.items() if "rotary_emb" not in k})
+    @torch.no_grad()
+    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Read every weight from `checkpoint` into this model's parameters in place (their dtype and
+        device: converted on the way where the checkpoint's differ), one tensor at a time, so
+        loading never holds a second copy of the model. Hugging Face's separate projections land
+        in their rows of the fused ones (fused_layout). Raises ValueError naming what is missing,
+        unexpected or mis-shaped."""
         self.tie_weights()  # moving off the meta device unties shared parameters
-        if self.spec.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not (self.spec.tie_word_embeddings and k == "lm_head.weight")]
+        params = self.state_dict(keep_vars=True)
+        layout = fused_layout({k: v for k, v in checkpoint.shapes.items() if "rotary_emb" not in k})
+        tied = self.spec.tie_word_embeddings
+        if tied:
+            layout.pop("lm_head.weight", None)
+        missing = [k for k in params if k not in layout and not (tied and k == "lm_head.weight")]
+        unexpected = [k for k in layout if k not in params]
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}"
             )
+        for target, parts in layout.items():
+            dest = params[target].data
+            if len(parts) == 1:
+                checkpoint.read_into(parts[0][0], dest)
+                continue
+            shapes = [checkpoint.shapes[name] for name, _ in parts]
+            if sum(s[0] for s in shapes) != dest.shape[0] or any(s[1:] != dest.shape[1:] for s in shapes):
+                want = list(dest.shape)
+                raise ValueError(f"{target}: the checkpoint's parts {shapes} do not make the model's {want}")
+            for (name, row), shape in zip(parts, shapes, strict=True):
+                checkpoint.read_into(name, dest[row : row + shape[0]])
 
 
-def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face's separate q/k/v and gate/up projections concatenated into the model's
+# The fused parameters and the Hugging Face projections they hold, in row order.
+FUSED = (
+    ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+)
+
+
+def fused_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, list[tuple[str, int]]]:
+    """Where each checkpoint tensor goes: model parameter name -> [(checkpoint name, first row)].
+    Hugging Face's separate q/k/v and gate/up projections are concatenated into the model's
     `qkv_proj` (rows q, k, v) and `gate_up_proj` (rows gate, up): the layout Phi-3 checkpoints
-    already store, in transformers' row order. A layer missing a part is left as it is, so
-    load_state_dict names what is missing."""
-    out = dict(state)
-    for fused, parts in (
-        ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
-        ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
-    ):
-        owner = fused.rpartition(".")[0]
-        for name in [k for k in state if k.endswith(f"{owner}.{parts[0]}.weight")]:
+    already store, in transformers' row order. A layer missing a part keeps its parts under their
+    own names, so the caller names what is missing."""
+    out: dict[str, list[tuple[str, int]]] = {name: [(name, 0)] for name in shapes}
+    for fused, parts in FUSED:
+        owner, _, leaf_name = fused.rpartition(".")
+        for name in [k for k in shapes if k.endswith(f"{owner}.{parts[0]}.weight")]:
             base = name[: -len(f"{parts[0]}.weight")]
             for leaf in ("weight", "bias"):
                 names = [f"{base}{p}.{leaf}" for p in parts]
-                if all(n in out for n in names):
-                    out[f"{base}{fused.rpartition('.')[2]}.{leaf}"] = torch.cat([out.pop(n) for n in names])
+                if all(n in out and len(shapes[n]) >= 1 for n in names):
+                    row, placed = 0, []
+                    for n in names:
+                        del out[n]
+                        placed.append((n, row))
+                        row += shapes[n][0]
+                    out[f"{base}{leaf_name}.{leaf}"] = placed
     return out

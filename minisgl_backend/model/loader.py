@@ -20,6 +20,7 @@ import torch
 
 from minisgl_backend.errors import ConfigError, MiniSGLError, ModelLoadError, ModelNotFoundError
 from minisgl_backend.model import batch_invariant, cpu_kernels
+from minisgl_backend.model.checkpoint import Checkpoint
 from minisgl_backend.model.decode_stack import DecodeStackForward
 from minisgl_backend.model.llama import CausalLM, Forward, LayerLoop, build_rotary
 from minisgl_backend.model.spec import ModelSpec
@@ -116,25 +117,6 @@ def resolve_model_dir(ref: str) -> Path:
     )
 
 
-def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFoundError(f"{model_dir} has no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            state.update(load_file(f))
-        except (MemoryError, KeyboardInterrupt):
-            raise
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
-            raise ModelLoadError(
-                f"cannot read weights file {f}: {type(e).__name__}: {e} (corrupt or truncated safetensors?)"
-            ) from e
-    return state
-
-
 class LoadedModel(NamedTuple):
     model: CausalLM
     tokenizer: object  # transformers PreTrainedTokenizerBase
@@ -161,16 +143,16 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
         raise ConfigError(
             f"{model_dir / 'config.json'} is not a usable model config: {type(e).__name__}: {e}"
         ) from e
+    checkpoint = Checkpoint(model_dir)
+    # Built on the meta device and given memory in its final dtype, then filled tensor by tensor:
+    # loading holds the weights once, never a float32 model or a dictionary of them beside it.
     with torch.device("meta"):
-        model = CausalLM(spec)
-    model = model.to_empty(device=device)
-    state = _read_state_dict(model_dir)
+        model = CausalLM(spec).to(DTYPES[dtype])
+    model = model.to_empty(device=device).eval()
     try:
-        model.load_hf_state_dict(state)
+        model.load_checkpoint(checkpoint)
     except (ValueError, RuntimeError, KeyError) as e:  # missing / unexpected / mis-shaped tensors
         raise ModelLoadError(f"the weights in {model_dir} do not match its config.json: {e}") from e
-    del state
-    model = model.to(DTYPES[dtype]).eval()
     # Rebuilt after to_empty/dtype conversion: the rope frequencies are not in the checkpoint and stay fp32.
     model.model.rotary = build_rotary(spec).to(device)
     tokenizer = load_tokenizer(model_dir)
@@ -185,7 +167,7 @@ def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> N
         model.quantize_int8()
     packed = model.pack_weights()
     model.forward_strategy = forward_strategy(model, deterministic)
-    if model.lm_head.weight.device.type == "cpu":
+    if model.device.type == "cpu":
         log.info(
             "CPU kernels: %s (this CPU runs up to %s; MINISGL_KERNELS=%s caps it); %d linear layers packed",
             cpu_kernels.family(),

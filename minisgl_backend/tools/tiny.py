@@ -10,6 +10,7 @@ scripts/gpu_check.sh.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -69,7 +70,22 @@ SHAPES: dict[str, dict] = {
         max_position_embeddings=4096,
         initializer_range=0.02,
     ),
+    # Llama-3-8B's layers (with SmolLM2's vocabulary, as every shape here): ~7.4B parameters, 14.8 GB
+    # in bf16; written tensor by tensor (STREAMED), since the model itself would not fit beside it.
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        initializer_range=0.02,
+    ),
 }
+# Shapes written by write_streamed (one tensor in memory at a time) rather than through transformers'
+# model, which would hold all of them in float32 first.
+STREAMED = {"8b"}
 
 
 def make_random_llama(
@@ -87,11 +103,76 @@ def make_random_llama(
     )
     cfg = LlamaConfig(**(base | SHAPES[shape]))
     torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(out)
+    if shape in STREAMED:
+        cfg.dtype = dtype
+        write_streamed(out, cfg, getattr(torch, dtype), seed)
+    else:
+        LlamaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(out)
     AutoTokenizer.from_pretrained(tokenizer or resolve_model_dir("smollm2-135m-instruct")).save_pretrained(
         out
     )
     return out
+
+
+def llama_tensors(cfg) -> dict[str, tuple[int, ...]]:
+    """The tensor names and shapes of a Hugging Face Llama checkpoint of `cfg`."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    out = {"model.embed_tokens.weight": (v, h)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        out |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+    out["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (v, h)
+    return out
+
+
+def write_streamed(out: Path, cfg, dtype: torch.dtype, seed: int) -> None:
+    """A random Llama checkpoint written one tensor at a time (normal(0, initializer_range) weights,
+    norms at 1): memory stays at one tensor whatever the model's size. The safetensors format is an
+    8-byte header length, a JSON header of every tensor's dtype, shape and byte range, then the bytes
+    in that order (the same format model/checkpoint.py reads)."""
+    import json
+    import struct
+
+    tensors = llama_tensors(cfg)
+    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in tensors.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": names[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    with open(out / "model.safetensors.tmp", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for shape in tensors.values():
+            if len(shape) == 1:
+                t = torch.ones(shape, dtype=dtype)
+            else:
+                t = (torch.randn(shape, generator=g) * cfg.initializer_range).to(dtype)
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    cfg.save_pretrained(out)
+    (out / "model.safetensors.tmp").rename(out / "model.safetensors")
 
 
 def make_tiny_llama(out: Path | None = None, seed: int = 0, tokenizer: str | Path | None = None) -> Path:

@@ -180,25 +180,74 @@ def test_huge_page_tensor_outlives_every_name_of_its_mapping():
     assert cpu_kernels.huge_page_empty(10, torch.bfloat16).shape == (10,)  # small: torch.empty
 
 
-def test_packed_linear_layer_follows_its_weight(packing):
-    """Linear.pack() is a copy: pack() again after a weight change, and quantize_int8 repacks the
-    dequantized weight itself; fp32 layers do not pack."""
+def test_packed_linear_layer_holds_its_weight_once(packing):
+    """Linear.pack() moves the weight into the pack: `weight` keeps only its shape (meta), dense()
+    reads the same bits back, the layer computes what the unpacked layer computed, unpack() gives
+    the weight back for a change that pack() then reaches, and quantize_int8 repacks the dequantized
+    weight itself; fp32 layers do not pack."""
     from minisgl_backend.model.llama import Linear
 
     torch.manual_seed(3)
     lin = Linear(64, 32, bias=False).bfloat16()
+    original = lin.weight.detach().clone()
     x = torch.randn(5, 64).bfloat16()
-    assert lin.pack()
     with torch.inference_mode():
+        unpacked = lin(x)
+        assert lin.pack()
+        assert lin.weight.is_meta and lin.weight.shape == (32, 64), "the pack replaces the weight"
+        assert torch.equal(lin.dense(), original)
         first = lin(x)
+        assert torch.equal(first, cpu_kernels.linear_packed(x, cpu_kernels.pack(original), (32, 64)))
+        assert torch.allclose(first.float(), unpacked.float(), atol=0.05)
+        lin.unpack()
+        assert not lin.weight.is_meta and lin.packed is None and torch.equal(lin.weight, original)
         lin.weight.mul_(2)
-        assert torch.equal(lin(x), first), "the pack is a copy"
         lin.pack()
         assert not torch.equal(lin(x), first)
         lin.quantize_int8()
+        assert lin.weight.is_meta and lin.packed is not None
         wide = torch.randn(cpu_kernels.MAX_KERNEL_ROWS + 3, 64).bfloat16()  # beyond the int8 kernel's rows
-        assert torch.equal(lin(wide), cpu_kernels.linear_packed(wide, cpu_kernels.pack(lin.weight), (32, 64)))
+        assert torch.equal(
+            lin(wide), cpu_kernels.linear_packed(wide, cpu_kernels.pack(lin.dense()), (32, 64))
+        )
     assert not Linear(64, 32).pack()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels on this machine")
+@pytest.mark.parametrize("layout", ["amx", "dpbf16", "dpbf16-gated"])
+@pytest.mark.parametrize("n,k", [(64, 64), (7, 37), (100, 2), (128, 96), (49, 33), (2048, 64)])
+def test_packed_rows_read_back_every_layout(layout, n, k):
+    """packed_rows inverts each pack layout bit for bit (zero-padded tiles and panels, odd K, a
+    gated [gate | up] weight): whatever the CPU, since packing and reading back are plain index
+    moves (only the matmuls over the AMX layout need the tile unit)."""
+    native = cpu_kernels._native
+    gated = layout == "dpbf16-gated"
+    if gated and n % 64:
+        pytest.skip("a gated pack takes gate rows in whole panels")
+    g = _gen(n * 1000 + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    ids = torch.randint(0, n, (3, 5), generator=g)
+    rows = torch.empty(ids.numel(), k, dtype=torch.bfloat16)
+    flat = ids.reshape(-1).contiguous()
+    if layout == "amx":
+        packed = torch.empty(native.packed_amx_elems(n, k), dtype=torch.bfloat16)
+        native.pack_amx(w.data_ptr(), packed.data_ptr(), n, k, 2)
+        native.packed_rows_amx(packed.data_ptr(), n, k, flat.data_ptr(), flat.numel(), rows.data_ptr(), 2)
+    else:
+        packed = torch.empty(native.packed_dpbf16_elems(n, k), dtype=torch.bfloat16)
+        native.pack_dpbf16(w.data_ptr(), packed.data_ptr(), n, k, gated, 2)
+        native.packed_rows_dpbf16(
+            packed.data_ptr(), n, k, gated, flat.data_ptr(), flat.numel(), rows.data_ptr(), 2
+        )
+    assert torch.equal(rows.reshape(3, 5, k), w[ids])
+
+
+def test_packed_rows_refuses_an_id_out_of_range(packing):
+    w = torch.randn(40, 64).bfloat16()
+    packed = cpu_kernels.pack(w)
+    assert torch.equal(cpu_kernels.packed_rows(packed, (40, 64), torch.tensor([39, 0])), w[[39, 0]])
+    with pytest.raises(IndexError, match="out of range"):
+        cpu_kernels.packed_rows(packed, (40, 64), torch.tensor([40]))
 
 
 def _attention_case(dtype, seed=0):
