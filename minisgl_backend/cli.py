@@ -450,18 +450,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="also write the results to this JSON file")
     b.add_argument(
         "--shape",
-        choices=["llama-1b"],
-        help="bench a random-weight model of this shape instead of --model (llama-1b: the peers' "
-        "Llama-3.2-1B shape, bf16, written once into the model cache: ~1 minute, 2.1 GB)",
+        choices=["llama-1b", "8b"],
+        help="bench a random-weight model of this shape instead of --model, bf16, written once into "
+        "the model cache (llama-1b: the peers' Llama-3.2-1B shape, ~1 minute, 2.1 GB; 8b: Llama-3-8B's "
+        "layers, a few minutes, 15 GB)",
     )
     b.add_argument(
         "--scenario",
-        choices=["seed-table", "prefix", "peers"],
+        choices=["seed-table", "prefix", "peers", "memory"],
         help="seed-table: the seed's four rows (serial / chunk too small / moderate / "
         "over-synchronised) on a mixed-length closed-loop workload; prefix: prefix_cache "
         "off / sync / async on a shared-prefix (few-shot) workload; peers: output tok/s of the "
         "default and deterministic configs on the peer harness's workloads (batch 1, 8, 32 and a "
-        "prefill one; best of --repeat runs, default 3)",
+        "prefill one; best of --repeat runs, default 3); memory: RSS and its peak against the "
+        "weights + KV pool bound, and the batch-1 decode step against the machine's read rate",
     )
     b.add_argument(
         "--sweep",

@@ -43,7 +43,14 @@ def run_bench(args: argparse.Namespace, config: ConfigFromFlags) -> int:
             raise MiniSGLError("give --model or --shape, not both")
         path = make_random_llama(cache_root() / f"random-{args.shape}", args.shape, dtype="bfloat16")
         base = {"model": str(path), "dtype": "bfloat16"}
-    if args.scenario == "peers":
+    if args.scenario == "memory":
+        if args.sweep or args.trace or args.plot or args.busy:
+            raise MiniSGLError("--scenario memory takes none of --sweep, --trace, --plot, --busy")
+        from minisgl_backend.bench.memory import bench_memory, format_memory
+
+        result = bench_memory(config(base), repeat=args.repeat or 3)
+        print(format_memory(result))
+    elif args.scenario == "peers":
         if args.sweep or args.trace or args.plot:
             raise MiniSGLError("--scenario peers takes none of --sweep, --trace, --plot")
         result = _peers(args, config(base))

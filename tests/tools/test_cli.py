@@ -246,3 +246,21 @@ def test_serve_refuses_an_empty_api_key_before_loading(tiny_model_dir):
     r = _minisgl("serve", "--model", str(tiny_model_dir), "--api-key", " ", "--port", "0", timeout=120)
     assert r.returncode == 2, r.stderr
     assert "API key is empty" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_memory_sets_rss_against_the_weights(tiny_model_dir, tmp_path):
+    """`minisgl bench --scenario memory`: the weights' bytes, what the model holds (the packs in
+    their place: no more than the weights and the layouts' padding), the KV pool, RSS and its peak
+    against the bound, and the batch-1 step against the read rate; flags it cannot use are refused."""
+    out = tmp_path / "memory.json"
+    args = ("bench", "--scenario", "memory", "--model", str(tiny_model_dir), "--dtype", "bfloat16")
+    r = _minisgl(*args, "--set", "num_blocks=64", "--repeat", "1", "--json", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert 0 < result["held_weight_bytes"] <= 1.15 * result["weight_bytes"]
+    assert result["kv_cache_bytes"] > 0
+    assert result["peak_bytes"] >= result["rss_bytes"] > result["weight_bytes"]
+    assert result["batch1"]["step_ms"] > 0
+    assert "bound 1.15 x weights + KV pool" in r.stdout and "batch-1 decode" in r.stdout
+    bad = _minisgl(*args, "--busy", "1", timeout=120)
+    assert bad.returncode != 0 and "--scenario memory takes none of" in bad.stderr
