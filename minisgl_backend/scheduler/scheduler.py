@@ -1,4 +1,4 @@
-"""Batch planning over waiting / running / finished requests, and applying results (S3, S12).
+"""Batch planning over waiting / running / finished requests, and applying results.
 
 Each iteration is one batch under a token budget: one decode token per running request, plus
 prompt chunks of at most `chunk_size` tokens (mixed batches), or — with `mixed_batches=False` — a
@@ -89,7 +89,7 @@ class Scheduler:
 
     @property
     def newest_submitted(self) -> int:
-        """The fence of anything released now: the newest iteration that may still read it (S18)."""
+        """The fence of anything released now: the newest iteration that may still read it."""
         return self.next_iteration - 1
 
     # ---- queue events ----
