@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for issue 3 (overlap scheduling), one script, < 8 minutes on an H200:
+# GPU check of overlap scheduling on the CUDA back-end, one script sized for a few minutes:
 #   1. the CUDA tests (tests/kernels/test_cuda.py, and the tracker's cudaLaunchHostFunc test);
 #   2. a random-weight Llama of realistic shape (~1.2B parameters, SmolLM2 vocabulary);
 #   3. the overlap-table scenario on it (serial / chunk too small / moderate / over-synchronised) with

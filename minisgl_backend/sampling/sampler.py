@@ -6,9 +6,9 @@ G is Gumbel noise made from a stateless 64-bit hash of (request seed, absolute p
 Nothing depends on the batch slot, the step count or chunk boundaries, so a request replays exactly
 under any scheduling, and requests never share RNG state.
 
-numpy, not torch: torch would start an OpenMP team on this (copy-stage) thread, and two teams on a
-2-core machine slow the forward pass on the compute thread by ~30% (measured). numpy is single-threaded
-and releases the GIL inside its loops.
+numpy, not torch: torch would start an OpenMP team on this (copy-stage) thread, and two teams contend
+for the same cores, slowing the forward pass on the compute thread. numpy is single-threaded and
+releases the GIL inside its loops.
 """
 
 from __future__ import annotations

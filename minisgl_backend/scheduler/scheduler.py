@@ -9,8 +9,8 @@ block preempts the running request that arrived last (blocks released, requeued 
 Progress under any pool that holds one request: the victim of a preemption is always the running
 request that arrived last, so the oldest one is never preempted while another runs; and admission
 leaves a watermark of free blocks for every running decode's next iteration, so a preempted request is
-not re-admitted with the very blocks the decode that preempted it is waiting for (prefill-first
-planning used to do exactly that, forever). `progress` counts what moves a request forward
+not re-admitted with the very blocks the decode that preempted it is waiting for (a prefill-first
+planner would do exactly that, forever). `progress` counts what moves a request forward
 (committed tokens, finished requests, prompt positions computed for the first time): the loop's
 watchdog fails an engine whose iterations stop moving it.
 
