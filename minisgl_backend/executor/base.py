@@ -13,7 +13,8 @@ A back-end supplies three things: `_launch` (run the forward of one iteration an
 the copy side), `_copy_items` (the copy side's feed, in iteration order) and `_stop_copy`. Workers
 never touch request state (the scheduler thread owns it, so a request's slot can never be freed
 under a worker that still uses it): they read immutable IterationInputs and post results keyed by
-iteration id. Every multi-threaded torch op runs on the compute thread (architecture §12b).
+iteration id. Every multi-threaded torch op runs on the compute thread (docs/architecture.md,
+"One OpenMP team").
 """
 
 from __future__ import annotations
