@@ -30,7 +30,7 @@ generate: setup
 # The whole suite, in two tiers: the fast one first (a failure there shows in minutes), then the slow one.
 test: test-fast test-slow
 
-# Everything not marked `slow`: no real-model server or stress grid, no Ray: ~3.5 min on an idle 2-core machine.
+# Everything not marked `slow`: no real-model server or stress grid, no Ray: a few minutes.
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 

@@ -56,16 +56,16 @@ class BuildPyWithPth(build_py):
         return super().get_outputs(include_bytecode) + extra
 
 
-# The native completion-callback core (csrc/, S13/S14 in docs/requirements.md). Optional: without it the
+# The native completion-callback core (csrc/inflight_tracker.cpp). Optional: without it the
 # executor uses the pure-Python tracker (minisgl_backend/executor/tracker.py), so a machine without a
 # compiler still installs.
 # optional=True also makes an editable install skip copying a .so that was never built.
 NATIVE = Extension(
     "minisgl_backend.native._native", ["csrc/inflight_tracker.cpp"], language="c++", optional=True
 )
-# The CPU decode kernels (csrc/cpu/: one file per kernel family, docs/architecture.md §11d). Optional too:
-# without them the model runs torch's own ops (minisgl_backend/model/cpu_kernels.py decides per call).
-# The headers are `depends`: a change to one rebuilds every file, and the sdist ships them.
+# The CPU decode kernels (csrc/cpu/: one file per kernel family; docs/architecture.md, "CPU kernels").
+# Optional too: without them the model runs torch's own ops (minisgl_backend/model/cpu_kernels.py
+# decides per call). The headers are `depends`: a change to one rebuilds every file, and the sdist ships them.
 KERNEL_SOURCES = sorted(str(p) for p in Path("csrc/cpu").glob("*.cpp"))
 KERNEL_HEADERS = sorted(str(p) for p in Path("csrc/cpu").glob("*.h"))
 KERNELS = Extension(
@@ -73,7 +73,7 @@ KERNELS = Extension(
 )
 SKIP_NATIVE_ENV = "MINISGL_SKIP_NATIVE"
 FALLBACKS = {
-    NATIVE.name: "the Python callback path (PyInflightTracker), which is slower (docs/requirements.md, S14)",
+    NATIVE.name: "the Python callback path (PyInflightTracker), which is slower (docs/architecture.md)",
     KERNELS.name: "torch's own ops for every layer, which are slower at decode (docs/performance.md)",
 }  # =1: do not even try (also how the fallback is tested)
 

@@ -1,9 +1,9 @@
-// minisgl_backend.native._native: the completion-callback core of the executor (S13, S14, S19; see
-// docs/requirements.md).
+// minisgl_backend.native._native: the completion-callback core of the executor.
 //
-// S13: at most `max_inflight` submitted-but-unfinished iterations; the completion callback only
-//      decrements a counter and pushes an id. S14: that callback lives in native code, so a CUDA host
-//      function never touches the GIL or a Python object, and Python drains finished ids in bulk.
+// Backpressure: at most `max_inflight` submitted-but-unfinished iterations; the completion callback
+// only decrements a counter and pushes an id. That callback lives in native code, so a CUDA host
+// function never touches the GIL or a Python object (a Python callback would contend for the GIL
+// with every other thread of the pipeline on every iteration), and Python drains finished ids in bulk.
 //
 // Built without torch or CUDA headers: the CUDA runtime is looked up at run time (dlopen/dlsym), so one
 // build serves CPU-only and GPU machines.
@@ -34,7 +34,7 @@ struct TrackerState {
     explicit TrackerState(int64_t max) : max_inflight(max) {}
 
     const int64_t max_inflight;
-    std::atomic<int64_t> inflight{0};  // atomic, not locked: the cheap side of the S10 cost table
+    std::atomic<int64_t> inflight{0};  // atomic, not locked: an atomic costs far less than a mutex
 
     std::mutex mu;  // guards `done` and `woken`
     std::condition_variable cv;
@@ -44,7 +44,7 @@ struct TrackerState {
     std::atomic<int64_t> spurious{0};  // completions refused because nothing was in flight
 
     // The completion path (any thread, including the CUDA runtime's callback thread): count + push,
-    // nothing else (S13). Notifying after unlocking keeps the waiter from waking into a held mutex.
+    // nothing else, so the callback thread is never held up. Notifying after unlocking keeps the waiter from waking into a held mutex.
     // Returns false (and changes nothing) when no iteration is in flight: the count never goes
     // negative, which would silently disable backpressure.
     bool complete(int64_t id) noexcept {
@@ -145,7 +145,7 @@ class InflightTracker {
         if (std::isnan(timeout_s)) throw py::value_error("timeout_s must be a number");
         std::vector<int64_t> out;
         {
-            py::gil_scoped_release nogil;  // other Python threads run while we block (S14)
+            py::gil_scoped_release nogil;  // other Python threads run while we block
             auto& s = *state_;
             std::unique_lock<std::mutex> lk(s.mu);
             auto ready = [&s] { return !s.done.empty() || s.woken; };
@@ -201,7 +201,7 @@ class InflightTracker {
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-    m.doc() = "Native in-flight counter and completion queue for the minisgl executor (S13/S14).";
+    m.doc() = "Native in-flight counter and completion queue for the minisgl executor.";
 
     py::class_<InflightTracker>(m, "InflightTracker")
         .def(py::init<int64_t>(), py::arg("max_inflight"))

@@ -38,6 +38,21 @@ _FIELD_FLAGS = {
 }
 
 
+# `minisgl bench --scenario` values. `seed-table` is the old name of `overlap-table`: still accepted
+# so existing scripts keep working, left out of the help and announced as deprecated when used.
+SCENARIOS = ["overlap-table", "prefix", "peers", "memory"]
+_SCENARIO_ALIASES = {"seed-table": "overlap-table"}
+
+
+def _scenario(value: str) -> str:
+    """Maps a deprecated scenario name to its current one, with a warning on stderr."""
+    new = _SCENARIO_ALIASES.get(value)
+    if new is None:
+        return value
+    print(f"minisgl: --scenario {value} is deprecated; use --scenario {new}", file=sys.stderr)
+    return new
+
+
 def _engine_args(p: argparse.ArgumentParser, seed: bool = False) -> None:
     """The engine flags of every command; `seed`: also `--seed` for the engine's seed (commands whose
     own --seed means something else leave it out)."""
@@ -236,7 +251,8 @@ def _cmd_stress(args: argparse.Namespace) -> int:
     from minisgl_backend.tools.stress import run_stress
     from minisgl_backend.tools.tiny import make_tiny_llama
 
-    # A pool small enough that blocks and rows are reused constantly (S18), and prompt-only batches
+    # A pool small enough that blocks and rows are reused constantly (so a block released too early
+    # would be handed to another request while still read), and prompt-only batches
     # (mixed_batches off) that do not wait for the copy stage: the widest race window. Overridable.
     base = {
         "model": str(make_tiny_llama()),
@@ -457,9 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--scenario",
-        choices=["seed-table", "prefix", "peers", "memory"],
-        help="seed-table: the seed's four rows (serial / chunk too small / moderate / "
-        "over-synchronised) on a mixed-length closed-loop workload; prefix: prefix_cache "
+        type=_scenario,
+        choices=SCENARIOS,
+        help="overlap-table: the serial loop against the overlap scheduler with a chunk too small, a "
+        "moderate chunk, and a moderate chunk with one iteration in flight, on a mixed-length "
+        "closed-loop workload; prefix: prefix_cache "
         "off / sync / async on a shared-prefix (few-shot) workload; peers: output tok/s of the "
         "default and deterministic configs on the peer harness's workloads (batch 1, 8, 32 and a "
         "prefill one; best of --repeat runs, default 3); memory: RSS and its peak against the "
@@ -479,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="measure again beside N busy processes (each one CPU's worth of work, ended with the "
         "run) and print both: the default run and --scenario peers also at one thread beside them, "
-        "--scenario seed-table|prefix and --sweep every variant",
+        "--scenario overlap-table|prefix and --sweep every variant",
     )
     b.add_argument(
         "--repeat",
@@ -499,12 +517,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         metavar="OUT.png",
         help="with --scenario/--sweep: utilisation over time per config "
-        "(compute busy fraction in small bins, the seed's ECG curve); needs minisgl[plot]",
+        "(compute busy fraction in small bins: idle gaps show as dips); needs minisgl[plot]",
     )
     _engine_args(b, seed=True)
     b.set_defaults(fn=_cmd_bench)
 
-    st = sub.add_parser("stress", help="lifetime stress harness on a tiny random model (S18)")
+    st = sub.add_parser(
+        "stress",
+        help="lifetime stress harness on a tiny random model (aborts, reuse: no reply crosses requests)",
+    )
     st.add_argument("--num-requests", type=int, default=20000)
     st.add_argument("--abort-prob", type=float, default=0.1)
     st.add_argument("--seed", type=int, default=0)

@@ -52,32 +52,32 @@ class EngineConfig:
     dtype: str = "float32"  # float32 | bfloat16
     device: str = "cpu"
     max_model_len: int | None = None  # None = model's max_position_embeddings, capped by the KV pool
-    # --- paged KV cache (S4) ---
+    # --- paged KV cache: one preallocated pool of fixed-size blocks ---
     block_size: int = 16
     num_blocks: int | None = None  # None = derived from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
-    # --- scheduler (S3, S12) ---
+    # --- scheduler: batch sizes and chunked prefill ---
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_waiting_requests: int | None = None  # Engine.submit past this many waiting raises QueueFullError
     chunk_size: int | None = 256  # None = whole-prompt prefill (no chunking)
     mixed_batches: bool = True  # prefill chunks and decode rows share one batch
-    # --- prefix cache (S1, S9) ---
+    # --- prefix cache: reuse the K/V of a shared prompt prefix ---
     prefix_cache: str = "async"  # off | sync (insert on the completion path) | async (insert while idle)
-    # --- overlap scheduling (S11-S14, S18) ---
+    # --- overlap scheduling: plan the next iterations while the current ones run ---
     overlap: bool = True  # plan and post-process on the scheduler thread while iterations run
     max_inflight: int = 4  # iterations submitted but not finished (overlap=False means 1)
     callback_impl: str = "native"  # completion callbacks: native (csrc/) | python
-    debug_unsafe_reclaim: bool = False  # DEBUG: free blocks/rows at release, ignoring fences (ghost bug)
+    debug_unsafe_reclaim: bool = False  # DEBUG: free blocks/rows at release, ignoring fences (leaks)
     debug_delay_ms: float = 0.0  # DEBUG: random delay up to this in the copy stage (widens races)
-    # --- relaxed bookkeeping (S9) ---
+    # --- bookkeeping kept off the hot path: metrics, logs, tracing ---
     metrics_exact: bool = False  # exact metric totals under a lock (profiling) instead of ~1 s folds
     stats_interval_s: float = 10.0  # period of the one-line stats log; 0 turns it off
     stall_timeout_s: float = 60.0  # watchdog: fail the engine after this long without progress; 0 = off
     trace: bool = False  # record scheduler / compute / copy spans per iteration (Engine.tracer)
-    # --- determinism (G3) ---
+    # --- determinism ---
     deterministic: bool = False  # batch-invariant forward: logits independent of batching and chunking
-    # --- sampling (S8) ---
+    # --- sampling: every request draws from its own keyed noise ---
     seed: int | None = None  # seeds unseeded requests reproducibly; None = fresh random seeds
     # --- limits ---
     max_logprobs: int = (

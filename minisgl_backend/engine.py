@@ -3,7 +3,7 @@
 It builds the pieces (executor, model, KV cache, pools, scheduler, loop), validates every request
 on the caller's thread (so a bad request fails its caller, never the engine) and hands the loop
 typed commands. Callers may submit from any thread; the one scheduler thread owns all request
-state (S7).
+state, so no request is freed while another thread still works on it.
 """
 
 from __future__ import annotations

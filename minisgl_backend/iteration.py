@@ -4,9 +4,10 @@ package so that neither side imports the other.
 The scheduler plans an iteration from lengths only and flattens it into `IterationInputs`
 (`scheduler/inputs.py`); the executor runs the model on it and its sampling stage answers with an
 `IterationOutput`. Every input token is named by (token-table row, absolute position) and gathered
-when the iteration runs, after the iteration that samples it has written it (S6). Requests appear
-here only as opaque keys (`req_key`, the scheduler's id of the request), so the executor, the
-sampler and the model know nothing of requests, queues or the Engine.
+when the iteration runs, after the iteration that samples it has written it: step N+1 of a
+sequence reads the token step N sampled, never an unwritten slot. Requests appear here only as
+opaque keys (`req_key`, the scheduler's id of the request), so the executor, the sampler and the
+model know nothing of requests, queues or the Engine.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Relaxed bookkeeping (S9): metrics in per-thread buffers, logs in a ring buffer.
+"""Bookkeeping kept off the hot path: metrics in per-thread buffers, logs in a ring buffer.
 
 Neither touches a lock on the hot path. A counter is added to the calling thread's own dict (only
 that thread writes it); an aggregator thread folds all buffers into totals about once per second and
@@ -101,8 +101,9 @@ class Metrics:
 
 
 class Tracer:
-    """Chrome-trace spans per lane (scheduler / compute / copy) when `trace` is on (S17: see the
-    overlap on a timeline instead of assuming it). Appending to a list is atomic under the GIL."""
+    """Chrome-trace spans per lane (scheduler / compute / copy) when `trace` is on: whether
+    planning, compute and copies really overlap is read off a timeline, not assumed. Appending to a
+    list is atomic under the GIL."""
 
     LANES = ("scheduler", "compute", "copy")
 
@@ -150,7 +151,8 @@ class Tracer:
 
 
 class RingBufferHandler(logging.Handler):
-    """Keeps the newest `capacity` records; a background thread hands them to `target` (S9)."""
+    """Keeps the newest `capacity` records; a background thread hands them to `target`, so
+    logging never blocks the scheduler thread on I/O."""
 
     def __init__(
         self, target: logging.Handler, capacity: int = 10_000, flush_interval_s: float = 0.2

@@ -34,7 +34,7 @@ class SamplingParams:
     temperature 0 means greedy, and so does any temperature below GREEDY_EPSILON (1e-5). top_k 0
     (or -1) and top_p 1 and min_p 0 disable those filters. `seed` (0 <= seed < 2**64) fixes the
     random draws: the token at absolute position p is chosen with noise derived from
-    hash(seed, p, token id) only, so it does not depend on batching or chunking (S8).
+    hash(seed, p, token id) only, so it does not depend on batching or chunking (no shared RNG).
     `logprobs=k` returns the sampled token's logprob plus the k most likely alternatives;
     `prompt_logprobs=k` does the same for prompt tokens from index `prompt_logprobs_start` on.
     `logprobs` / `prompt_logprobs` are capped by the engine's `max_logprobs` (checked at submit).

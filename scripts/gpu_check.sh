@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU check for issue 3 (overlap scheduling), one script, < 8 minutes on an H200:
+# GPU check of overlap scheduling on the CUDA back-end, one script sized for a few minutes:
 #   1. the CUDA tests (tests/kernels/test_cuda.py, and the tracker's cudaLaunchHostFunc test);
 #   2. a random-weight Llama of realistic shape (~1.2B parameters, SmolLM2 vocabulary);
-#   3. the seed-table scenario on it (serial / chunk too small / moderate / over-synchronised) with
+#   3. the overlap-table scenario on it (serial / chunk too small / moderate / over-synchronised) with
 #      --trace (Chrome timeline) and --plot (utilisation over time, serial vs overlap).
-# Outputs go to ${OUT:-./gpu_out}: tests.log, seed_table.{txt,json}, trace.json, ecg.png.
+# Outputs go to ${OUT:-./gpu_out}: tests.log, overlap_table.{txt,json}, trace.json, utilisation.png.
 #
 # Environment:
 #   PYTHON=python3            interpreter (torch with CUDA, transformers, pyyaml, safetensors, numpy, pytest)
@@ -61,10 +61,10 @@ if [[ -n "${MINISGL_TOKENIZER:-}" ]]; then MODEL_ARGS+=(--tokenizer "$MINISGL_TO
 MODEL=$("$PY" -m minisgl_backend.tools.tiny "${MODEL_ARGS[@]}")
 echo "model: $MODEL"
 
-step "3/3 seed-table scenario on $DEVICE: $NREQ requests, $OUTLEN output tokens, $CONC clients"
-"$PY" -m minisgl_backend.cli bench --scenario seed-table --model "$MODEL" --dtype bfloat16 \
+step "3/3 overlap-table scenario on $DEVICE: $NREQ requests, $OUTLEN output tokens, $CONC clients"
+"$PY" -m minisgl_backend.cli bench --scenario overlap-table --model "$MODEL" --dtype bfloat16 \
   --set "device=$DEVICE" --set "kv_cache_memory_gb=$KV_GB" --num-requests "$NREQ" --output-len "$OUTLEN" --concurrency "$CONC" \
-  --json "$OUT/seed_table.json" --trace "$OUT/trace.json" --plot "$OUT/ecg.png" 2>&1 | tee "$OUT/seed_table.txt"
+  --json "$OUT/overlap_table.json" --trace "$OUT/trace.json" --plot "$OUT/utilisation.png" 2>&1 | tee "$OUT/overlap_table.txt"
 
 step "done in $((SECONDS - START))s; outputs in $OUT:"
 ls -l "$OUT"

@@ -77,7 +77,7 @@ class MiniSGLParams(BaseModel):
     logit_bias: dict[int, float] | None = None
     """Token id -> bias in [-100, 100], added to the logit (greedy decoding sees it too)."""
     n: int = 1
-    """Samples per prompt: n generations (sample i keyed by the seed and i, so each is reproducible),
+    """Samples per prompt: n generations (sample i keyed by `seed` and i, so each is reproducible),
     sharing the prompt's KV blocks. Not with streaming."""
     stop: list[str] | None = None
     timeout: float | None = None

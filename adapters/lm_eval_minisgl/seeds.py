@@ -1,6 +1,6 @@
 """Per-request seeds that depend only on the run's seed and the request's position in lm-eval's order.
 
-The engine seeds an unseeded request from its own generator in submission order, so the seed a
+The engine seeds an unseeded request from its own generator in submission order, so the seed value a
 request gets would depend on how the work is split (one engine, or N data-parallel replicas each
 seeing a share). The adapter therefore seeds every unseeded request itself, before any split:
 `seed = H(run seed, index)`, where index counts the requests the adapter has sent in lm-eval's order

@@ -26,7 +26,7 @@ namespace {
 
 // One (sequence, KV head): the group's query heads against keys [first, pos], softmax in float32.
 // Plain C++ that the compiler vectorises for the ISA of the function it is inlined into: attend_group
-// (the AVX-512 families', x86-64-v4, as the clone that ran there before) or attend_group_avx2.
+// (the AVX-512 families', compiled for x86-64-v4) or attend_group_avx2.
 template <typename T>
 __attribute__((always_inline)) inline void attend_group_body(const T* q, const T* kpool, const T* vpool,
                                                              const int64_t* table, int64_t pos, int64_t kvh, T* out,
@@ -151,8 +151,8 @@ inline __mmask16 tile_lanes(int64_t first, int64_t last, int64_t t) {
 // The V sum of a block's rows x g query vectors whose probabilities are ready ([vector][span] from
 // key `base`), for the FMA and the dp sum alike: up to 64 dims of up to 6 vectors of a row at a time
 // in 24 accumulators, each output element one chain over the row's steps in order, each V chunk
-// loaded once for the group (the accumulators in memory had made this loop half of decode
-// attention's time, measured). `Steps` says what one step is (FmaSteps: a key; DpSteps: a key pair).
+// loaded once for the group (accumulators kept in memory instead would make this loop dominate
+// decode attention). `Steps` says what one step is (FmaSteps: a key; DpSteps: a key pair).
 template <typename Steps, typename T>
 AVX512 inline void value_sum(const Steps& steps, int64_t rows, const BlockKeys& b, const int64_t* pos, int64_t kvh,
                              T* out, const AttnShape& s) {
@@ -260,7 +260,8 @@ struct DpSteps {
 // (vpunpck{l,h}wd: dims 8L..8L+3 and 8L+4..8L+7 of each 128-bit lane L), so the accumulators hold
 // the dims in that order until a permute at the end puts them back. Each output element is the same
 // chain over the same pairs as value_sum's over stage_value_pairs' layout, so the same bits, without
-// writing every V row of the block out and reading it back (the staging was ~40% of the decode V sum).
+// writing every V row of the block out and reading it back (a staging pass that costs a large share of
+// the decode V sum).
 DPBF16 void dp_value_sum_in_place(const uint16_t* vpool, int64_t rows, const int64_t* pos, int64_t kvh, uint16_t* out,
                                   const AttnShape& s, const BlockKeys& b, const AttnScratch& w, int64_t span,
                                   int64_t base) {
@@ -512,8 +513,8 @@ enum Scorer : int { SCORE_FMA = 0, SCORE_AMX = 1, SCORE_DP = 2 };
 // amx_scores' result from vdpbf16ps (AVX512-BF16, no tile unit): lanes = the 16 query vectors of qb,
 // each key's (dim 2i, dim 2i+1) pair broadcast against the lanes' pairs, one chain over the pairs
 // in order per score (so a score's bits depend on its query and key alone, as the tile unit's).
-// Sixteen keys at a time keep sixteen chains in flight (eight left the unit idle: 1.34 -> 1.17 ms per
-// layer for a 256-row chunk at 256 cached, docs/performance.md "Speed"); keys of the 16-key tiles
+// Sixteen keys at a time keep sixteen chains in flight (eight leave the dot-product unit idle between
+// dependent steps); keys of the 16-key tiles
 // outside [lo, hi] score zero, as amx_scores' staged zeros. Read in place, whatever the block size.
 DPBF16 void dp_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
                       int64_t hi, const uint32_t* qb, float* sc) {
@@ -568,8 +569,8 @@ AVX512 inline void pack_query_pairs(const uint16_t* q, int64_t q_stride, int64_t
 // vector's pair i is broadcast against them. Every lane runs the chain dp_scores runs for that
 // (query, key), acc += q(2i) k(2i) + q(2i+1) k(2i+1) over the pairs in order from zero (the two
 // products are exact in float32, so which operand holds the query does not change a bit), without
-// dp_scores' 16 - N idle lanes (a decode row of SmolLM2 has 3 query vectors per KV head; scoring was
-// ~60% of decode attention, docs/performance.md "Speed"). T tiles at a time keep T x N chains in flight.
+// dp_scores' 16 - N idle lanes (a decode row of SmolLM2 has 3 query vectors per KV head, and scoring
+// is most of decode attention). T tiles at a time keep T x N chains in flight.
 // sc[v * span + key - base] = score x scale for every key of the tiles; keys outside [lo, hi] hold a
 // repeated key's score, which the softmax masks out as it does every key outside a row's range.
 template <int N>

@@ -63,9 +63,8 @@ inline BlockKeys block_keys(const int64_t* table, const int64_t* pos, int64_t ro
 // A decode block's K and then V rows are requested into L2 before its scores are computed, so that
 // their memory latencies overlap one another and the scoring instead of stalling the scores and the V
 // sum key by key (the rows of one KV head are 2-4 lines every kv_heads * head_dim elements, a stride
-// the hardware prefetcher does not follow across shuffled blocks): V alone made decode attention at
-// batch 8-32 ~20% faster; K too, 21.6 -> 16.7 ms for a batch-32 step of SmolLM2 from memory, one thread
-// (python -m minisgl_backend.bench.attention, case decode_step).
+// the hardware prefetcher does not follow across shuffled blocks). Both prefetches pay off once the
+// cache outgrows the last-level cache (python -m minisgl_backend.bench.attention, case decode_step).
 template <typename T>
 inline void prefetch_rows(const T* pool, const BlockKeys& b, int64_t kvh, const AttnShape& s, const AttnScratch& w) {
     const int64_t bytes = s.head_dim * static_cast<int64_t>(sizeof(T));

@@ -140,10 +140,9 @@ AVX512 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 // The few-row kernels read 4 weight rows at a time, 4 interleaved streams per thread, which the
-// hardware prefetcher alone kept at ~4-5 GB/s per core: each 64 bytes of a row request the same line
-// of the next block's 4 rows (the rows the thread reads next; past the matrix a prefetch never
-// faults). Measured on one decode step's SmolLM2 weights at one row, 2 threads: int8 (135 MB)
-// 16 -> 10 ms, bf16 without AMX (270 MB) 25 -> 16 ms.
+// hardware prefetcher alone keeps well below the memory's read rate: so each 64 bytes of a row request
+// the same line of the next block's 4 rows (the rows the thread reads next; past the matrix a prefetch
+// never faults). A decode step at one row is a weight stream, so its time follows this read rate.
 template <typename W>
 AVX512 inline void prefetch_next_tile(const W* w, int64_t K, int64_t k) {
     for (int j = 4; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k), _MM_HINT_T0);

@@ -1,6 +1,6 @@
 // DecodeStack: every layer of a decode-only batch in one call. A decode step calls ~11 kernels per
-// layer, each through its Python wrapper and torch's tensor glue: on this 2-core machine that glue was
-// 10-14 ms of a 20-55 ms SmolLM2 step at batch 1-32 (measured, docs/performance.md "Speed"). For a
+// layer, each through its Python wrapper and torch's tensor glue, and for a small model on a few cores
+// that glue is a large share of the step (docs/performance.md). For a
 // decode-only bf16 batch of a Llama-style layer (pre-norm, fused qkv and gate/up, SiLU, Qwen3's q/k
 // norm; not Gemma's block) DecodeStack::run calls the same kernels (the other files' entry points) on
 // the same operands, in the same order, with each linear taking the kernel Linear.forward would take

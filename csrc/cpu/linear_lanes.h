@@ -9,17 +9,16 @@ constexpr int TILE_ROWS = V::N == 16 ? 4 : 2;
 constexpr int64_t KSTEP = 2 * V::N;  // bf16 weights per k-step: N (even, odd) pairs
 
 // Each 64 bytes of a tile's rows request the same line of TILE_ROWS rows PREFETCH_AHEAD rows further
-// on (past the matrix a prefetch never faults), into L1 (AVX-512: the next tile, measured on the
-// Xeon; common.h prefetch_next_tile) or into L2 (AVX2: 8 rows ahead, measured on the 2-core EPYC
-// Zen 5: a weight stream from memory at one row and one thread went from 9 to 19 GB/s, where the
-// next tile into L1 had left it).
+// on (past the matrix a prefetch never faults), into L1 (AVX-512: the next tile, as common.h
+// prefetch_next_tile) or into L2 (AVX2: 8 rows ahead; the next tile into L1 comes too late to hide a
+// weight stream from memory at one row and one thread, a distance the L2 prefetch covers).
 constexpr int PREFETCH_AHEAD = V::N == 16 ? 4 : 8;
 constexpr auto PREFETCH_HINT = V::N == 16 ? _MM_HINT_T0 : _MM_HINT_T1;
 
 // One k-step of 2N weights: a load holds N (even, odd) bf16 pairs. `w << 16` is the even elements as
 // float32 and `w & 0xffff0000` the odd ones (bf16 is the top half of a float32), so the pair becomes
-// two FMAs against the input row split the same way. Two float32 FMAs run ~2x faster than one
-// vdpbf16ps on this CPU (measured: 1.1 G vdpbf16ps/s vs 4.8 G FMA/s per core).
+// two FMAs against the input row split the same way: two float32 FMAs take less time than one
+// vdpbf16ps on the CPUs this loop was tuned on, so the pair is split rather than fed to vdpbf16ps.
 //
 // MM input rows x TILE_ROWS weight rows: their float32 accumulators; each weight vector is loaded and
 // split once per k-step and used by every input row. xe/xo: the input rows' even/odd elements as

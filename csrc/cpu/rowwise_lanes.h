@@ -25,7 +25,7 @@ LANES_TARGET inline typename V::F rms_out(typename V::F x, typename V::F inv, ty
 // RMSNorm of one row, with the residual add: x + residual is the row normalised and (sr) the new
 // residual stream. The sum of squares runs by lanes, then V::hsum's tree; bf16 rows under AVX2 go 16
 // elements per step as even/odd halves (V::PAIRED_SUMS: its lanes then take an element pair per step,
-// the avx2 family's own order; AVX-512 keeps 16 ordered elements per lane step, its bits as before).
+// the avx2 family's own order; AVX-512 keeps 16 ordered elements per lane step).
 template <typename T>
 LANES_TARGET void rms_norm_row(T* xr, const T* residual, T* sr, const T* weight, T* out, int64_t dim, float eps,
                                bool gemma) {
@@ -90,7 +90,7 @@ LANES_TARGET inline typename V::F silu_lanes(typename V::F g, typename V::F u) {
 // RoPE and SiLU x up are elementwise, so bf16 rows go 2N elements per step as the even and odd halves
 // of one load (V::split, as the linear's weights): the same bits as N ordered elements at a time, with
 // one shift or mask per vector where the ordered load widens and the store narrows (AVX2 has no
-// 32 -> 16-bit narrowing within a register: ~10% of its SiLU).
+// 32 -> 16-bit narrowing within a register, which makes the ordered store the costly part there).
 
 // The first 2 * half features of one head rotated in place by cos/sin.
 template <typename T>

@@ -2,7 +2,7 @@
 
 Behind `minisgl bench` (command.py; the CLI parses the flags and hands them over):
 - offline.py: the default run, the engine vs Hugging Face `generate` on one workload;
-- configs.py: `--scenario seed-table|prefix` and `--sweep FIELD=...`, one workload under several configs;
+- configs.py: `--scenario overlap-table|prefix` and `--sweep FIELD=...`, one workload under several configs;
 - peers.py: `--scenario peers`, the peer harness's workloads;
 - measure.py: what they measure (TTFT, TPOT, throughput) and the table they print.
 

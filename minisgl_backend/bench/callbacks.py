@@ -1,4 +1,5 @@
-"""Microbenchmark of the completion path (S13/S14/S19): Python tracker vs the native extension.
+"""Microbenchmark of the completion path: the Python tracker vs the native extension (what Python
+completion callbacks cost a pipeline whose other threads need the GIL).
 
   python -m minisgl_backend.bench.callbacks [--completions 100000] [--work-items 3000] [--matrix 96]
 

@@ -1,4 +1,4 @@
-"""The bodies of `minisgl bench` (the default engine-vs-HF run, `--scenario seed-table|prefix|peers`,
+"""The bodies of `minisgl bench` (the default engine-vs-HF run, `--scenario overlap-table|prefix|peers`,
 `--sweep`) and `minisgl bench-serve`: the command line parses the flags and hands them here with a
 way to build the engine config from them."""
 
@@ -85,8 +85,8 @@ def _peers(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
 
 def _configs(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
     from minisgl_backend.bench.configs import (
+        OVERLAP_TABLE,
         PREFIX_TABLE,
-        SEED_TABLE,
         bench_configs,
         mixed_prompts,
         shared_prefix_prompts,
@@ -101,7 +101,7 @@ def _configs(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
             )
         variants = {f"{key}={v}": {key: yaml.safe_load(v)} for v in values.split(",")}
     else:
-        variants = PREFIX_TABLE if args.scenario == "prefix" else SEED_TABLE
+        variants = PREFIX_TABLE if args.scenario == "prefix" else OVERLAP_TABLE
     # interleaved (a, b, a, b): drift on a shared machine hits every variant alike
     if (args.repeat or 1) > 1:
         variants = {f"{name} #{i + 1}": ov for i in range(args.repeat) for name, ov in variants.items()}

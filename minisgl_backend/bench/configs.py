@@ -1,4 +1,4 @@
-"""`minisgl bench --scenario seed-table|prefix` and `--sweep`: one closed-loop workload under each of
+"""`minisgl bench --scenario overlap-table|prefix` and `--sweep`: one closed-loop workload under each of
 several engine configs, one engine at a time (optionally with each run's timeline for --trace/--plot)."""
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from minisgl_backend.config import EngineConfig
 from minisgl_backend.engine import Engine
 from minisgl_backend.types import RequestOutput, SamplingParams
 
-# The seed's four rows (section 5.3) as plain config overrides.
-SEED_TABLE: dict[str, dict[str, Any]] = {
+# `--scenario overlap-table`: what overlap scheduling and chunked prefill buy over the serial loop, as
+# plain config overrides. A chunk too small pays a planning round and a forward pass per few tokens; a
+# moderate one lets long prefills interleave with decode; one iteration in flight (max_inflight 1)
+# keeps chunking but makes the scheduler wait for every forward pass, so nothing overlaps.
+OVERLAP_TABLE: dict[str, dict[str, Any]] = {
     "serial, no chunking": {"overlap": False, "chunk_size": None, "mixed_batches": False, "max_inflight": 1},
     "overlap, chunk too small": {"overlap": True, "chunk_size": 32, "mixed_batches": True, "max_inflight": 4},
     "overlap, moderate chunk": {"overlap": True, "chunk_size": 256, "mixed_batches": True, "max_inflight": 4},

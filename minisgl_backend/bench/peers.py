@@ -1,7 +1,7 @@
 """`minisgl bench --scenario peers`: output tok/s of the default and deterministic configs on the
 peer harness's workloads, the batch-1 decode step against the machine's weight-read rate, and the
 prefill workload against the rate of the model's largest linear on this machine (the compute roof a
-prefill can reach: linears are ~90-95% of its FLOPs)."""
+prefill can reach: linears are nearly all of its FLOPs)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from minisgl_backend.model.layers import Linear
 from minisgl_backend.model.spec import ModelSpec
 from minisgl_backend.types import SamplingParams
 
-# The peers scenario: the workloads of ../shared/peers (and the speed issues): random-token prompts,
-# greedy, ignore_eos; (requests, prompt tokens, new tokens). The last is prefill: one new token.
+# The peers scenario: the workloads minisgl is compared with other CPU engines on (docs/performance.md,
+# "How the figures are taken"): random-token prompts, greedy, ignore_eos; (requests, prompt tokens,
+# new tokens). The last is prefill: one new token.
 PEER_WORKLOADS = {
     "1 x 200 -> 96": (1, 200, 96),
     "8 x 200 -> 96": (8, 200, 96),

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 # Compact JSON: fixed separators, no free whitespace (a small model left free to choose whitespace
-# can pad forever). json.dumps' spaced separators, as the tool prompt shows them, were measured for
-# whole calls too: greedy SmolLM2-135M then got some calls right that compact JSON gets wrong and
-# others wrong that it gets right, no net gain; they stay for the one place they help (`_args_style`).
+# can pad forever). json.dumps' spaced separators, as the tool prompt shows them, bring no net gain
+# for whole calls: a small greedy model (SmolLM2-135M) gets some calls right that compact JSON gets
+# wrong and others wrong that it gets right; they stay for the one place they help (`_args_style`).
 _COMPACT = {"whitespace_flexible": False}
 _SPACED = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 TOOL_CALL_OPEN = "<tool_call>"
@@ -81,7 +81,7 @@ def _args_style(params: dict[str, Any]) -> dict[str, Any]:
     properties (json_object's "any JSON object"). There the model picks each value's type, and
     compact JSON forbids the `": "` it would write before a string, so greedy SmolLM2-135M takes a
     `{` instead and nests objects until max_tokens ('{"setup":{"setup":{...'); with json.dumps'
-    separators it writes a flat object (measured). A declared property's type fixes that token."""
+    separators it writes a flat object. A declared property's type fixes that token."""
     undeclared = not params.get("properties") and params.get("additionalProperties", False) is not False
     return _SPACED if params.get("type") == "object" and undeclared else _COMPACT
 

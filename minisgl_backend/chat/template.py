@@ -83,7 +83,7 @@ def response_tool(fmt: dict[str, Any], taken: Sequence[str] = ()) -> dict[str, A
     Why not a bare JSON grammar: constrained to the same schema without the tool prompt and call
     wrapper, greedy SmolLM2-135M repeats itself inside the first string until max_tokens
     ('{"setup":"The cat was a cat, and the cat was a cat, ...'), while as a forced call it writes a
-    whole joke and stops (measured). `json_schema` gives the name, description and parameters
+    whole joke and stops. `json_schema` gives the name, description and parameters
     (`strict` is implied: decoding is always constrained); `json_object` allows any JSON object.
     `taken`: names of the request's own tools, which the reply tool must not shadow.
     """

@@ -1,5 +1,6 @@
-"""What both executor back-ends share: a compute worker and a copy worker (S11), the S6 wait between
-them, results handed to the scheduler through the in-flight tracker (S13, S14).
+"""What both executor back-ends share: a compute worker and a copy worker, the wait that keeps an
+iteration from reading a token before the iteration that samples it has written it, and results
+handed to the scheduler through the in-flight tracker (bounded in-flight count, bulk completions).
 
     scheduler --submit--> [compute worker]  wait sampled(depends_on) -> gather ids -> _launch (back-end)
                                  | logits, via the back-end's hand-off
@@ -10,8 +11,10 @@ them, results handed to the scheduler through the in-flight tracker (S13, S14).
 
 A back-end supplies three things: `_launch` (run the forward of one iteration and hand its logits to
 the copy side), `_copy_items` (the copy side's feed, in iteration order) and `_stop_copy`. Workers
-never touch request state (S7): they read immutable IterationInputs and post results keyed by
-iteration id. Every multi-threaded torch op runs on the compute thread (architecture §12b).
+never touch request state (the scheduler thread owns it, so a request's slot can never be freed
+under a worker that still uses it): they read immutable IterationInputs and post results keyed by
+iteration id. Every multi-threaded torch op runs on the compute thread (docs/architecture.md,
+"One OpenMP team").
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ class DualWorkerExecutor:
                     # must stay collectable (its finaliser closes it).
                     inp = fn = fut = None
                     continue
-                if not self._wait_sampled(inp.depends_on):  # S6: the tokens it reads are written first
+                if not self._wait_sampled(inp.depends_on):  # the tokens it reads are written first
                     return
                 for row, tokens in inp.prompt_writes:
                     self.table.write_prompt(row, tokens)

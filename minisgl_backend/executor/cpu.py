@@ -1,9 +1,10 @@
-"""The CPU back-end: two worker threads stand in for a compute stream and a copy stream (S11).
+"""The CPU back-end: two worker threads stand in for a compute stream and a copy stream,
+so sampling and the hand-back of one iteration overlap the forward of the next.
 
 Torch releases the GIL inside its kernels, so the scheduler thread plans iteration N+1 and processes
 the results of N-1 while the compute worker runs N. The logits become float32 numpy on the compute
-thread: a second OpenMP thread team (one per thread that runs a parallel torch op) makes the forward
-~30% slower on a 2-core machine (measured), because the teams' idle workers stop spin-waiting.
+thread: every thread that runs a parallel torch op gets its own OpenMP thread team, and two teams
+contend for the same cores, so their idle workers stop spin-waiting and the forward slows down.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class CPUExecutor(DualWorkerExecutor):
     def _launch(self, inp: IterationInputs, input_ids: torch.Tensor) -> None:
         cpu_threads.adapt()
         t0 = time.perf_counter()
-        # S16: only the rows that sample or score leave the model, as float32 on the host.
+        # Only the rows that sample or score leave the model, as float32 on the host: sampling runs on
+        # the CPU, on the copy worker, while the compute worker starts the next forward.
         logits = (
             self.model(forward_batch(inp, index_tensors(inp, input_ids)), self.kv).to(torch.float32).numpy()
         )

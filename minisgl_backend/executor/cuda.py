@@ -1,4 +1,6 @@
-"""The CUDA back-end: a compute stream and a copy stream linked by events (S11).
+"""The CUDA back-end: a compute stream and a copy stream linked by events, not by device syncs.
+
+Kernels on one stream run in order, so copies overlap compute only on a stream of their own.
 
 Per iteration N, on the compute worker (all launches are asynchronous; nothing here waits for the GPU
 except a staging slot that is still fenced):
@@ -10,13 +12,14 @@ except a staging slot that is still fenced):
 
 The inputs go through pinned staging buffers (staging.py), whose reuse is fenced like KV blocks and
 token rows. The end of the D2H is reported by a native host function on the copy stream
-(`cuda_host_complete`: cudaLaunchHostFunc in csrc/, S14) into a second, executor-private tracker: the
-copy worker sleeps on it with the GIL released instead of spinning in cudaEventSynchronize, and
-samples on the CPU (S16) as soon as an iteration's logits are on the host. Device memory made on one
+(`cuda_host_complete`: cudaLaunchHostFunc in csrc/, which only counts and pushes an id, never
+taking the GIL) into a second, executor-private tracker: the copy worker sleeps on it with the GIL
+released instead of spinning in cudaEventSynchronize, and samples on the CPU as soon as an
+iteration's logits are on the host. Device memory made on one
 stream and read on the other is marked with record_stream, so the caching allocator does not hand it
 out again before the reading stream is done with it.
 
-Sampled tokens stay in the host token table, so a decode batch waits (on the compute worker, S6) for
+Sampled tokens stay in the host token table, so a decode batch waits (on the compute worker) for
 the previous iteration's sampling before it stages its input ids. Prompt-only batches do not wait.
 """
 
@@ -88,7 +91,7 @@ class CUDAExecutor(DualWorkerExecutor):
         with torch.cuda.stream(self._compute):
             self._compute.wait_event(h2d)
             start.record(self._compute)
-            logits = self.model(forward_batch(inp, tensors), self.kv).float()  # S16: fp32 on the host
+            logits = self.model(forward_batch(inp, tensors), self.kv).float()  # fp32: sampled on the host
             end.record(self._compute)
         for t in tensors:  # allocated on the copy stream, read on the compute stream
             if t is not None:

@@ -1,4 +1,5 @@
-"""The sampling stage of one iteration: runs on the executor's copy worker, on the CPU (S16).
+"""The sampling stage of one iteration: runs on the executor's copy worker, on the CPU:
+sampling a row costs microseconds there and overlaps the next forward instead of adding to it.
 
 It belongs to the executor (it reads the executor's token table and answers the executor's
 iteration); the sampling math it calls lives in `sampling/`, which knows nothing of iterations."""
@@ -62,7 +63,7 @@ def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable
     Per-request isolation: whatever goes wrong for one request (its logits processors, its draw,
     its logprobs) is reported in `errors` under its key and fails that request alone; every other
     row is delivered. A failed row still writes a placeholder token, so later in-flight iterations
-    that read its row (their results are dropped) find it written (S6)."""
+    that read its row (their results are dropped) find it written instead of reading an unwritten slot."""
     sampled: dict[int, int] = {}
     logprobs: dict[int, TokenLogprob] = {}
     errors: dict[int, Exception] = {}

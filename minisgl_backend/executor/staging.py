@@ -2,12 +2,12 @@
 
 A host<->device copy with `non_blocking=True` reads (H2D) or writes (D2H) its pinned buffer some time
 after the call returns, when the copy stream reaches it. Writing the next iteration's inputs into that
-buffer before then corrupts a copy in flight (a pinned-buffer reuse bug mini-sglang once fixed, S18).
-So every buffer belongs to a `StagingSlot`, and slots come from a `StagingRing` that hands a slot out
-for iteration N and takes it back behind fence N through the engine's one lifetime rule
-(FencedReclaim, S5/S18). The slot is reusable once iteration N has completed. Completion comes after
-the copy worker was told (by the copy stream's host callback, after the event of the slot's last copy,
-the logits D2H) that every copy of the slot is done and after it sampled out of the logits buffer.
+buffer before then corrupts a copy in flight. So every buffer belongs to a `StagingSlot`, and slots
+come from a `StagingRing` that hands a slot out for iteration N and takes it back behind fence N
+through the engine's one lifetime rule (FencedReclaim). The slot is reusable once iteration N has
+completed. Completion comes after the copy worker was told (by the copy stream's host callback,
+after the event of the slot's last copy, the logits D2H) that every copy of the slot is done and
+after it sampled out of the logits buffer.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class StagingSlot:
     ) -> list[torch.Tensor | None]:
         """Pack host tensors into this slot's pinned buffers (one per dtype) and copy each buffer to
         `device` with one non-blocking copy on the current stream; returns device views in input order.
-        Few large copies instead of many tiny ones: each copy costs ~10 µs of launch (S10)."""
+        Few large copies instead of many tiny ones: each copy pays a fixed launch cost that dwarfs
+        moving a few hundred bytes."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             if t is not None:

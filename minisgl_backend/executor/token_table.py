@@ -3,7 +3,8 @@
 Row r holds request r's prompt and every token drawn for it, at their absolute positions. The
 sampling stage writes token p at [r, p]; a later iteration gathers its inputs from [r, positions].
 `ready[r]` counts the leading positions written: it is the sequence's step counter, and reading
-position p before ready[r] > p is the S6 violation the compute stage asserts against.
+position p before ready[r] > p would feed the model a token that was never drawn: the compute
+stage asserts against it (step N+1 of a sequence must read what step N wrote).
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ class TokenTable:
             self.ready[r] = max(self.ready[r], p + 1)
 
     def gather(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Input ids of one iteration; asserts every one was written before it is read (S6)."""
+        """Input ids of one iteration; asserts every one was written before it is read."""
         r, p = rows.numpy(), positions.numpy()
         late = p >= self.ready[r]
         if late.any():
             i = int(np.argmax(late))
             raise InvariantError(
-                f"S6 violated: row {r[i]} position {p[i]} read before its token was written "
+                f"read-after-write violated: row {r[i]} position {p[i]} read before its token was written "
                 f"(ready={self.ready[r[i]]})"
             )
         return torch.from_numpy(self.ids[r, p])

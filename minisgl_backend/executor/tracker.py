@@ -1,15 +1,20 @@
-"""In-flight iteration tracker: backpressure counter + completion queue (S13, S14, S19).
+"""In-flight iteration tracker: backpressure counter + completion queue.
 
 The executor calls ``begin()`` before submitting an iteration (at most ``max_inflight`` may be
-submitted-but-unfinished, S13); the completion side calls ``complete(id)`` — from a CUDA host function,
+submitted-but-unfinished: the scheduler runs ahead of the device by a bounded amount, so a finished
+request is noticed within a few iterations and memory held for in-flight work stays bounded); the
+completion side calls ``complete(id)`` — from a CUDA host function,
 a worker thread, or the scheduler itself — and the scheduler's main thread collects finished ids in bulk
-with ``wait``/``drain``. Slot state changes only after that hand-over, on the main thread (S7).
+with ``wait``/``drain``. Slot state changes only after that hand-over, on the main thread, so no
+slot is reclaimed while another thread still works on it.
 
 Two implementations with one interface:
 - ``native``: ``minisgl_backend.native._native.InflightTracker`` (csrc/inflight_tracker.cpp). ``wait``
-  releases the GIL; on CUDA the completion is a C host function that only counts and pushes (S14).
-- ``python``: :class:`PyInflightTracker`, kept selectable (``callback_impl: python``) so the seed's
-  Python-callback measurement (S19) can be reproduced, and used when the extension was not built.
+  releases the GIL; on CUDA the completion is a C host function that only counts and pushes, so it
+  never takes the GIL or touches a Python object on the driver's callback thread.
+- ``python``: :class:`PyInflightTracker`, kept selectable (``callback_impl: python``) so the cost of
+  Python completion callbacks can be measured against the native ones (``python -m
+  minisgl_backend.bench.callbacks``), and used when the extension was not built.
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ class InflightTracker(Protocol):
 class PyInflightTracker:
     """Pure-Python twin of the native tracker, on one ``threading.Condition``.
 
-    Every ``complete`` takes the GIL and a Python lock: exactly the cost S14 says to avoid, which is why
-    this is the fallback / measurement path, not the default.
+    Every ``complete`` takes the GIL and a Python lock, contending with the scheduler thread for
+    both on every iteration: which is why this is the fallback / measurement path, not the default.
     """
 
     def __init__(self, max_inflight: int) -> None:
@@ -104,7 +109,7 @@ class PyInflightTracker:
         return self._max
 
     def cuda_host_complete(self, stream_handle: int, iteration_id: int) -> None:
-        """The slow path the seed measured (S19): torch has no Python-level host-function launch, so record
+        """The slow Python path: torch has no Python-level host-function launch, so record
         a CUDA event on the stream and let a poller thread ``event.synchronize()`` then ``complete(id)``.
         Completions are observed in submission order (one FIFO poller), an event-based sync boundary."""
         import torch

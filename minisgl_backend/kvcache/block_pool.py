@@ -1,4 +1,7 @@
-"""Paged KV block accounting with an explicit per-block state machine (S4, S5, S18).
+"""Paged KV block accounting with an explicit per-block state machine.
+
+The KV pool is preallocated and split into fixed-size blocks, like pages in an OS; this module
+records which request holds each block, its state and the free list.
 
     FREE --ALLOCATED--> WRITING --WRITE_COMPLETED--> READ_ONLY
       ^                    |                            |
@@ -6,12 +9,13 @@
       +------------------LAST_READER_DONE-------------------------+
 
 Every transition goes through `_transition`, keyed by (state, event); anything else is a bug and
-raises InvariantError. Only the scheduler thread calls into a BlockPool (S7).
+raises InvariantError. Only the scheduler thread calls into a BlockPool, so it takes no lock.
 
 Reclaim never crosses a sync boundary: a released block carries a *fence*, the id of the newest
 iteration submitted when it was released (the last one that may still read it). It becomes FREE
-only when `retire(completed_iteration)` reports that iteration complete. "Better waste one
-iteration of memory than let reclamation cross a sync boundary" (S18).
+only when `retire(completed_iteration)` reports that iteration complete: holding a block one
+iteration longer costs a little memory, while handing it to a new prefill that a running decode
+still reads would put one request's K/V (and so its text) into another's reply.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ class BlockPool:
         self.state = [BlockState.FREE] * num_blocks
         self.refcount = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        # Debug only (unsafe_immediate_reclaim): skip the fence, reproducing the seed's ghost-reply bug.
+        # Debug only (unsafe_immediate_reclaim): skip the fence, so a block can be reused while an
+        # in-flight iteration still reads it (the cross-request leak the stress harness detects).
         self._reclaim: FencedReclaim[int] = FencedReclaim(self._free_now, immediate=unsafe_immediate_reclaim)
 
     # ---- the single place where states change ----

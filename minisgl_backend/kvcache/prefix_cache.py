@@ -1,4 +1,5 @@
-"""Prefix cache: a radix tree over token ids at block granularity (S1, S9).
+"""Prefix cache: a radix tree over token ids at block granularity: a request whose prompt starts
+with a cached prefix skips computing it.
 
 Each node below the root is one full KV block, keyed by the `block_size` token ids it holds; the
 path from the root spells the token prefix whose K/V the blocks contain. The tree owns one
@@ -6,9 +7,11 @@ reference on every block in it, so cached blocks stay READ_ONLY in the BlockPool
 a request that reuses a prefix `share()`s the blocks (one more reference each) and releases them
 like its own when it finishes. Eviction drops the tree's reference on least-recently-used leaves
 whose block nobody else holds, so the block goes READ_ONLY -> PENDING_RECLAIM -> FREE behind the
-usual fence: a cached block is never reused while an in-flight iteration may still read it (S18).
+usual fence: a cached block is never reused while an in-flight iteration may still read it.
 
-Only the scheduler thread touches the tree (S7); there is no lock on the lookup path.
+Only the scheduler thread touches the tree, so there is no lock on the lookup path; with
+`prefix_cache: async` a finished request's blocks are inserted at the loop's idle point instead of
+on the path that plans the next batch (see scheduler/prefix_admission.py).
 """
 
 from __future__ import annotations

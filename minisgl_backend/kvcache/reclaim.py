@@ -1,9 +1,10 @@
-"""Fenced reclaim: the one rule behind every lifetime in the engine (S5, S18).
+"""Fenced reclaim: the one rule behind every lifetime in the engine.
 
 Anything an in-flight iteration may read — KV blocks, token-table rows, staging buffers — is
 released with a *fence*: the id of the newest iteration submitted at release time. It becomes
 reusable only when `retire(completed)` reports that iteration complete (iterations complete in
-order). "Better waste one iteration of memory than let reclamation cross a sync boundary."
+order). Holding an item one iteration longer costs a little memory; reusing it while an in-flight
+iteration still reads it would mix one request's data into another's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ class FencedReclaim(Generic[T]):
         self._on_reusable = on_reusable
         self._pending: deque[tuple[int, list[T]]] = deque()  # (fence, items), fences ascending
         self.num_pending = 0
-        # Debug only (`debug_unsafe_reclaim`): ignore the fence, reproducing the seed's ghost-reply bug.
+        # Debug only (`debug_unsafe_reclaim`): ignore the fence, so an item can be reused while an
+        # in-flight iteration still reads it (the cross-request leak the stress harness detects).
         self._immediate = immediate
 
     def release(self, items: Iterable[T], fence: int) -> None:

@@ -1,4 +1,4 @@
-"""The preallocated KV pool (S4): per layer, one K and one V tensor of num_blocks x block_size slots."""
+"""The preallocated KV pool: per layer, one K and one V tensor of num_blocks x block_size slots."""
 
 from __future__ import annotations
 

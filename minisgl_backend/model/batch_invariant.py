@@ -2,32 +2,31 @@
 
 A request's logits must not depend on how many rows share its batch, where its chunk boundaries
 fall, which requests run beside it, or whether a token is computed by a prefill chunk or a decode
-row. The default forward breaks all four on this CPU (measured: docs/determinism.md and
-`tests/model/test_batch_invariant.py`):
+row. The default forward breaks all four (docs/determinism.md; `tests/model/test_batch_invariant.py`
+checks this forward against them):
 
 - `F.linear` (MKL sgemm, oneDNN for bf16): a row's bits depend on the row count M of the call,
-  in ways that differ by CPU. On an AMD EPYC every multiple of 4 agreed; on an Intel Xeon with
-  AMX, fp32 576x1536 gives one result for M in 16..56 and 196..2048 and another for 60..192, and
-  the bf16 LM head differs for M in 36..296 (measured). What held on both: inside ONE call of a
-  fixed shape, a row's bits do not depend on its position or on the other rows. So **every linear
+  because the library picks a different blocking (and so a different summation order) per M, and
+  which row counts agree differs by CPU, weight shape and dtype. What holds everywhere: inside ONE
+  call of a fixed shape, a row's bits do not depend on its position or on the other rows. So **every linear
   runs on fixed row tiles** (`TiledLinear`): `ROW_TILE` rows (the last tile zero-padded), plus
   larger tiles only where a probe at `enable()` found that they give the same bits as `ROW_TILE`
   for that weight's shape on this machine (`tiles_for`), which keeps long prefills fast.
 - SDPA's reduction over keys depends on the number of queries and keys in the call (chunked prefill
   differs from whole-prompt prefill, decode from prefill). So attention is computed here the same
   way for every query token: scores against keys padded to whole splits of `KV_SPLIT` keys (a score
-  is one length-d dot product; measured invariant to the number of rows, keys and batched
-  sequences, in fp32 and bf16), an exact max, then per split a fixed-shape
+  is one length-d dot product, invariant to the number of rows, keys and batched sequences, in
+  fp32 and bf16), an exact max, then per split a fixed-shape
   `[rows, KV_SPLIT] @ [KV_SPLIT, d]` product and a fixed-length sum, and the splits combined by
   sequential float32 additions in key order. A query sees the same splits with the same contents
   whether it is one decode row or one of 256 prefill rows; padding splits add exact zeros.
 - RoPE comes from a per-position table computed once (by the model's own Rotary, so every RoPE
   variant of `model/rope.py`), so a position's cos/sin never depend on the other positions in the batch.
 
-Row-wise ops built from torch reductions (RMSNorm, residual adds, SiLU) were measured invariant and
-are shared with the default path. The default path itself is left untouched.
+Row-wise ops built from torch reductions (RMSNorm, residual adds, SiLU) reduce within one row only,
+so they are invariant already and shared with the default path. The default path itself is left untouched.
 
-On a CPU with the native kernels (docs/architecture.md §11d) two of these give way to kernels whose
+On a CPU with the native kernels (docs/architecture.md, "CPU kernels") two of these give way to kernels whose
 bits are row-invariant by construction, so they serve the default and this forward alike: a packed
 linear (AMX or AVX512-BF16, `Linear.pack`), or a bf16 linear under the avx2 family (its kernel at
 every row count), stays as it is instead of becoming a TiledLinear, and attention for every row runs
@@ -60,8 +59,8 @@ Scratch = dict  # buffers by (name, shape, dtype), and "rows": row_tables(batch)
 
 def _buffer(scratch: Scratch, key: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """A buffer (dtype and device of `like`) reused by every layer of one forward: fresh multi-MB
-    tensors per layer pay page faults on every touch (measured: a bf16 SmolLM2 decode step at batch 8,
-    832 keys, took ~600 ms with them and ~240 ms with reuse)."""
+    tensors per layer pay page faults on every touch, which can cost more than the arithmetic done in
+    them."""
     full = (key, shape, like.dtype)
     if full not in scratch:
         scratch[full] = torch.empty(shape, dtype=like.dtype, device=like.device)
@@ -158,8 +157,8 @@ def attend(
 
     q [B, M, h, d]; k, v [B, kvh, W, d] from `context` (key j is absolute position j; keys past a
     query's position are masked, and in a sliding-window layer keys at or before position - window);
-    q_pos [B, M]; cap: Gemma 2's score soft-capping. The two products run in the K/V dtype (bf16 ones
-    were measured invariant for these shapes too, and skip a float32 copy of every key); softmax
+    q_pos [B, M]; cap: Gemma 2's score soft-capping. The two products run in the K/V dtype (bf16 products
+    are row-invariant for these shapes too, and skip a float32 copy of every key); softmax
     and the combine run in float32. Returns float32 [B, M, h, d]. Window and soft-capping are
     elementwise on the scores, and a wholly masked split adds exact zeros, so neither changes the
     invariance argument.
@@ -169,7 +168,7 @@ def attend(
     g, splits = h // kvh, width // KV_SPLIT
     # One matmul row per (query, head of the group), padded to a multiple of ROW_MULTIPLE rows.
     rows = m * g
-    # Scores in log2 units: exp2 is ~7x faster than exp in this torch build on this CPU (measured).
+    # Scores in log2 units: torch's CPU exp2 is much cheaper than its exp.
     # (With soft-capping the scale cannot be folded: cap * tanh(s / cap) needs the plain score s.)
     qscale = scale * LOG2E if cap is None else scale
     qg = (q.float() * qscale).to(k.dtype).view(bsz, m, kvh, g, d).transpose(1, 2).reshape(bsz, kvh, rows, d)
@@ -180,7 +179,7 @@ def attend(
         row_pos = torch.cat([row_pos, row_pos.new_zeros(bsz, pad)], dim=1)  # pad rows see key 0 only
     r = rows + pad
     # A score is one length-d dot product: its bits do not depend on how many keys share the call
-    # (measured, see the module docstring), so all keys go in one product per (sequence, kv head).
+    # (see the module docstring), so all keys go in one product per (sequence, kv head).
     scores = torch.matmul(qg, k.transpose(-1, -2)).float()  # [B, kvh, R, W]
     if cap is not None:
         scores = torch.tanh(scores / cap) * (cap * LOG2E)

@@ -10,7 +10,7 @@ before temperature, top-k / top-p / min-p and before the greedy argmax:
 3. frequency penalty f: logits[t] -= f * (count of t in the output);
 4. presence penalty p: logits[t] -= p for every t in the output.
 
-Each row is processed on its own (a request's logits never depend on its batch neighbours: S8), and
+Each row is processed on its own (a request's logits never depend on its batch neighbours), and
 only the tokens a row names are touched, so the cost follows the history's length, not the vocabulary.
 """
 

@@ -1,13 +1,14 @@
-"""Batch-independent sampling on the CPU (S8, S16), in numpy.
+"""Batch-independent sampling on the CPU, in numpy (it runs on the copy worker while the next forward
+computes).
 
 A random draw is Gumbel-max: argmax over allowed tokens t of logits[t]/T + G(seed, pos, t), where
 G is Gumbel noise made from a stateless 64-bit hash of (request seed, absolute position, token id).
 Nothing depends on the batch slot, the step count or chunk boundaries, so a request replays exactly
 under any scheduling, and requests never share RNG state.
 
-numpy, not torch: torch would start an OpenMP team on this (copy-stage) thread, and two teams on a
-2-core machine slow the forward pass on the compute thread by ~30% (measured). numpy is single-threaded
-and releases the GIL inside its loops.
+numpy, not torch: torch would start an OpenMP team on this (copy-stage) thread, and two teams contend
+for the same cores, slowing the forward pass on the compute thread. numpy is single-threaded and
+releases the GIL inside its loops.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ _MASK64 = (1 << 64) - 1
 
 
 def sample_key(seed: int, index: int) -> int:
-    """The sampling key of sample `index` of a request seeded `seed` (SamplingParams.n): the seed
+    """The sampling key of sample `index` of a request seeded `seed` (SamplingParams.n): `seed`
     itself for sample 0, so sample 0 of any n is the n = 1 output; for i > 0 the i-th output of
     SplitMix64 seeded with `seed`, mix64((seed + i * 0x9E3779B97F4A7C15) mod 2**64), a function of
     (seed, i) only, so sample i does not depend on n, and distinct i give unrelated noise."""

@@ -2,8 +2,9 @@
 
 Built from lengths only: the scheduler never needs a sampled token to plan. Every input token is
 named by (token-table row, absolute position) and gathered on the compute stream when the
-iteration runs, after the iteration that samples it has written it (S6). Prompt tokens enter the
-table through `prompt_writes`, applied in stream order by the iteration that first reads them.
+iteration runs, after the iteration that samples it has written it (so planning never waits for
+a draw, and no iteration reads a token before it exists). Prompt tokens enter the table through
+`prompt_writes`, applied in stream order by the iteration that first reads them.
 """
 
 from __future__ import annotations

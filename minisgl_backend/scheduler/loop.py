@@ -1,9 +1,12 @@
-"""The scheduler thread's loop: the one owner of request state (S7).
+"""The scheduler thread's loop: the one owner of request state.
+
+Slot state (a request's blocks, rows and outputs) changes only here; the executor's workers only
+report completions. So nothing frees a slot while another thread still reads or samples from it.
 
 Callers never touch a Request, the Scheduler or the pools: the Engine hands them typed commands
 through `send` (any thread) and this loop, alone on its thread, applies them. One pass of the loop:
 
-    commands -> completions (tracker) -> plan + submit (fill the pipeline, S13)
+    commands -> completions (tracker) -> plan + submit (fill the pipeline)
              -> apply results + deliver -> deferred prefix inserts -> watchdog -> wait
 
 With overlap the pipeline is filled before the bookkeeping of completed iterations, so the compute
@@ -273,7 +276,8 @@ class SchedulerLoop:
             raise
 
     def _fill_pipeline(self, limit: int) -> None:
-        """Plan and submit iterations while fewer than `limit` are in flight (S13 backpressure)."""
+        """Plan and submit iterations while fewer than `limit` are in flight (backpressure:
+        the scheduler runs at most `limit` iterations ahead of the results it has seen)."""
         while self.tracker.inflight < limit:
             t0 = time.perf_counter()
             batch = self.scheduler.schedule()

@@ -6,12 +6,13 @@ next uncached block is being computed right now by another running request (a *c
 it instead of computing it twice: the in-batch sharing that makes lm-eval's choices of one
 question, or many chats with one system prompt, cheap. Full blocks are offered to the tree as soon
 as their writes complete (`offer`): inserted inline on the completion path (`sync`), or queued and
-inserted at the loop's idle point while the device works (`async`, S9: a hit may come one loop
+inserted at the loop's idle point while the device works (`async`: a hit may come one loop
 later, but planning never waits for the tree).
 
 Reference counting: a hit shares every matched block (eviction cannot take it); a queued insertion
 holds one reference per block until it is inserted, so the blocks outlive the request that wrote
-them. Every release carries the fence the scheduler passes in (S18).
+them. Every release carries the fence the scheduler passes in, so no block goes back
+to the free list while an in-flight iteration may still read it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Scheduler-side state of one request: owned by the scheduler thread only (S7).
+"""Scheduler-side state of one request: owned by the scheduler thread only, so it
+needs no lock and no worker can see it change mid-iteration.
 
 Its fields, by concern: identity and parameters (fixed at submit); the committed sequence and its
 text (`output_ids`, `detok`, logprobs); KV ownership (`table_row`, `block_table`); planning state,
@@ -82,7 +83,7 @@ class Request:
         # Planning runs ahead of results (overlap): these count work submitted but maybe not done.
         self.num_computed = 0  # positions whose K/V computation has been submitted
         self.pending_samples = 0  # submitted iterations that will draw a token for this request
-        self.last_sample_iteration = 0  # the newest of them: later reads of this row wait for it (S6)
+        self.last_sample_iteration = 0  # the newest of them: later reads of this row wait for it
         self.epoch = 0  # bumped on preemption: results planned in an older epoch are discarded
         self.num_readonly_blocks = 0  # leading blocks whose writes completed (READ_ONLY)
         self.num_offered_blocks = 0  # leading blocks already offered to the prefix cache

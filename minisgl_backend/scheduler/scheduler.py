@@ -1,4 +1,4 @@
-"""Batch planning over waiting / running / finished requests, and applying results (S3, S12).
+"""Batch planning over waiting / running / finished requests, and applying results.
 
 Each iteration is one batch under a token budget: one decode token per running request, plus
 prompt chunks of at most `chunk_size` tokens (mixed batches), or — with `mixed_batches=False` — a
@@ -9,8 +9,8 @@ block preempts the running request that arrived last (blocks released, requeued 
 Progress under any pool that holds one request: the victim of a preemption is always the running
 request that arrived last, so the oldest one is never preempted while another runs; and admission
 leaves a watermark of free blocks for every running decode's next iteration, so a preempted request is
-not re-admitted with the very blocks the decode that preempted it is waiting for (prefill-first
-planning used to do exactly that, forever). `progress` counts what moves a request forward
+not re-admitted with the very blocks the decode that preempted it is waiting for (a prefill-first
+planner would do exactly that, forever). `progress` counts what moves a request forward
 (committed tokens, finished requests, prompt positions computed for the first time): the loop's
 watchdog fails an engine whose iterations stop moving it.
 
@@ -89,7 +89,7 @@ class Scheduler:
 
     @property
     def newest_submitted(self) -> int:
-        """The fence of anything released now: the newest iteration that may still read it (S18)."""
+        """The fence of anything released now: the newest iteration that may still read it."""
         return self.next_iteration - 1
 
     # ---- queue events ----

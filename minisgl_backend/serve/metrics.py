@@ -5,7 +5,7 @@ scrapes them all and `render_replicas` labels every series `replica="<index>"` (
 gauges such as KV usage would mean nothing, and Prometheus sums labelled counters on its own).
 
 Nothing here runs on the engine's hot path. Gauges and the prefix-cache counters are read from
-`Engine.metrics()` (the S9 per-thread buffers, folded about once per second) when Prometheus
+`Engine.metrics()` (per-thread buffers, folded about once per second) when Prometheus
 scrapes. Per-request counters and histograms are filled from each finished request's
 `RequestOutput` (token counts, `timings`): the scheduler thread only posts the finished handle to a
 queue that the event loop and the scrape fold (`ServerState.collect`).

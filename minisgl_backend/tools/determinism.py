@@ -1,6 +1,6 @@
 """The determinism check (`minisgl determinism`): one request set under a grid of scheduling configs.
 
-Goal G3 says scheduling must never change a request's output. The check runs the same requests
+The engine promises that scheduling never changes a request's output. The check runs the same requests
 (each prompt once per sampling mode: greedy, seeded) under every point of a config grid, each point
 in a fresh engine with its own shuffled arrival order, arrival bursts and random co-running "filler"
 requests (so batch composition differs), and counts, per request, how many distinct outputs it

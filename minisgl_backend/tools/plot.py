@@ -1,6 +1,7 @@
-"""Utilisation over time from a bench timeline: the seed's "ECG" curve (S17: see the overlap, do not
-assume it). For each config of a `bench --scenario/--sweep --trace` run, the share of each small time
-bin during which the compute lane was busy, with the scheduler lane drawn over it; configs stacked.
+"""Utilisation over time from a bench timeline: whether compute really overlaps planning is read off
+the picture, not assumed (a serial loop shows the device idle while the scheduler plans). For each
+config of a `bench --scenario/--sweep --trace` run, the share of each small time bin during which
+the compute lane was busy, with the scheduler lane drawn over it; configs stacked.
 
 Reads the Chrome-trace events the bench writes (Tracer.chrome_events), so a saved trace can also be
 drawn later, on another machine: `python -m minisgl_backend.tools.plot trace.json out.png`. matplotlib is

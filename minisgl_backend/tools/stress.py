@@ -1,4 +1,6 @@
-"""Stress harness for lifetime bugs (S18, the seed's "ghost reply").
+"""Stress harness for lifetime bugs: a "ghost reply", where a KV block or token row released by one
+request is reused while an in-flight iteration still reads it, so one client gets text from another
+request.
 
 Thousands of requests — random prompts, greedy and seeded sampling, random arrival in bursts, random
 aborts — go through an engine whose KV pool is small enough that blocks and token-table rows are

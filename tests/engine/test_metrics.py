@@ -1,4 +1,4 @@
-"""S9 relaxed bookkeeping: per-thread metric buffers folded ~1/s (exact mode on a switch), the
+"""Bookkeeping off the hot path: per-thread metric buffers folded ~1/s (exact mode on a switch), the
 periodic stats line, and the drop-oldest log ring buffer."""
 
 import logging

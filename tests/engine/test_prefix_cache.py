@@ -1,4 +1,4 @@
-"""Prefix cache (issue 7): the radix tree over the block state machine, and the engine reusing
+"""Prefix cache: the radix tree over the block state machine, and the engine reusing
 shared prompt prefixes without changing any output."""
 
 import pytest

@@ -1,8 +1,8 @@
 """Scheduling progress under KV pressure: preemption must never livelock, and a planner that spins
-without progress must be caught (issue: the 20,000-request stress froze with mixed batches off).
+without progress must be caught (a long stress run with mixed batches off is where it shows).
 
 The reproducer: a 10-block pool that cannot hold all three requests at once. With prefill-first
-planning, a request preempted by a decode used to be re-admitted with the very blocks that decode
+planning, a request preempted by a decode would be re-admitted with the very blocks that decode
 needed, and preempted again before its sampled token was processed — forever.
 """
 

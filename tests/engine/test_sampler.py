@@ -1,4 +1,4 @@
-"""The CPU sampler: keyed noise makes draws independent of batch composition (S8)."""
+"""The CPU sampler: keyed noise makes draws independent of batch composition."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The in-flight tracker (S13 backpressure, S14 native completion callbacks), both implementations."""
+"""The in-flight tracker (backpressure, native completion callbacks), both implementations."""
 
 from __future__ import annotations
 

@@ -31,8 +31,8 @@ from minisgl_backend.tools.determinism import (
 from tests.helpers import run_minisgl
 
 # Small pools (start-up allocates the KV cache) and one intra-op thread: these grids start many
-# engines, and on a shared 2-core machine a 2-thread OpenMP team stalls whenever another process
-# holds a core (measured: the same tiny-model point took 15 s with 2 threads, 0.5 s with 1).
+# engines, and on a shared machine with few cores an OpenMP team of several threads stalls whenever
+# another process holds one of its cores (a spin-waiting team waits for its slowest thread).
 _BASE = {"stats_interval_s": 0, "num_blocks": 96, "block_size": 16, "max_model_len": 512, "num_threads": 1}
 
 TINY_GRID = {

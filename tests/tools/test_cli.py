@@ -1,4 +1,4 @@
-"""The `minisgl` command line on the tiny model: generate, the seed-table scenario, bad config; vLLM's
+"""The `minisgl` command line on the tiny model: generate, the overlap-table scenario, bad config; vLLM's
 flags, --version, --quiet, --chat-template, Ctrl-C."""
 
 import json
@@ -25,12 +25,12 @@ def test_generate_json(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_seed_table_scenario_writes_all_four_rows(tiny_model_dir, tmp_path):
+def test_overlap_table_scenario_writes_all_four_rows(tiny_model_dir, tmp_path):
     out, trace = tmp_path / "table.json", tmp_path / "trace.json"
     r = _minisgl(
         "bench",
         "--scenario",
-        "seed-table",
+        "overlap-table",
         "--model",
         str(tiny_model_dir),
         "--num-requests",
@@ -60,6 +60,14 @@ def test_seed_table_scenario_writes_all_four_rows(tiny_model_dir, tmp_path):
     assert all(e["dur"] >= 0 for e in spans) and any(e["name"].startswith("forward") for e in spans)
     # A serial engine never plans while a forward pass runs.
     assert rows["serial, no chunking"]["sched_overlap"] < 0.05
+
+
+def test_seed_table_is_a_deprecated_alias_of_overlap_table(capsys):
+    args = cli_mod.build_parser().parse_args(["bench", "--scenario", "seed-table"])
+    assert args.scenario == "overlap-table"
+    assert "deprecated; use --scenario overlap-table" in capsys.readouterr().err
+    bench = cli_mod.build_parser()._subparsers._group_actions[0].choices["bench"]
+    assert "overlap-table" in bench.format_help() and "seed-table" not in bench.format_help()
 
 
 def test_bad_config_key_is_a_clear_error(tiny_model_dir):

@@ -1,5 +1,6 @@
-"""S18 ("ghost reply"): thousands of requests with random arrival and aborts through a pool that is
-reused constantly, overlap on. Fenced reclaim gives 0 mismatches against solo runs; the unsafe
+"""Block lifetimes (a "ghost reply": a block reused too early leaks one request's text into another):
+thousands of requests with random arrival and aborts through a pool that is reused constantly,
+overlap on. Fenced reclaim gives 0 mismatches against solo runs; the unsafe
 debug switch must produce mismatches, proving the harness can see the bug."""
 
 import pytest

@@ -268,7 +268,7 @@ def test_n_gives_n_generations_per_prompt_each_reproducible(tiny):
     assert [len(g) for g in res.generations] == [3, 3]
     texts = [g.text for g in res.generations[0]]
     assert len(set(texts)) == 3  # distinct sampling keys
-    # Generation i replays alone with the seed it reports; the first is the n = 1 answer.
+    # Generation i replays alone with the seed value it reports; the first is the n = 1 answer.
     for g in res.generations[0]:
         assert tiny.invoke("Hello", temperature=1.0, seed=g.generation_info["seed"], max_tokens=6) == g.text
     assert tiny.invoke("Hello", temperature=1.0, seed=4, max_tokens=6) == texts[0]
