@@ -8,7 +8,7 @@
 // Bit-exactness: each output element is the unit's dot product over K in 32-element steps in a
 // fixed order, summed into float32 in the unit; nothing else touches it but the bias add and one
 // rounding to bf16. Its bits therefore depend only on its own input row and weight row: never on the
-// row count, on which tile the row lands in, or on the thread count (measured,
+// row count, on which tile the row lands in, or on the thread count (checked by
 // tests/kernels/test_cpu_kernels.py), which is what the batch-invariant forward needs, at prefill speed.
 
 #include <algorithm>
@@ -22,8 +22,7 @@ namespace {
 
 constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x's chunk stays in L2
 // The weight tiles of the k-step this many steps ahead are prefetched: the hardware prefetcher
-// alone left a 270 MB stream of steps 15-25% slower at 1, 8 and 32 rows (measured,
-// docs/performance.md "Speed").
+// alone does not run far enough ahead of a stream of tiles that each take only a few instructions.
 constexpr int64_t AMX_PREFETCH_STEPS = 2;
 
 // The 2 KB (32 lines) of weight tiles of one k-step into L1; past the block's end it is the next

@@ -3,9 +3,8 @@
 // over a fused gate/up weight with SiLU x up applied on the way out.
 //
 // vdpbf16ps multiplies 16 (even, odd) bf16 pairs of one register by 16 pairs of another and adds both
-// products into 16 float32 lanes: 32 multiply-adds per instruction. Zen 5 issues two per cycle
-// (measured: 7.0 G/s per core, 450 GFLOPS, against 7.7 G/s of float32 FMAs at half the width), so the
-// float32 split of linear_bf16 would cost half the rate here. pack_dpbf16 lays the weights out once
+// products into 16 float32 lanes: 32 multiply-adds per instruction, where a float32 FMA of the same
+// width does 16, so the float32 split of linear_bf16 would cost about half the rate here. pack_dpbf16 lays the weights out once
 // at load in the order the kernel reads them: panels of 64 outputs (the last one 16, 32 or 48), each
 // [K/2 pairs][outputs][2], so one k-pair of a panel is four 64-byte vectors and a panel is one
 // contiguous run. A k-pair of an input row is one 32-bit broadcast; a 6-row x 64-output tile keeps
@@ -31,7 +30,7 @@ constexpr int DP_ROWS = 6;            // rows per register tile: 6 x 4 accumulat
 constexpr int64_t DP_ROW_CHUNK = 96;  // rows per pass over a panel: their K block of x stays in L2
 // Most k-pairs per block at many rows: a panel's block (up to 80 KB) stays in L2. K is cut into
 // blocks of even length, so no short tail block spills and reloads the accumulators for a few pairs
-// (SmolLM2's K = 576 is one block of 288, not 256 + 32: ~2% at 2048 rows, measured on a Zen 4).
+// (K = 576, 288 pairs, is one block rather than 256 + 32 pairs).
 constexpr int64_t DP_KC = 320;
 // Lines of the panel this many bytes ahead are requested into L1: at one to a few rows a step is a
 // weight stream, and the hardware prefetcher alone leaves it short of the memory's rate.

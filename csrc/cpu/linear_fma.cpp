@@ -1,8 +1,8 @@
 // linear_bf16: y = x @ w^T (+ bias) for 1-4 rows of bf16 on float32 FMAs: the few-row linear of the
 // `avx512` family (the CPU has neither AMX nor AVX512-BF16: 16 lanes) and of the `avx2` family (AVX2 +
 // FMA: 8 lanes), one source for both (linear_lanes.h). At 1-8 rows a decode step is a weight stream:
-// every weight byte is read once per step and used by M rows. oneDNN's bf16 path reaches ~6 GB/s
-// there (measured, docs/performance.md "Speed"); this kernel reads each weight row once for up to
+// every weight byte is read once per step and used by M rows. oneDNN's bf16 path reads weights well
+// below the memory's rate there (docs/performance.md); this kernel reads each weight row once for up to
 // four input rows, over the bf16 weights as stored (no packing).
 //
 // Bit-exactness: each output is one dot product over K in a fixed order (FMAs in k order, then

@@ -7,12 +7,12 @@ F.linear itself and the others return None (False for `rope_`), so the caller ke
 expression. `MINISGL_KERNELS=<family>` caps the family (`MINISGL_CPU_KERNELS=0`: torch everywhere,
 how the two are compared; `MINISGL_AMX=0`: no AMX).
 
-Why the kernels exist (measured on this repository's 2-core Xeon, docs/performance.md): a decode step of
-1-32 rows reads every weight once, and oneDNN's bf16 matmul moves ~6 GB/s at those row counts where
-the memory delivers ~18; the attention of one query per sequence otherwise gathers every sequence's
-whole context into a fresh tensor in every layer. The AMX linear and the paged attention also give
-each row bits that depend on that row alone, which is what the batch-invariant forward needs
-(docs/architecture.md §11d).
+Why the kernels exist: a decode step of a few rows reads every weight once, and oneDNN's bf16 matmul
+reads weights at a fraction of the memory's rate at those row counts (docs/performance.md has the
+figures); the attention of one query per sequence otherwise gathers every sequence's whole context
+into a fresh tensor in every layer. The packed linears and the paged attention also give each row
+bits that depend on that row alone, which is what the batch-invariant forward needs
+(docs/architecture.md, "CPU kernels").
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ except ImportError:  # pragma: no cover - depends on the build
     _native = None
 
 # Rows up to which linear() uses the kernel under the AVX-512 families: beyond, oneDNN's AMX/AVX-512
-# matmul reuses each weight across more rows than the kernel's 4-row tiles and wins (measured,
-# docs/performance.md). Under avx2 it runs at every row count (kernel_row_limit()): oneDNN's bf16
-# matmul capped at AVX2 ran ~17-21 GFLOP/s at 8-256 rows here, the kernel 50-75.
+# matmul reuses each weight across more rows than the kernel's 4-row tiles and wins. Under avx2 it
+# runs at every row count (kernel_row_limit()): oneDNN's bf16 matmul capped at AVX2 converts its
+# operands on every call and runs well below the kernel at any row count.
 MAX_KERNEL_ROWS = 4
 
 
@@ -49,7 +49,7 @@ MAX_KERNEL_ROWS = 4
 #   torch       torch's own ops everywhere
 # MINISGL_KERNELS=<family> caps the family at a lower one (how each is measured and tested on a
 # machine that runs a higher one); MINISGL_AMX=0 caps it at avx512bf16 and MINISGL_CPU_KERNELS=0
-# at torch, as before.
+# at torch.
 FAMILIES = ("amx", "avx512bf16", "avx512", "avx2", "torch")
 
 # The vector code each native family's entry points run (csrc/cpu/common.h Isa).
@@ -271,9 +271,9 @@ def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor in its own anonymous mapping that the kernel is asked to back
     with 2 MB pages (madvise MADV_HUGEPAGE; the tensor keeps the mapping alive). A decode step
     streams every packed weight once: on 4 KB pages (all an unadvised allocation gets where
-    transparent huge pages are `madvise`, the common default) that is a TLB walk per 4 KB, and the
-    1B shape's batch-1 step ran 10-15% faster on 2 MB pages (AMD Zen 4). torch.empty where the
-    platform has no MADV_HUGEPAGE or for less than one huge page."""
+    transparent huge pages are `madvise`, the common default) that is a TLB walk per 4 KB, which a
+    large model's batch-1 step pays in full. torch.empty where the platform has no MADV_HUGEPAGE or
+    for less than one huge page."""
     nbytes = numel * dtype.itemsize
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
         return torch.empty(numel, dtype=dtype)

@@ -1,8 +1,8 @@
 """Every layer of a decode-only batch in one native call (csrc/cpu/decode_stack.cpp, DecodeStack).
 
-A decode step runs ~11 kernels per layer, and at batch 1-32 on a 2-core CPU the Python around them
-(wrappers, views, module calls, small torch ops) took 10-14 ms of a 20-55 ms SmolLM2 step (measured,
-docs/performance.md). For a batch of decode rows only, the stack runs the same kernels on the same
+A decode step runs about a dozen kernels per layer, and at small batches on a few cores the Python
+around them (wrappers, views, module calls, small torch ops) is a large share of a small model's
+step. For a batch of decode rows only, the stack runs the same kernels on the same
 operands in the same order from one call, so its bits are the layer-by-layer forward's
 (tests/kernels/test_decode_stack.py); prefill and mixed batches keep the layer loop.
 

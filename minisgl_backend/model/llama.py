@@ -88,10 +88,9 @@ class LayerLoop:
         self, model: CausalLM, x: torch.Tensor, ropes: Ropes, batch: ForwardBatch, kv: KVCache
     ) -> torch.Tensor:
         layers = model.model.layers
-        # The native paged attention reads every row's keys in place (prefill chunks included: on
-        # this CPU it beats SDPA over a gathered context, measured in docs/performance.md, "Speed
-        # (CPU kernels)"); otherwise masks are built once per window size and shared by every layer
-        # with that window.
+        # The native paged attention reads every row's keys in place (prefill chunks included: it
+        # saves SDPA's gather of the whole context into a fresh tensor per layer); otherwise masks
+        # are built once per window size and shared by every layer with that window.
         masks: dict[int | None, tuple] = {}
         rows = None
         if cpu_kernels.attention_runs(x, kv.k[0], kv.v[0]):
