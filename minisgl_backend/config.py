@@ -62,6 +62,7 @@ class EngineConfig:
     max_waiting_requests: int | None = None  # Engine.submit past this many waiting raises QueueFullError
     chunk_size: int | None = 256  # None = whole-prompt prefill (no chunking)
     mixed_batches: bool = True  # prefill chunks and decode rows share one batch
+    scheduling_policy: str = "fair"  # fair (owners take turns at admission) | fcfs (arrival order)
     # --- prefix cache: reuse the K/V of a shared prompt prefix ---
     prefix_cache: str = "async"  # off | sync (insert on the completion path) | async (insert while idle)
     # --- overlap scheduling: plan the next iterations while the current ones run ---
@@ -209,6 +210,7 @@ _SPECS: dict[str, Spec] = {
     "max_num_batched_tokens": Spec("int", lo=1),
     "chunk_size": Spec("int", lo=1, optional=True, note="None = whole-prompt prefill"),
     "mixed_batches": Spec("bool"),
+    "scheduling_policy": Spec("choice", choices=("fair", "fcfs")),
     "prefix_cache": Spec("choice", choices=("off", "sync", "async")),
     "overlap": Spec("bool"),
     "max_inflight": Spec("int", lo=1),

@@ -65,6 +65,7 @@ class Request:
         handle: RequestHandle,
         index: int = 0,
         group: SampleGroup | None = None,
+        owner: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -73,6 +74,9 @@ class Request:
         self.handle = handle
         self.index = index  # which of the request's params.n samples this is
         self.group = group if group is not None else SampleGroup(1)
+        # Whose share of admission this takes (Scheduler's fair policy): the submitter's key, or
+        # the request itself, so the n samples of one prompt count as one.
+        self.owner = owner if owner is not None else request_id
         self.arrival = time.perf_counter()
         self.token_times: list[float] = []  # commit time of each output token
         self.scheduled_time: float | None = None  # first admission; a re-admission keeps it

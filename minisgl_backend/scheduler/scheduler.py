@@ -26,7 +26,7 @@ The prefix cache's part (longest-prefix admission, claims, deferred inserts) is
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import NamedTuple
 
 from minisgl_backend.config import EngineConfig
@@ -230,7 +230,9 @@ class Scheduler:
             for r in self.running
             if r.is_decode and self._wants_decode(r)
         )
-        for req in partial + list(self.waiting):
+        # A waiting request is admitted only while a running slot is free: skip ordering them otherwise.
+        waiting = self._admission_order() if len(self.running) < self.cfg.max_num_seqs else []
+        for req in partial + waiting:
             if budget <= 0:
                 break
             pending = req.planned_len - req.num_computed
@@ -250,7 +252,7 @@ class Scheduler:
                 need = _blocks_for(req.planned_len, bs) - len(hit)
                 if not self._ensure_free(need + reserved + watermark):
                     self.pool.release(hit, fence=self.newest_submitted)  # the tree still holds them
-                    break  # FCFS: later arrivals do not overtake the head of the queue
+                    break  # later candidates do not overtake the head of the admission order
                 self._admit(req, hit)
                 n = min(n, req.planned_len - req.num_computed)
                 reserved += need
@@ -261,6 +263,27 @@ class Scheduler:
             entries.append(BatchEntry(req, req.num_computed, n, samples, req.epoch))
             budget -= n
         return entries
+
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests in the order admission considers them. fcfs: arrival order. fair:
+        owners take turns, one request each per round, the owner with the fewest running requests
+        first (ties: whose request waits longest), each owner's requests in arrival order; so one
+        submission of many prompts or n samples cannot hold every free slot against a request that
+        arrives after it. Under both, preempted requests come first (they went back to the head
+        of the queue with their committed tokens, and the oldest must finish)."""
+        if self.cfg.scheduling_policy == "fcfs":
+            return list(self.waiting)
+        first = [r for r in self.waiting if r.num_preemptions]
+        queues: dict[str, list[Request]] = {}
+        for req in self.waiting:
+            if not req.num_preemptions:
+                queues.setdefault(req.owner, []).append(req)
+        if len(queues) <= 1:
+            return list(self.waiting)
+        running = Counter(r.owner for r in self.running)
+        owners = sorted(queues.values(), key=lambda q: running[q[0].owner])  # stable: deque order on ties
+        longest = max(map(len, owners))
+        return first + [q[i] for i in range(longest) for q in owners if i < len(q)]
 
     def _admit(self, req: Request, hit: list[int]) -> None:
         if req.table_row is None:  # a preempted request keeps its row (and its committed tokens)

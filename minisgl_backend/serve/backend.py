@@ -188,8 +188,10 @@ class EngineBackend(Backend):
             post((h, u))
 
         try:
+            # One HTTP request's prompts take one share of admission between them (scheduling_policy).
+            owner = request_ids[0] if request_ids else None
             for p, sp, rid in zip(prompts, params, request_ids):
-                h = self.engine.submit(p, sp, request_id=rid)
+                h = self.engine.submit(p, sp, request_id=rid, owner=owner)
                 live[h.request_id] = h
                 h.add_done_callback(lambda h, u=user: finished(h, u))
                 streams.append(LocalStream(self.engine, h))
