@@ -3,6 +3,8 @@
     python -m minisgl_backend.bench.lm_eval                      # speed: minisgl_mc (600 requests), fp32
     python -m minisgl_backend.bench.lm_eval --tasks minisgl_mc,minisgl_gen,minisgl_ppl   # full parity
     python -m minisgl_backend.bench.lm_eval --hf-batch-sizes "" --variant prefix_cache=off  # cache gain
+    python -m minisgl_backend.bench.lm_eval --shape llama-1b --dtype bfloat16 --num-fewshot 3 --limit 40 \
+        --hf-batch-sizes 16     # the eval users run: a few-shot loglikelihood task on the 1B shape, bf16
     python -m minisgl_backend.bench.lm_eval --hf-batch-sizes "" --tasks minisgl_mc,minisgl_gen,minisgl_ppl \
         --variant deterministic=false --repeat 2        # the cost of the adapter's deterministic default
 
@@ -118,6 +120,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="minisgl_mc")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="engine model reference")
+    ap.add_argument(
+        "--shape",
+        choices=["llama-1b"],
+        help="instead of --model: the random-weight Llama-3.2-1B shape (written once into the model cache)",
+    )
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines' dtype")
     ap.add_argument("--hf-batch-sizes", default="1,16", help="hf runs to time (lm-eval's default is 1)")
     ap.add_argument("--minisgl-args", default="", help="extra model_args for minisgl, e.g. chunk_size=512")
     ap.add_argument(
@@ -139,17 +147,23 @@ def main() -> None:
 
     from minisgl_backend.model.loader import resolve_model_dir
 
+    if args.shape:
+        from minisgl_backend.model.loader import cache_root
+        from minisgl_backend.tools.tiny import make_random_llama
+
+        path = make_random_llama(cache_root() / f"random-{args.shape}", args.shape, dtype="bfloat16")
+        args.model = str(path)
     hf_dir = resolve_model_dir(args.model)
     extra = ["--limit", str(args.limit)] if args.limit else []
     if args.num_fewshot is not None:
         extra += ["--num_fewshot", str(args.num_fewshot)]
-    mini_args = f"pretrained={args.model},dtype=float32" + (
+    mini_args = f"pretrained={args.model},dtype={args.dtype}" + (
         f",{args.minisgl_args}" if args.minisgl_args else ""
     )
     configs = {"minisgl": ("minisgl", mini_args, [])}
     configs.update({f"minisgl {v}": ("minisgl", f"{mini_args},{v}", []) for v in args.variant})
     for bs in filter(None, args.hf_batch_sizes.split(",")):
-        configs[f"hf bs={bs}"] = ("hf", f"pretrained={hf_dir},dtype=float32", ["--batch_size", bs])
+        configs[f"hf bs={bs}"] = ("hf", f"pretrained={hf_dir},dtype={args.dtype}", ["--batch_size", bs])
     runs: dict[str, list[tuple[float, float, dict, dict]]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeat):  # interleaved, so a slow spell of the machine hits every config
@@ -159,7 +173,14 @@ def main() -> None:
     base_wall = min(r[0] for r in runs["minisgl"])
     base_cpu = min(r[1] for r in runs["minisgl"])
     _, _, base_metrics, base_resp = runs["minisgl"][0]
-    summary = {"tasks": args.tasks, "limit": args.limit, "num_fewshot": args.num_fewshot, "runs": {}}
+    summary = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "tasks": args.tasks,
+        "limit": args.limit,
+        "num_fewshot": args.num_fewshot,
+        "runs": {},
+    }
     width = max(map(len, runs)) + 1
     print(f"{'run (best of repeats)':<{width}} {'wall s':>8} {'cpu s':>8} {'wall / minisgl':>15}  metrics")
     for name, reps in runs.items():
