@@ -620,3 +620,41 @@ def test_context_errors_read_as_english(client):
     long_chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 1100}]}
     msg = client.post("/v1/chat/completions", json=long_chat).json()["error"]["message"]
     assert msg.startswith("the conversation has ") and "the the" not in msg, msg
+
+
+# ------------------------------------------------------------------------------ what a web page can send
+# A page on any site can POST these types (or a typeless blob) without the browser asking the server
+# first; each would run a generation on a local server if the body were parsed as JSON regardless.
+NOT_JSON = [
+    "text/plain",
+    "text/plain;charset=UTF-8",
+    "application/x-www-form-urlencoded",  # what `curl -d` sends unless told otherwise
+    "multipart/form-data; boundary=x",
+    None,
+]
+
+
+@pytest.mark.parametrize("ctype", NOT_JSON, ids=[str(c) for c in NOT_JSON])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+        ("/v1/chat/completions", CHAT),
+        ("/tokenize", {"prompt": "Hi"}),
+        ("/detokenize", {"tokens": [5]}),
+    ],
+    ids=["completions", "chat", "tokenize", "detokenize"],
+)
+def test_a_body_not_sent_as_json_is_refused_with_415(server, client, ctype, path, body):
+    headers = {**AUTH, **({"content-type": ctype} if ctype else {})}
+    with httpx.Client(base_url=server.url, timeout=30) as c:  # its own connection: the answer closes it
+        r = c.post(path, content=json.dumps(body).encode(), headers=headers)
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == "unsupported_media_type" and "application/json" in err["message"], err
+    # JSON with a charset parameter, in any case, is JSON
+    r = client.post(
+        path, content=json.dumps(body).encode(), headers={"content-type": "Application/JSON; charset=utf-8"}
+    )
+    assert r.status_code == 200, r.text
