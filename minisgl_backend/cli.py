@@ -324,8 +324,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         limits=limits,
         access_log=args.access_log,
+        extra_hosts=_extra_hosts(args),
     )
     return 0
+
+
+def _extra_hosts(args: argparse.Namespace) -> list[str]:
+    """--allowed-hosts, repeatable and comma-separated."""
+    return [h.strip() for item in args.allowed_hosts for h in item.split(",") if h.strip()]
 
 
 def _serve_limits(args: argparse.Namespace) -> Any:
@@ -362,6 +368,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             model_name=args.served_model_name,
             ray_address=args.ray_address,
             limits=_serve_limits(args),
+            extra_hosts=_extra_hosts(args),
         )
         serve_until_signalled(server, str(config.model), args.served_model_name)
     except KeyboardInterrupt:  # stopped while Ray started or the replicas loaded
@@ -519,6 +526,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
     sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=[],
+        metavar="NAME[,NAME...]",
+        help="Host header names answered besides the loopback names and --host (others get a 421; "
+        "repeatable; '*' answers any). Bound to 0.0.0.0 or :: the Host is checked only if given",
+    )
     sv.add_argument(
         "--api-key",
         default=os.environ.get("MINISGL_API_KEY"),

@@ -210,5 +210,5 @@ def add_error_handlers(app: FastAPI) -> None:
 
 # What /openapi.json shows for the failures every route may answer.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 415, 431, 500, 503)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 415, 421, 431, 500, 503)
 }

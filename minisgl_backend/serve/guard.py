@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -197,6 +197,67 @@ class BodyGuard:
             await send(msg)
 
         await self.app(scope, guarded_receive, lingering_send)
+
+
+# ---------------------------------------------------------------------------------------------- Host
+# A web page can make its own host name resolve to 127.0.0.1 after it has loaded ("DNS rebinding");
+# its requests then reach a loopback server as same-origin ones, and it can read the answers. They
+# still carry the page's name in `Host`, so a server that answers only to its own names is safe.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def host_name(value: str) -> str:
+    """The name in a `Host` header (or an --allowed-hosts entry): lower case, without its port or a
+    trailing dot; an IPv6 address in brackets."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        end = v.find("]")
+        v = v[: end + 1] if end > 0 else v
+    elif v.count(":") == 1:
+        v = v.split(":", 1)[0]
+    elif v.count(":") > 1:  # a bare IPv6 address, as --host takes it
+        v = f"[{v}]"
+    return v.rstrip(".")
+
+
+def allowed_hosts(bind_host: str, extra: Iterable[str] | None = None) -> frozenset[str] | None:
+    """The `Host` names a server bound to `bind_host` answers to: the loopback names, `bind_host`
+    itself and `extra` (--allowed-hosts); None (any name) for `*` in `extra`, or when bound to every
+    interface (0.0.0.0, ::) with no `extra`: such a server is reached by names it cannot know."""
+    names = {host_name(h) for h in extra or () if h.strip()}
+    if "*" in names or (bind_host in WILDCARD_HOSTS and not names):
+        return None
+    if bind_host not in WILDCARD_HOSTS:
+        names.add(host_name(bind_host))
+    return frozenset(names.union(LOOPBACK_HOSTS))
+
+
+class HostGuard:
+    """ASGI middleware: a request whose `Host` is not one of `allowed` is answered 421 with OpenAI's
+    error object (a request without `Host`, which only HTTP/1.0 allows and no browser sends, passes).
+    Inside BodyGuard, which drops an unread body and closes the connection after the answer."""
+
+    def __init__(self, app: Any, allowed: frozenset[str] | None) -> None:
+        self.app, self.allowed = app, allowed
+        self._warned = False
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and self.allowed is not None:
+            for k, v in scope["headers"]:
+                if k == b"host" and host_name(v.decode("latin-1")) not in self.allowed:
+                    shown = v.decode("latin-1")[:100]
+                    if not self._warned:  # once: a page retrying in a loop must not flood the log
+                        self._warned = True
+                        log.warning("refused a request for host %r (--allowed-hosts adds names)", shown)
+                    msg = (
+                        f"this server does not answer to the host {shown!r}; "
+                        "start it with --allowed-hosts NAME to allow a name"
+                    )
+                    body = _json_error(421, msg, "invalid_request_error", "host_not_allowed")
+                    await _respond(send, 421, body, [])
+                    return
+        await self.app(scope, receive, send)
 
 
 # ---------------------------------------------------------------------------------------------- HTTP/1.1

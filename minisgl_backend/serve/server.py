@@ -6,6 +6,7 @@ import logging
 import signal
 import socket
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +33,11 @@ def create_app(
     owns_engine: bool = False,
     enable_metrics: bool = True,
     limits: Any = None,
+    allowed_hosts: frozenset[str] | None = None,
 ) -> Any:
     """The API over one in-process `engine`. `owns_engine`: close it when the app shuts down.
-    `limits`: a serve.guard.ServeLimits (its defaults unless given)."""
+    `limits`: a serve.guard.ServeLimits (its defaults unless given). `allowed_hosts`: the `Host`
+    names answered (serve.guard.allowed_hosts); None answers any."""
     _require_extra()
     from minisgl_backend.serve.app import build_app
     from minisgl_backend.serve.backend import EngineBackend, public_model_ref
@@ -44,7 +47,13 @@ def create_app(
     metrics = ServeMetrics(engine, name) if enable_metrics else None
     backend = EngineBackend(engine, metrics, owns_engine=owns_engine)
     return build_app(
-        backend, name, api_key, owns_backend=owns_engine, enable_metrics=enable_metrics, limits=limits
+        backend,
+        name,
+        api_key,
+        owns_backend=owns_engine,
+        enable_metrics=enable_metrics,
+        limits=limits,
+        allowed_hosts=allowed_hosts,
     )
 
 
@@ -105,11 +114,16 @@ def run_server(
     log_level: str = "info",
     limits: Any = None,
     access_log: bool = False,
+    extra_hosts: Sequence[str] | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn's handlers: stop accepting, finish or cancel in-flight
     requests, then the lifespan closes the engine). Blocks. `log_level` is uvicorn's and the
-    server's own (`minisgl.serve`: the start banner at INFO, warnings about refused clients)."""
-    app = create_app(engine, model_name, api_key, owns_engine=True, limits=limits)
+    server's own (`minisgl.serve`: the start banner at INFO, warnings about refused clients).
+    `extra_hosts`: `Host` names answered besides `host` and the loopback names (--allowed-hosts)."""
+    from minisgl_backend.serve.guard import allowed_hosts
+
+    hosts = allowed_hosts(host, extra_hosts)
+    app = create_app(engine, model_name, api_key, owns_engine=True, limits=limits, allowed_hosts=hosts)
     sock = _bind(host, port)
     bound = sock.getsockname()
     logging.getLogger("minisgl.serve").setLevel(log_level.upper())
@@ -164,10 +178,15 @@ def start_in_thread(
     model_name: str | None = None,
     owns_engine: bool = False,
     limits: Any = None,
+    extra_hosts: Sequence[str] | None = None,
 ) -> BackgroundServer:
     """Start serving `engine` on a background thread; returns once the server accepts connections.
-    port 0 picks a free port (bound here, so there is no race for it). `limits`: a ServeLimits."""
-    app = create_app(engine, model_name, api_key, owns_engine=owns_engine, limits=limits)
+    port 0 picks a free port (bound here, so there is no race for it). `limits`: a ServeLimits.
+    `extra_hosts`: `Host` names answered besides `host` and the loopback names."""
+    from minisgl_backend.serve.guard import allowed_hosts
+
+    hosts = allowed_hosts(host, extra_hosts)
+    app = create_app(engine, model_name, api_key, owns_engine=owns_engine, limits=limits, allowed_hosts=hosts)
     sock = _bind(host, port)
     server = _server(app, _uvicorn_config(app))
     started = threading.Event()

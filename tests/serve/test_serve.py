@@ -896,7 +896,7 @@ def _raw_post(server, path: str, body: dict) -> socket.socket:
     s = socket.create_connection((server.host, server.port))
     data = json.dumps(body).encode()
     head = (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
         "Content-Type: application/json\r\n"
         f"Content-Length: {len(data)}\r\n\r\n"
     ).encode()

@@ -276,7 +276,7 @@ def _wait_closed(sock: socket.socket, within: float) -> tuple[float, bytes]:
 def test_half_sent_headers_and_slow_bodies_are_cut_off(server, client):
     # headers never finished: closed after header_timeout_s (1 s here), nothing answered
     sock = _connect(server)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: app")
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: app")
     took, data = _wait_closed(sock, 5)
     sock.close()
     assert 0.8 < took < 3 and data == b"", (took, data)
@@ -288,7 +288,7 @@ def test_half_sent_headers_and_slow_bodies_are_cut_off(server, client):
     # a body that stops half way: 408 with the error object after body_timeout_s, then closed
     sock = _connect(server)
     sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
         b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt": '
     )
     took, data = _wait_closed(sock, 5)
@@ -299,7 +299,7 @@ def test_half_sent_headers_and_slow_bodies_are_cut_off(server, client):
     # a header line over max_header_bytes (16 KiB), or 10,000 header fields: refused, closed
     for head in (b"X-Big: " + b"a" * 20_000 + b"\r\n", b"".join(b"X-%d: 1\r\n" % i for i in range(10_000))):
         sock = _connect(server)
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + head + b"\r\n")
         _, data = _wait_closed(sock, 5)
         sock.close()
         assert re.match(rb"HTTP/1.1 4(31|00) ", data), data[:100]
@@ -319,7 +319,7 @@ def test_an_answer_mid_upload_ends_in_a_clean_close_not_a_reset(server, client, 
     # in the socket at close, the kernel would reset the connection, and a client still writing
     # can lose the answer it was sent (CI saw httpx get 0 bytes of a 413). The server reads and
     # drops the rest first, so the client reads the whole answer and then an orderly end of stream.
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     head += b"Authorization: Bearer " + key.encode() + b"\r\n"
     part = b"x" * (4 * 1024 * 1024)
     sock = _connect(server)
@@ -658,3 +658,55 @@ def test_a_body_not_sent_as_json_is_refused_with_415(server, client, ctype, path
         path, content=json.dumps(body).encode(), headers={"content-type": "Application/JSON; charset=utf-8"}
     )
     assert r.status_code == 200, r.text
+
+
+# A page that makes its own name resolve to 127.0.0.1 ("DNS rebinding") reaches the server with that
+# name in Host; the server answers only to its own names.
+REBOUND = ["evil.example", "evil.example:8000", "127.0.0.1.nip.io", "localhost.evil.example", "[::2]"]
+OWN = ["127.0.0.1", "127.0.0.1:8000", "localhost", "LocalHost:1", "localhost.", "[::1]", "[::1]:8000"]
+
+
+def test_a_request_for_another_host_name_is_refused_with_421(server, client):
+    for host in REBOUND:
+        for method, path, body in (
+            ("GET", "/health", None),
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+        ):
+            with httpx.Client(base_url=server.url, timeout=30) as c:  # the answer closes the connection
+                r = c.request(method, path, json=body, headers={**AUTH, "Host": host})
+            assert r.status_code == 421, (host, path, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, err
+            assert err["code"] == "host_not_allowed" and "--allowed-hosts" in err["message"], err
+    for host in OWN:
+        r = client.get("/v1/models", headers={"Host": host})
+        assert r.status_code == 200, (host, r.text)
+    assert_serves(client, MODEL)
+
+
+def test_allowed_hosts_adds_names_and_a_server_on_every_interface_checks_only_when_told():
+    from minisgl_backend.cli import _extra_hosts, build_parser
+    from minisgl_backend.serve.guard import allowed_hosts
+
+    loopback = {"127.0.0.1", "localhost", "[::1]"}
+    assert allowed_hosts("127.0.0.1") == loopback
+    assert allowed_hosts("10.0.0.5") == loopback | {"10.0.0.5"}
+    assert allowed_hosts("fd00::5") == loopback | {"[fd00::5]"}
+    assert allowed_hosts("0.0.0.0") is None and allowed_hosts("::") is None  # names it cannot know
+    assert allowed_hosts("0.0.0.0", ["box.lan"]) == loopback | {"box.lan"}
+    assert allowed_hosts("127.0.0.1", ["*"]) is None
+    args = build_parser().parse_args(["serve", "--allowed-hosts", "a.lan, B.lan:80", "--allowed-hosts", "c"])
+    assert allowed_hosts("0.0.0.0", _extra_hosts(args)) == loopback | {"a.lan", "b.lan", "c"}
+
+
+def test_a_name_given_by_allowed_hosts_is_answered(server):
+    from minisgl_backend.serve import start_in_thread
+
+    srv = start_in_thread(server.state.engine, api_key=KEY, model_name=MODEL, extra_hosts=["box.lan"])
+    try:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:
+            assert c.get("/v1/models", headers={"Host": "box.lan:8000"}).status_code == 200
+            assert c.get("/v1/models", headers={"Host": "other.lan"}).status_code == 421
+    finally:
+        srv.stop()

@@ -311,7 +311,7 @@ def _raw_stream_post(served, body: dict) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", served.port))
     data = json.dumps(body).encode()
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     ).encode()
     s.sendall(head + data)
