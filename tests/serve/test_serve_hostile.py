@@ -502,6 +502,29 @@ def test_a_forced_tool_call_cut_by_max_tokens_returns_what_was_generated(server,
         assert isinstance(out, Note), out
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "note"}}])
+def test_a_forced_tool_call_cut_before_its_name_comes_back_as_content(client, choice):
+    # The grammar makes the tiny model write `<tool_call>` `\n` `{"` `name` ... one token each: cut
+    # within those, there is no call to return, so the tokens generated are the content.
+    req = {**CHAT, "tools": [LONG_ARGS], "tool_choice": choice, "temperature": 0, "logprobs": True}
+    for max_tokens in (1, 5, 6, 8):
+        r = client.post("/v1/chat/completions", json={**req, "max_tokens": max_tokens})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        (c,) = body["choices"]
+        written = "".join(t["token"] for t in c["logprobs"]["content"])
+        assert body["usage"]["completion_tokens"] == max_tokens and len(written) > 0
+        assert c["finish_reason"] == "length" and not c["message"].get("tool_calls"), c
+        assert c["message"]["content"] == written, (max_tokens, c["message"], written)
+        with client.stream(
+            "POST", "/v1/chat/completions", json={**req, "max_tokens": max_tokens, "stream": True}
+        ) as s:
+            events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln and ln != "data: [DONE]"]
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == written
+        assert not any(e["choices"][0]["delta"].get("tool_calls") for e in events)
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_kv_usage_counts_blocks_held_by_requests_and_cached_blocks_apart(server, client):
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -211,13 +211,14 @@ def _tool_calls(calls: list[ParsedCall]) -> list[AssistantToolCall]:
 
 def _salvage(invalid: list[ParsedCall], tool_names: set[str], calls: list[AssistantToolCall]) -> str:
     """What became of tagged calls that do not parse (a forced call cut by max_tokens): one that got
-    as far as its arguments is appended to `calls` with the arguments as written so far (not valid
-    JSON, as OpenAI returns a cut call); the text of any other is returned, to go into the content."""
+    as far as its arguments is appended to `calls` with the partial object written so far (closed
+    into valid JSON); any other is returned as written, tags included, to go into the content: the
+    tokens were generated and billed, so the client gets them rather than an empty reply."""
     text = []
     for bad in invalid:
         part = partial_tool_call(bad["args"], tool_names)
         if part is None:
-            text.append(bad["args"])
+            text.append(bad["text"])
         else:
             calls.append(AssistantToolCall(id=bad["id"], function=ToolCallFunction(**part)))
     return "".join(text)
