@@ -298,6 +298,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise MiniSGLError(f"--replicas must be >= 1, got {args.replicas}")
     limits = _serve_limits(args)  # a bad limit fails before the model loads
+    if not args.shutdown_timeout >= 0:
+        raise MiniSGLError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         raise MiniSGLError(
             "the API key is empty (--api-key or MINISGL_API_KEY): the server would accept any client; "
@@ -309,6 +311,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas > 1 or args.ray_address:
         if args.chat_template:
             raise MiniSGLError("--chat-template is not supported with --replicas / --ray-address yet")
+        if args.shutdown_timeout:
+            raise MiniSGLError(
+                "--shutdown-timeout is not supported with --replicas / --ray-address yet: "
+                "their requests are aborted at once on SIGINT / SIGTERM"
+            )
         return _serve_on_ray(args)
     try:
         engine = Engine(_engine_config(args))
@@ -325,6 +332,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         limits=limits,
         access_log=args.access_log,
         extra_hosts=_extra_hosts(args),
+        shutdown_timeout=args.shutdown_timeout,
     )
     return 0
 
@@ -560,6 +568,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level, and the server's own (the start banner is INFO)",
+    )
+    sv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="on SIGINT / SIGTERM, new requests get a 503 (and /health) while the requests in flight get "
+        "up to S seconds to finish; then the rest are aborted (default 0: at once; a second signal "
+        "stops at once)",
     )
     sv.add_argument(
         "--access-log",

@@ -22,7 +22,7 @@ from fastapi.openapi.utils import get_openapi
 
 from minisgl_backend.serve.backend import Backend
 from minisgl_backend.serve.errors import APIError, SlowClientError, add_error_handlers, api_error
-from minisgl_backend.serve.guard import BodyGuard, HostGuard, ServeLimits
+from minisgl_backend.serve.guard import BodyGuard, Drain, DrainGuard, HostGuard, ServeLimits
 from minisgl_backend.serve.routes import chat, completions, health, metrics, models, tokenizer
 from minisgl_backend.serve.state import ServerState
 from minisgl_backend.serve.streams import Merged as _Merged
@@ -59,6 +59,8 @@ def build_app(
     app.state.server = state
     app.state.minisgl = backend
     app.state.limits = limits
+    app.state.drain = Drain()  # the server's stop (serve/server.py) waits on the requests it counts
+    app.add_middleware(DrainGuard, drain=app.state.drain)
     app.add_middleware(HostGuard, allowed=allowed_hosts)  # inside BodyGuard (the last added is outermost)
     app.add_middleware(BodyGuard, limits=limits)
     add_error_handlers(app)

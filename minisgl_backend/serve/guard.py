@@ -260,6 +260,65 @@ class HostGuard:
         await self.app(scope, receive, send)
 
 
+# ---------------------------------------------------------------------------------------------- drain
+class Drain:
+    """A server's stop in two steps: while `draining`, requests that arrive get a 503 and the ones
+    already in (`inflight`: counted from their headers to the end of their response, streams
+    included) are let finish; `wait_idle` returns when none is left. Used on the event loop only."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight = 0
+        self._idle: asyncio.Event | None = None
+
+    def enter(self) -> None:
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> int:
+        """Start draining; wait until no request is in flight or `timeout` seconds passed. Returns
+        how many requests are still in flight."""
+        self.draining = True
+        if self.inflight:
+            self._idle = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except TimeoutError:
+                pass
+        return self.inflight
+
+
+_DRAINING = _json_error(
+    503, "the server is shutting down; retry on another server", "service_unavailable", "shutting_down"
+)
+
+
+class DrainGuard:
+    """ASGI middleware: counts the requests in flight for `drain`, and answers each request that
+    arrives while it drains 503 (`shutting_down`, `Retry-After: 1`), /health included, so that a load
+    balancer sends no more. Inside BodyGuard, which drops an unread body and closes the connection."""
+
+    def __init__(self, app: Any, drain: Drain) -> None:
+        self.app, self.drain = app, drain
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining:
+            await _respond(send, 503, _DRAINING, [(b"retry-after", b"1"), (b"connection", b"close")])
+            return
+        self.drain.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.leave()
+
+
 # ---------------------------------------------------------------------------------------------- HTTP/1.1
 _REFUSAL = _json_error(
     503,

@@ -1110,6 +1110,89 @@ def test_metrics_scrape_matches_a_known_workload(server, client):
 
 
 # ------------------------------------------------------------------------------------------- lifecycle
+def test_a_signal_drains_the_requests_in_flight_and_refuses_new_ones(server):
+    """With a shutdown timeout, SIGTERM lets the requests in flight finish in full (a stream and a
+    whole answer), while a request that arrives, /health included, gets a 503 with Retry-After;
+    then the server stops. Its own app over the module's engine: only it stops."""
+    from minisgl_backend.serve import start_in_thread
+
+    srv = start_in_thread(_engine(server), api_key=KEY, model_name=MODEL, shutdown_timeout=120)
+    cmpl = {"model": MODEL, "prompt": "hi", "ignore_eos": True, "temperature": 0}
+    whole: dict = {}
+
+    def post_whole() -> None:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+            whole["r"] = c.post("/v1/completions", json={**cmpl, "max_tokens": 600})
+
+    try:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+            body = {**cmpl, "max_tokens": 200, "stream": True, "stream_options": {"include_usage": True}}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")  # the stream is under way
+                t = threading.Thread(target=post_whole)
+                t.start()
+                deadline = time.monotonic() + 60
+                while len(srv.state.live) < 2 and t.is_alive():  # the whole answer is being generated
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                srv.server.handle_exit(signal.SIGTERM, None)
+                while not srv.app.state.drain.draining:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                with httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as other:
+                    for method, path in (("POST", "/v1/completions"), ("GET", "/health")):
+                        late = other.request(method, path, json={**cmpl, "max_tokens": 2})
+                        assert late.status_code == 503, late.text
+                        assert late.json()["error"]["code"] == "shutting_down"
+                        assert late.headers["retry-after"] == "1"
+                events = _sse_events(lines)
+            t.join(120)
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 200
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+        assert whole["r"].status_code == 200, whole["r"].text
+        (choice,) = whole["r"].json()["choices"]
+        assert choice["finish_reason"] == "length" and whole["r"].json()["usage"]["completion_tokens"] == 600
+        srv.thread.join(60)  # then it stops by itself
+        assert not srv.thread.is_alive()
+    finally:
+        srv.stop()
+
+
+def test_a_request_still_being_prepared_at_a_signal_gets_a_503_error_object(server):
+    """The CPU workers are busy (held here) when the signal comes: the /tokenize request queued
+    behind them is answered 503 `shutting_down` at once, not cancelled with a bare 500 later."""
+    from minisgl_backend.serve import start_in_thread
+
+    srv = start_in_thread(_engine(server), api_key=KEY, model_name=MODEL)
+    hold = threading.Event()
+    state = srv.app.state.server
+    try:
+        busy = [state.pool._pool.submit(hold.wait, 120) for _ in range(state.limits.cpu_workers)]
+        result: dict = {}
+
+        def tokenize() -> None:
+            with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+                result["r"] = c.post("/tokenize", json={"model": MODEL, "prompt": "hello"})
+
+        t = threading.Thread(target=tokenize)
+        t.start()
+        deadline = time.monotonic() + 60
+        while srv.app.state.drain.inflight == 0:  # the request waits for a worker
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        srv.server.handle_exit(signal.SIGTERM, None)
+        t.join(120)
+        r = result["r"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        assert r.headers["retry-after"] == "1"
+    finally:
+        hold.set()
+        for f in busy:
+            f.result(60)
+        srv.stop()
+
+
 @pytest.mark.slow
 def test_graceful_shutdown_on_sigint_and_sigterm(tiny_model_dir):
     """`minisgl serve` as subprocesses (both started at once): serves, then SIGINT (one) and SIGTERM
