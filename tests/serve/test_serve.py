@@ -826,10 +826,13 @@ def test_bad_request_gets_its_status_and_error_object_and_the_server_keeps_servi
     assert_serves(client, MODEL)
 
 
-def test_health_needs_no_key_and_everything_else_does(server):
+def test_health_and_metrics_need_no_key_and_everything_else_does(server):
+    """/metrics is open as vLLM's is: Prometheus and load-aware routers scrape it without a key."""
     with httpx.Client(base_url=server.url, timeout=10) as c:
         assert c.get("/health").status_code == 200
-        for path in ("/v1/models", "/tokenizer_info", "/metrics"):
+        r = c.get("/metrics")
+        assert r.status_code == 200 and "minisgl:num_requests_running" in r.text
+        for path in ("/v1/models", "/tokenizer_info"):
             r = c.get(path)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
             assert c.get(path, headers=AUTH).status_code == 200
@@ -1107,6 +1110,15 @@ def test_metrics_scrape_matches_a_known_workload(server, client):
         >= _val(after, "minisgl:prefix_cache_hits_total")
         >= 0
     )
+
+
+def test_metrics_carry_the_load_gauges_under_vllm_names_too(server, client):
+    """What a load-aware router (Gateway API inference extension, llm-d) scrapes by name."""
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+        ours, theirs = families[f"minisgl:{name}"], families[f"vllm:{name}"]
+        assert theirs.type == "gauge" and [s.labels for s in theirs.samples] == [{"model_name": MODEL}]
+        assert [s.value for s in theirs.samples] == [s.value for s in ours.samples]
 
 
 # ------------------------------------------------------------------------------------------- lifecycle
