@@ -292,7 +292,7 @@ def _cmd_determinism(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from minisgl_backend.engine import Engine
-    from minisgl_backend.serve.server import _require_extra, run_server
+    from minisgl_backend.serve.server import _require_extra, bind, run_server
 
     _require_extra()  # before loading a model
     if args.replicas < 1:
@@ -317,13 +317,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 "their requests are aborted at once on SIGINT / SIGTERM"
             )
         return _serve_on_ray(args)
+    sock = bind(args.host, args.port)  # a port in use is told now, not after the model has loaded
     try:
         engine = Engine(_engine_config(args))
     except KeyboardInterrupt:  # stopped while loading the model
+        sock.close()
         return 130
+    except BaseException:
+        sock.close()
+        raise
     _set_chat_template(engine, args)
     run_server(
         engine,
+        sock=sock,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

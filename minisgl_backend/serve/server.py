@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import socket
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl_backend.errors import MissingExtraError
+from minisgl_backend.errors import ConfigError, MissingExtraError
 
 log = logging.getLogger("minisgl.serve")
 
@@ -57,12 +58,21 @@ def create_app(
     )
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, or a ConfigError saying why not (the port is taken, the address is not
+    this machine's). The command binds it before loading the model, so that a port in use is told
+    at once rather than after the load."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = " (another server runs there? pick another --port)" if e.errno == errno.EADDRINUSE else ""
+        shown = f"[{host}]" if ":" in host else host
+        raise ConfigError(f"cannot serve on {shown}:{port}: {e.strerror or e}{hint}") from None
     sock.set_inheritable(True)
     return sock
 
@@ -156,17 +166,19 @@ def run_server(
     access_log: bool = False,
     extra_hosts: Sequence[str] | None = None,
     shutdown_timeout: float = 0.0,
+    sock: socket.socket | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn's handlers: stop accepting, finish or cancel in-flight
     requests, then the lifespan closes the engine). Blocks. `log_level` is uvicorn's and the
     server's own (`minisgl.serve`: the start banner at INFO, warnings about refused clients).
     `extra_hosts`: `Host` names answered besides `host` and the loopback names (--allowed-hosts).
-    `shutdown_timeout`: seconds the requests in flight at a signal get to finish (see `_server`)."""
+    `shutdown_timeout`: seconds the requests in flight at a signal get to finish (see `_server`).
+    `sock`: the socket `bind(host, port)` made (else it is bound here)."""
     from minisgl_backend.serve.guard import allowed_hosts
 
     hosts = allowed_hosts(host, extra_hosts)
     app = create_app(engine, model_name, api_key, owns_engine=True, limits=limits, allowed_hosts=hosts)
-    sock = _bind(host, port)
+    sock = sock or bind(host, port)
     bound = sock.getsockname()
     logging.getLogger("minisgl.serve").setLevel(log_level.upper())
     log.info(
@@ -232,7 +244,7 @@ def start_in_thread(
 
     hosts = allowed_hosts(host, extra_hosts)
     app = create_app(engine, model_name, api_key, owns_engine=owns_engine, limits=limits, allowed_hosts=hosts)
-    sock = _bind(host, port)
+    sock = bind(host, port)
     server = _server(app, _uvicorn_config(app), shutdown_timeout)
     started = threading.Event()
     failed: list[BaseException] = []

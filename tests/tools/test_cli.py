@@ -246,3 +246,22 @@ def test_serve_refuses_an_empty_api_key_before_loading(tiny_model_dir):
     r = _minisgl("serve", "--model", str(tiny_model_dir), "--api-key", " ", "--port", "0", timeout=120)
     assert r.returncode == 2, r.stderr
     assert "API key is empty" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_tells_a_port_in_use_before_loading_the_model(monkeypatch, capsys):
+    import socket
+
+    pytest.importorskip("fastapi")
+
+    def no_engine(config):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr("minisgl_backend.engine.Engine", no_engine)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli_mod.main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{port}" in err and "pick another --port" in err, err
+    assert "Traceback" not in err
