@@ -306,6 +306,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "give a key, or unset MINISGL_API_KEY to serve without one"
         )
     _check_tool_call_parser(args)
+    _check_generation_config(args)
     if args.chat_template:
         _chat_template(args.chat_template)  # a bad reference fails before the model loads
     if args.replicas > 1 or args.ray_address:
@@ -400,6 +401,18 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 TOOL_CALL_PARSERS = ("hermes",)
 
 
+def _check_generation_config(args: argparse.Namespace) -> None:
+    """vLLM's --generation-config: 'auto' (its default) or a folder takes the model's sampling
+    defaults; 'vllm' ignores them, which is what minisgl always does."""
+    if args.generation_config not in (None, "vllm"):
+        raise MiniSGLError(
+            f"--generation-config {args.generation_config!r}: minisgl takes no sampling defaults from "
+            "generation_config.json (it reads only eos_token_id there); a request's temperature, "
+            "top_p, top_k, ... are its own, else OpenAI's defaults (temperature 1, top_p 1): send "
+            "them per request, or pass --generation-config vllm, which is what minisgl does"
+        )
+
+
 def _check_tool_call_parser(args: argparse.Namespace) -> None:
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
         raise MiniSGLError(
@@ -427,6 +440,17 @@ def _vllm_serve_args(sv: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         metavar="NAME",
         help=f"accepted for vLLM compatibility: {', '.join(TOOL_CALL_PARSERS)} (the one format parsed)",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM compatibility: requests are not logged unless --access-log",
+    )
+    g.add_argument(
+        "--generation-config",
+        metavar="SOURCE",
+        help="only 'vllm' (the requests' own fields or OpenAI's defaults): the model's "
+        "generation_config.json gives no sampling defaults here",
     )
 
 
@@ -571,6 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--log-level",
+        "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level, and the server's own (the start banner is INFO)",
