@@ -362,6 +362,7 @@ def _serve_limits(args: argparse.Namespace) -> Any:
         stream_idle_timeout_s=args.stream_idle_timeout,
         stream_buffer_events=args.stream_buffer,
         cpu_workers=args.cpu_workers,
+        max_request_chars=args.max_request_chars,
     )
     limits.check()
     return limits
@@ -642,6 +643,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="undelivered stream events per sequence before a slow reader's requests are aborted",
     )
     lim.add_argument("--cpu-workers", type=int, default=2, help="threads for tokenising and templates")
+    lim.add_argument(
+        "--max-request-chars",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="characters one request may have tokenised in all (prompts, messages, tool calls, /tokenize)",
+    )
     _engine_args(sv, seed=True)
     _vllm_serve_args(sv)
     sv.set_defaults(fn=_cmd_serve)

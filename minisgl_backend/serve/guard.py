@@ -56,6 +56,9 @@ class ServeLimits:
     stream_idle_timeout_s: float = 60.0  # a stream whose client reads nothing this long is aborted
     stream_buffer_events: int = 256  # per sequence: undelivered deltas before the stream is aborted
     cpu_workers: int = 2  # threads that tokenise, render templates, parse large bodies, compile grammars
+    # characters one request may have tokenised, over all its prompts or messages (tool calls and
+    # tools included) and on /tokenize: a bound on the CPU time and memory a request can take
+    max_request_chars: int = 4 * 1024 * 1024
 
     def connections(self) -> int:
         return self.max_connections if self.max_connections is not None else default_max_connections()

@@ -309,6 +309,12 @@ class ChatMessage(BaseModel):
             return "".join(p["text"] for p in self.content)
         return self.content or ""
 
+    def chars(self) -> int:
+        """The characters the chat template renders from this message: its text and the names and
+        arguments of its tool calls."""
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
+        return len(self.text()) + calls
+
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (a developer message is a system one to them)."""
         d: dict[str, Any] = {

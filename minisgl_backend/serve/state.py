@@ -153,6 +153,20 @@ class ServerState:
                 param,
             )
 
+    def check_request_chars(self, chars: int, what: str, param: str) -> None:
+        """The bound on what one request may have tokenised in all (--max-request-chars), checked
+        before any of it is: many prompts each within the context, or a long /tokenize text, would
+        otherwise hold the tokenizer threads that every other request waits for."""
+        limit = self.limits.max_request_chars
+        if chars > limit:
+            raise APIError(
+                400,
+                f"{what} has {chars} characters in all; this server tokenises at most {limit} per "
+                "request (--max-request-chars)",
+                param=param,
+                code="request_too_long",
+            )
+
     def room(self, prompt_len: int, requested: int | None, what: str) -> int:
         """max_tokens for a prompt of `prompt_len` tokens: `requested` if it fits the context (else
         a 400, as vLLM), or all the room left when the client asked for no particular number. `what`

@@ -35,6 +35,7 @@ LIMITS = ServeLimits(
     body_timeout_s=1.0,
     max_connections=12,
     stream_idle_timeout_s=1.0,
+    max_request_chars=200_000,
 )
 
 
@@ -254,6 +255,60 @@ def test_a_20_mb_prompt_does_not_hold_up_health(server, client):
     r = result["r"]
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert worst < 1.0, f"/health took {worst:.2f} s during the 20 MB request"
+    assert_serves(client, MODEL)
+
+
+# Each fits the context on its own or is not checked against it; in all each is past the per-request
+# bound (200,000 characters here), or the context, before a token is made.
+TOO_MUCH_IN_ALL = [
+    ("many prompts", "/v1/completions", {"model": MODEL, "prompt": ["word " * 12_000] * 16, "max_tokens": 1}),
+    (
+        "tool-call arguments",
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "function": {"name": "add", "arguments": "[" * 300_000}}],
+                },
+                {"role": "tool", "tool_call_id": "c", "content": "3"},
+            ],
+        },
+    ),
+    ("/tokenize prompt", "/tokenize", {"prompt": "word " * 60_000}),
+    (
+        "/tokenize tool-call arguments",
+        "/tokenize",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": "add", "arguments": "1" * 300_000}}],
+                }
+            ]
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("name,path,body", TOO_MUCH_IN_ALL, ids=[c[0] for c in TOO_MUCH_IN_ALL])
+def test_too_many_characters_in_all_are_refused_before_tokenising(
+    server, client, monkeypatch, name, path, body
+):
+    def no_tokenizer():
+        raise AssertionError("tokenised")
+
+    monkeypatch.setattr(server.app.state.server.pool, "tokenizer", no_tokenizer)
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] in ("request_too_long", "context_length_exceeded"), err
+    if err["code"] == "request_too_long":
+        assert "--max-request-chars" in err["message"]
+    monkeypatch.undo()
     assert_serves(client, MODEL)
 
 

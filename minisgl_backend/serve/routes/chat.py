@@ -68,8 +68,9 @@ async def chat_completions(
 ) -> Response:
     state.check_model(body.model)
     state.check_sequences(1, body.n)
-    chars = sum(len(m.text()) for m in body.messages)
+    chars = sum(m.chars() for m in body.messages)  # tool calls' arguments too: the template renders them
     state.check_chars(chars, "the conversation", "messages")
+    state.check_request_chars(chars, "the conversation", "messages")
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     choice = (
         body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
@@ -86,6 +87,7 @@ async def chat_completions(
         if tools or fmt:  # the prompt shows them too: bound them before the template runs
             shown = len(json.dumps(tools, ensure_ascii=False)) + len(json.dumps(fmt, ensure_ascii=False))
             state.check_chars(chars + shown, "the conversation with its tools and format", "tools")
+            state.check_request_chars(chars + shown, "the conversation with its tools and format", "tools")
         tok = pool.tokenizer()
         prompt = render_chat(
             tok,
