@@ -37,6 +37,11 @@ def public_model_ref(ref: str) -> str:
     return ref
 
 
+# Token ids in one request up to which it is handed to the engine on the event loop (a few ms of
+# checks); more go through a worker thread.
+SUBMIT_ON_LOOP_IDS = 8192
+
+
 class ServerShuttingDownError(MiniSGLError, RuntimeError):
     """The server is stopping and takes no new requests."""
 
@@ -200,6 +205,10 @@ class EngineBackend(Backend):
         return streams
 
     async def submit(self, prompts, params, request_ids, user, stream) -> list[Stream]:
+        if sum(len(p) for p in prompts) > SUBMIT_ON_LOOP_IDS:
+            # The engine checks every token id as it takes a prompt: for many long prompts that is
+            # seconds of work, which on the event loop would stall every stream and /health.
+            return list(await asyncio.to_thread(self.submit_now, prompts, params, request_ids, user))
         return list(self.submit_now(prompts, params, request_ids, user))
 
     def begin_shutdown(self) -> None:

@@ -63,6 +63,11 @@ class CPUPool:
             raise ServerShuttingDownError("the server is shutting down")
         return job.result()
 
+    async def answer(self, fn: Callable[..., str]) -> str:
+        """`fn()` on a worker, whether or not `stop()` was called: it builds the answer to work that
+        is done (a result the engine already gave), which a stopping server still sends."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
     def stop(self) -> None:
         """Callers waiting in `run`, and later ones, get ServerShuttingDownError (on the event loop)."""
         if self._stop is None:

@@ -312,6 +312,38 @@ def test_too_many_characters_in_all_are_refused_before_tokenising(
     assert_serves(client, MODEL)
 
 
+def test_many_token_ids_and_large_answers_are_handled_off_the_event_loop(server, client, monkeypatch):
+    """The event loop answers every stream and /health: checking thousands of token ids, or building
+    an answer of many choices with logprobs, runs on another thread (the loop's is minisgl-serve)."""
+    from minisgl_backend.serve.routes import chat
+
+    engine = server.state.engine
+    threads: dict[str, set[str]] = {"submit": set(), "logprobs": set()}
+    submit, logprobs = engine.submit, chat._logprobs
+
+    def recording_submit(prompt, *a, **kw):
+        if len(prompt) >= 1000:  # one of the 16 long prompts (the chat request's is short)
+            threads["submit"].add(threading.current_thread().name)
+        return submit(prompt, *a, **kw)
+
+    def recording_logprobs(*a, **kw):
+        threads["logprobs"].add(threading.current_thread().name)
+        return logprobs(*a, **kw)
+
+    monkeypatch.setattr(engine, "submit", recording_submit)
+    monkeypatch.setattr(chat, "_logprobs", recording_logprobs)
+    ids = [[(7 * i + j) % 1000 + 10 for j in range(1000)] for i in range(16)]  # 16,000 token ids
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 16, r.text
+    bad = client.post("/v1/completions", json={"model": MODEL, "prompt": [*ids[:-1], [10**9] * 1000]})
+    assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"], bad.text
+    req = {**CHAT, "n": 16, "logprobs": True, "top_logprobs": 5}
+    r = client.post("/v1/chat/completions", json=req)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 16, r.text
+    assert threads["submit"] and threads["logprobs"], threads
+    assert "minisgl-serve" not in threads["submit"] | threads["logprobs"], threads
+
+
 def _connect(server) -> socket.socket:
     return socket.create_connection((server.host, server.port), timeout=10)
 

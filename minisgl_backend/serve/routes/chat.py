@@ -54,6 +54,8 @@ from minisgl_backend.types import RequestOutput, StreamDelta, TokenLogprob
 
 router = keyed_router()
 
+SMALL_ANSWER = 8  # choices without logprobs up to this are built on the loop, larger answers on a worker
+
 
 @router.post(
     "/v1/chat/completions",
@@ -113,25 +115,32 @@ async def chat_completions(
     if body.stream:
         return sse_response(state, _stream(state, streams[0], body, rid, prompt), streams)
     (out,) = await results_or_disconnect(request, streams)
-    choices = []
-    for s in out.samples:  # one choice per sample (n)
-        content, calls, invalid = (
-            parse_tool_calls(s.text, prompt.tool_names, prompt.reply_tool)
-            if prompt.parses_output
-            else (s.text, [], [])
+
+    def respond() -> str:
+        choices = []
+        for s in out.samples:  # one choice per sample (n)
+            content, calls, invalid = (
+                parse_tool_calls(s.text, prompt.tool_names, prompt.reply_tool)
+                if prompt.parses_output
+                else (s.text, [], [])
+            )
+            tool_calls = _tool_calls(calls)
+            content += _salvage(invalid, prompt.tool_names, tool_calls)
+            finish = "tool_calls" if tool_calls and not invalid else s.finish_reason
+            message = AssistantMessage(
+                content=content if (content or not tool_calls) else None, tool_calls=tool_calls or None
+            )
+            lps = _logprobs(state, s.logprobs or []) if body.logprobs else None
+            choices.append(ChatChoice(index=s.index, message=message, logprobs=lps, finish_reason=finish))
+        answer = ChatCompletionResponse(
+            id=rid, created=int(time.time()), model=state.model_name, choices=choices, usage=Usage.of([out])
         )
-        tool_calls = _tool_calls(calls)
-        content += _salvage(invalid, prompt.tool_names, tool_calls)
-        finish = "tool_calls" if tool_calls and not invalid else s.finish_reason
-        message = AssistantMessage(
-            content=content if (content or not tool_calls) else None, tool_calls=tool_calls or None
-        )
-        lps = _logprobs(state, s.logprobs or []) if body.logprobs else None
-        choices.append(ChatChoice(index=s.index, message=message, logprobs=lps, finish_reason=finish))
-    answer = ChatCompletionResponse(
-        id=rid, created=int(time.time()), model=state.model_name, choices=choices, usage=Usage.of([out])
-    )
-    return Response(answer.model_dump_json(), media_type="application/json")
+        return answer.model_dump_json()
+
+    # Many choices, or logprobs (top_logprobs entries per token), take long enough to build that
+    # the event loop would hold up every stream: those are built on a worker.
+    small = body.n <= SMALL_ANSWER and not body.logprobs
+    return Response(respond() if small else await pool.answer(respond), media_type="application/json")
 
 
 async def _stream(

@@ -138,7 +138,7 @@ async def completions(
         return answer.model_dump_json()
 
     small = len(outs) * body.n <= SMALL_ANSWER and k is None
-    return Response(respond() if small else await pool.run(respond), media_type="application/json")
+    return Response(respond() if small else await pool.answer(respond), media_type="application/json")
 
 
 async def _stream(
