@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 def server(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), **TINY_ENGINE, max_waiting_requests=MAX_WAITING)
     with serving(config, key=KEY, model=MODEL) as srv:
+        srv.state.keep_finished(100_000)  # the tests read which requests finished how
         yield srv
 
 
@@ -1119,6 +1120,29 @@ def test_metrics_carry_the_load_gauges_under_vllm_names_too(server, client):
         ours, theirs = families[f"minisgl:{name}"], families[f"vllm:{name}"]
         assert theirs.type == "gauge" and [s.labels for s in theirs.samples] == [{"model_name": MODEL}]
         assert [s.value for s in theirs.samples] == [s.value for s in ours.samples]
+
+
+def test_nothing_of_a_request_is_kept_once_it_has_ended(server):
+    """A server of its own, with the default books: after a burst its backend holds no record, no
+    output and no handle of the requests, whether or not another request or a scrape follows."""
+    from minisgl_backend.serve import start_in_thread
+
+    srv = start_in_thread(_engine(server), api_key=KEY, model_name=MODEL)
+    backend = srv.state
+    try:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            for i in range(4):
+                body = {"model": MODEL, "prompt": ["hi", "yo"], "max_tokens": 4, "n": 2, "user": f"user-{i}"}
+                assert c.post("/v1/completions", json={**body, "logprobs": 5}).status_code == 200
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert _sse_events(r.iter_lines())[-1] == "[DONE]"
+        deadline = time.monotonic() + 60
+        while not backend.done.empty():  # the last request's output, until the loop folds it
+            assert time.monotonic() < deadline, "a finished request's output is still held"
+            time.sleep(0.01)
+        assert not backend.live and len(backend.finished) == 0
+    finally:
+        srv.stop()
 
 
 # ------------------------------------------------------------------------------------------- lifecycle
