@@ -363,6 +363,7 @@ def _serve_limits(args: argparse.Namespace) -> Any:
         stream_buffer_events=args.stream_buffer,
         cpu_workers=args.cpu_workers,
         max_request_chars=args.max_request_chars,
+        max_buffered_bytes=args.max_buffered_bytes,
     )
     limits.check()
     return limits
@@ -618,6 +619,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lim = sv.add_argument_group("limits (per request and per client; docs/serving.md, 'Limits')")
     lim.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="request body cap (413)")
+    lim.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="request body bytes held at once over all requests; past it a request gets a 503",
+    )
     lim.add_argument("--max-prompts", type=int, default=1024, help="prompts in one completions request")
     lim.add_argument("--max-sequences", type=int, default=1024, help="n x prompts in one request")
     lim.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send request headers")

@@ -22,7 +22,7 @@ from fastapi.openapi.utils import get_openapi
 
 from minisgl_backend.serve.backend import Backend
 from minisgl_backend.serve.errors import APIError, SlowClientError, add_error_handlers, api_error
-from minisgl_backend.serve.guard import BodyGuard, Drain, DrainGuard, HostGuard, ServeLimits
+from minisgl_backend.serve.guard import BodyGuard, Buffered, Drain, DrainGuard, HostGuard, ServeLimits
 from minisgl_backend.serve.routes import chat, completions, health, metrics, models, tokenizer
 from minisgl_backend.serve.state import ServerState
 from minisgl_backend.serve.streams import Merged as _Merged
@@ -62,7 +62,8 @@ def build_app(
     app.state.drain = Drain()  # the server's stop (serve/server.py) waits on the requests it counts
     app.add_middleware(DrainGuard, drain=app.state.drain)
     app.add_middleware(HostGuard, allowed=allowed_hosts)  # inside BodyGuard (the last added is outermost)
-    app.add_middleware(BodyGuard, limits=limits)
+    app.state.buffered = Buffered()  # request body bytes held, over all requests
+    app.add_middleware(BodyGuard, limits=limits, buffered=app.state.buffered)
     add_error_handlers(app)
     for router in (health, models, tokenizer, completions, chat):
         app.include_router(router.router)

@@ -59,6 +59,9 @@ class ServeLimits:
     # characters one request may have tokenised, over all its prompts or messages (tool calls and
     # tools included) and on /tokenize: a bound on the CPU time and memory a request can take
     max_request_chars: int = 4 * 1024 * 1024
+    # request body bytes held at once over all requests (each is held until its request ends): past
+    # it a request is answered 503, so many slow uploads cannot fill the memory together
+    max_buffered_bytes: int = 256 * 1024 * 1024
 
     def connections(self) -> int:
         return self.max_connections if self.max_connections is not None else default_max_connections()
@@ -117,13 +120,20 @@ async def _drain(receive: Callable, limit: int) -> None:
 
 
 class BodyRejected(Exception):
-    """The request body is too long (413) or too slow (408); the app answers it with OpenAI's error
-    object and `Connection: close` (a 413 after reading and dropping the rest of the body, within
-    LINGER_S; a 408 without)."""
+    """The request body is too long (413), too slow (408) or more than the server can hold beside
+    the others (503); the app answers it with OpenAI's error object and `Connection: close` (after
+    reading and dropping the rest of the body, within LINGER_S; a 408 without)."""
 
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+
+
+class Buffered:
+    """Request body bytes the server holds, over all requests in progress."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
 
 
 class BodyGuard:
@@ -135,8 +145,9 @@ class BodyGuard:
     through untouched (the routes wait on it for a disconnect). A response sent before its body was
     read (a 413, a 401, ...; not a 408) closes the connection after a lingering drain (`_drain`)."""
 
-    def __init__(self, app: Any, limits: ServeLimits) -> None:
+    def __init__(self, app: Any, limits: ServeLimits, buffered: Buffered | None = None) -> None:
         self.app, self.limits = app, limits
+        self.buffered = buffered if buffered is not None else Buffered()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -154,6 +165,7 @@ class BodyGuard:
             return
         limit, timeout = self.limits.max_body_bytes, self.limits.body_timeout_s
         too_long = f"the request body is longer than {limit} bytes (--max-body-bytes)"
+        busy = "the server holds as many request bodies as it can (--max-buffered-bytes); retry later"
         for k, v in headers:
             if k == b"content-length" and v.isdigit() and int(v) > limit:
                 body = _json_error(413, too_long, "invalid_request_error", "body_too_large")
@@ -177,9 +189,13 @@ class BodyGuard:
                 why = f"the request body did not arrive within {timeout:g} s (--body-timeout)"
                 raise BodyRejected(408, why, "request_timeout") from None
             if msg["type"] == "http.request":
-                read += len(msg.get("body", b""))
+                n = len(msg.get("body", b""))
+                read += n
+                self.buffered.bytes += n
                 if read > limit:
                     raise BodyRejected(413, too_long, "body_too_large")
+                if self.buffered.bytes > self.limits.max_buffered_bytes:
+                    raise BodyRejected(503, busy, "server_busy")
                 done = not msg.get("more_body", False)
             else:
                 done = True
@@ -199,7 +215,10 @@ class BodyGuard:
                 msg = {"type": "http.response.body", "body": b"", "more_body": False}
             await send(msg)
 
-        await self.app(scope, guarded_receive, lingering_send)
+        try:
+            await self.app(scope, guarded_receive, lingering_send)
+        finally:  # the body is held until its request ends (the app keeps it)
+            self.buffered.bytes -= read
 
 
 # ---------------------------------------------------------------------------------------------- Host
@@ -384,8 +403,35 @@ def guarded_protocol(limits: ServeLimits) -> type[asyncio.Protocol]:
             if self._timer is not None and self.cycle is not self._timer_cycle:
                 self._disarm()  # the request's headers are complete
 
+        _write_timer: asyncio.TimerHandle | None = None
+
+        def pause_writing(self) -> None:
+            # The answer no longer fits the socket's buffers: the client is not reading. One that
+            # reads nothing for stream_idle_timeout_s is cut off, so that the rest of its answer
+            # is not held in memory for ever (a stream's own timer usually ends it first).
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(limits.stream_idle_timeout_s, self._write_timeout)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_timeout(self) -> None:
+            self._write_timer = None
+            log.warning(
+                "a client read nothing of its answer for %g s (--stream-idle-timeout): disconnected",
+                limits.stream_idle_timeout_s,
+            )
+            self.transport.abort()  # the buffered rest of the answer is dropped; the request ends
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
             super().connection_lost(exc)
 
     return GuardedH11Protocol

@@ -344,6 +344,74 @@ def test_many_token_ids_and_large_answers_are_handled_off_the_event_loop(server,
     assert "minisgl-serve" not in threads["submit"] | threads["logprobs"], threads
 
 
+def test_request_bodies_held_at_once_are_bounded_over_all_clients(server):
+    """One slow upload holds most of --max-buffered-bytes: a second body that would pass it gets a
+    503 with Retry-After, and is served again once the first one's client leaves."""
+    from dataclasses import replace
+
+    from minisgl_backend.serve import start_in_thread
+
+    limits = replace(LIMITS, body_timeout_s=120.0, max_buffered_bytes=1024 * 1024)
+    srv = start_in_thread(server.state.engine, api_key=KEY, model_name=MODEL, limits=limits)
+    held = srv.app.state.buffered
+    try:
+        slow = socket.create_connection((srv.host, srv.port), timeout=10)
+        slow.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 2000000\r\n\r\n"
+        )
+        slow.sendall(b'{"prompt": "' + b"a" * 900_000)  # and then nothing more
+        deadline = time.monotonic() + 60
+        while held.bytes < 900_000:  # the server has read what was sent
+            assert time.monotonic() < deadline, held.bytes
+            time.sleep(0.01)
+        body = {"model": MODEL, "prompt": "word " * 40_000, "max_tokens": 1}  # 200 KB
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            r = c.post("/v1/completions", json=body)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "server_busy" and r.headers["retry-after"] == "1"
+        slow.close()
+        while held.bytes:  # the slow client left: its bytes are let go
+            assert time.monotonic() < deadline, held.bytes
+            time.sleep(0.01)
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            r = c.post("/v1/completions", json=body)
+        assert r.json()["error"]["code"] == "context_length_exceeded", r.text  # past the cap's check
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_never_reads_its_whole_answer_is_cut_off(server, client):
+    """A non-streamed answer of megabytes to a client that reads none of it: once the socket's
+    buffers are full, the server waits stream_idle_timeout_s (1 s here), then drops the connection
+    and the rest of the answer, instead of holding them as long as the client stays."""
+    connections = server.server.server_state.connections
+    before = len(connections)
+    ids = [j % 1000 + 10 for j in range(1000)]
+    body = json.dumps(
+        {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 20, "n": 16}
+    ).encode()  # the answer: 16 choices of 1,000 tokens with 20 alternatives each, about 10 MB
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing, buffers little
+    sock.settimeout(10)
+    sock.connect((server.host, server.port))
+    try:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        deadline = time.monotonic() + 120
+        while len(connections) == before:  # accepted
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while len(connections) > before:  # the server lets the connection go by itself
+            assert time.monotonic() < deadline, "the server still holds the unread answer"
+            time.sleep(0.05)
+    finally:
+        sock.close()
+    assert_serves(client, MODEL)
+
+
 def _connect(server) -> socket.socket:
     return socket.create_connection((server.host, server.port), timeout=10)
 
