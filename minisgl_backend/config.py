@@ -60,6 +60,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_waiting_requests: int | None = None  # Engine.submit past this many waiting raises QueueFullError
+    fair_admission: bool = True  # waiting requests of different owners are admitted in turn (else FCFS)
     chunk_size: int | None = 256  # None = whole-prompt prefill (no chunking)
     mixed_batches: bool = True  # prefill chunks and decode rows share one batch
     # --- prefix cache (S1, S9) ---
@@ -206,6 +207,7 @@ _SPECS: dict[str, Spec] = {
     "kv_cache_memory_gb": Spec("float", lo=0, lo_open=True),
     "max_num_seqs": Spec("int", lo=1),
     "max_waiting_requests": Spec("int", lo=1, optional=True, note="None = unbounded"),
+    "fair_admission": Spec("bool"),
     "max_num_batched_tokens": Spec("int", lo=1),
     "chunk_size": Spec("int", lo=1, optional=True, note="None = whole-prompt prefill"),
     "mixed_batches": Spec("bool"),

@@ -174,11 +174,17 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def submit(
-        self, prompt: Prompt, params: ParamsLike = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: ParamsLike = None,
+        request_id: str | None = None,
+        owner: str | None = None,
     ) -> RequestHandle:
         """Queue one request; returns at once. Safe to call from many threads. With
-        `max_waiting_requests` set, raises QueueFullError while that many requests wait for admission."""
-        reqs = self._make_requests(prompt, _as_params(params), request_id)
+        `max_waiting_requests` set, raises QueueFullError while that many requests wait for admission.
+        `owner`: who it is for; with `fair_admission` (the default) waiting requests of different
+        owners are admitted in turn (default: the request is its own owner)."""
+        reqs = self._make_requests(prompt, _as_params(params), request_id, owner)
         if (
             self.config.max_waiting_requests is not None
             and self.num_waiting() >= self.config.max_waiting_requests
@@ -325,7 +331,7 @@ class Engine:
         return ids
 
     def _make_requests(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None, owner: str | None = None
     ) -> tuple[Request, ...]:
         """The request's params.n samples (one Request each, sample i keyed by sample_key(seed, i)),
         with one handle and one SampleGroup between them."""
@@ -371,6 +377,7 @@ class Engine:
                 handle,
                 i,
                 group,
+                owner,
             )
             for i in range(params.n)
         )

@@ -64,8 +64,12 @@ class Request:
         handle: RequestHandle,
         index: int = 0,
         group: SampleGroup | None = None,
+        owner: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # Who submitted it: with fair_admission, waiting requests of different owners are admitted
+        # in turn (by default each request is its own owner, its n samples together).
+        self.owner = owner if owner is not None else request_id
         self.prompt_ids = prompt_ids
         self.params = params
         self.seed = seed  # this sample's sampling key (sampling.sampler.sample_key)

@@ -86,6 +86,8 @@ class Scheduler:
         self.metrics = metrics
         self.prefix = PrefixAdmission(config.prefix_cache, pool, config.block_size, self.metrics)
         self.progress = 0  # grows with committed tokens, finishes and first-time prompt positions
+        self._admissions = 0
+        self._owner_admitted: dict[str, int] = {}  # waiting owners -> when one of theirs was last admitted
 
     @property
     def newest_submitted(self) -> int:
@@ -230,7 +232,7 @@ class Scheduler:
             for r in self.running
             if r.is_decode and self._wants_decode(r)
         )
-        for req in partial + list(self.waiting):
+        for req in partial + self._admission_order():
             if budget <= 0:
                 break
             pending = req.planned_len - req.num_computed
@@ -262,12 +264,45 @@ class Scheduler:
             budget -= n
         return entries
 
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests in the order they are offered admission. With fair_admission,
+        preempted requests first (they held KV already), then one of each owner in turn, the owner
+        admitted least recently first, so that one client's many prompts or samples do not keep
+        everyone else's requests waiting until all of them are in; else first come, first served."""
+        if not self.cfg.fair_admission:
+            return list(self.waiting)
+        first: list[Request] = []
+        queues: dict[str, list[Request]] = {}
+        for r in self.waiting:
+            if r.num_preemptions:
+                first.append(r)
+            else:
+                queues.setdefault(r.owner, []).append(r)
+        served = self._owner_admitted
+        # only the owners that still wait are remembered: the map stays as small as the queue
+        self._owner_admitted = {o: served[o] for o in queues if o in served}
+        if len(queues) <= 1:  # one owner (or none) waits besides the preempted: nothing to share
+            return list(self.waiting)
+        order = first
+        turns = [iter(queues[o]) for o in sorted(queues, key=lambda o: served.get(o, -1))]
+        while turns:
+            left = []
+            for it in turns:
+                r = next(it, None)
+                if r is not None:
+                    order.append(r)
+                    left.append(it)
+            turns = left
+        return order
+
     def _admit(self, req: Request, hit: list[int]) -> None:
         if req.table_row is None:  # a preempted request keeps its row (and its committed tokens)
             req.table_row = self.row_pool.allocate()
             self._admitted.append((req.table_row, req.prompt_ids))
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
+        self._admissions += 1
+        self._owner_admitted[req.owner] = self._admissions  # its next request waits for the others
         if req.scheduled_time is None:
             req.scheduled_time = time.perf_counter()
         self.running.append(req)

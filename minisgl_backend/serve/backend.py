@@ -207,8 +207,9 @@ class EngineBackend(Backend):
                 call_soon(loop, fold)
 
         try:
+            owner = request_ids[0] if request_ids else None  # one client request: admitted in turn
             for p, sp, rid in zip(prompts, params, request_ids):
-                h = self.engine.submit(p, sp, request_id=rid)
+                h = self.engine.submit(p, sp, request_id=rid, owner=owner)
                 live[h.request_id] = h
                 h.add_done_callback(lambda h, u=user: finished(h, u))
                 streams.append(LocalStream(self.engine, h))

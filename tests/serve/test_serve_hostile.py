@@ -888,3 +888,20 @@ def test_a_name_given_by_allowed_hosts_is_answered(server):
             assert c.get("/v1/models", headers={"Host": "other.lan"}).status_code == 421
     finally:
         srv.stop()
+
+
+def test_the_prompts_of_one_client_request_are_one_owner_for_fair_admission(server, client, monkeypatch):
+    engine = server.state.engine
+    owners: list[str] = []
+    submit = engine.submit
+
+    def recording(prompt, params, request_id=None, owner=None):
+        owners.append(owner)
+        return submit(prompt, params, request_id=request_id, owner=owner)
+
+    monkeypatch.setattr(engine, "submit", recording)
+    for _ in range(2):
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    assert len(owners) == 6 and len(set(owners[:3])) == 1 and len(set(owners[3:])) == 1
+    assert owners[0] is not None and owners[0] != owners[3]
