@@ -178,6 +178,10 @@ class _SamplingFields(BaseModel):
         ]
         if bad:
             raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {bad[:5]}")
+        # "00005" and "5" would name one token with two biases, one silently lost: one spelling only
+        padded = [k[:20] for k in self.logit_bias or {} if len(k) > 1 and k.startswith("0")]
+        if padded:
+            raise ValueError(f"logit_bias keys must be token ids without leading zeros, got {padded[:5]}")
         return self
 
     @property

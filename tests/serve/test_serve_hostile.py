@@ -104,6 +104,8 @@ CASES = [
     ("surrogate stop string", _cmpl(stop=[SUR]), 400, "invalid_unicode", "stop.0"),
     ("surrogate /tokenize", ("/tokenize", {"prompt": SUR}), 400, "invalid_unicode", "prompt"),
     ("surrogate logit_bias key", _cmpl(logit_bias={SUR: 1}), 400, "invalid_unicode", "logit_bias"),
+    # two spellings of one token id: one of the biases would be lost without a word
+    ("logit_bias key with leading zeros", _cmpl(logit_bias={"00005": 1, "5": -1}), 400, "value_error", None),
     # oversize, field by field (max_model_len is 1024 tokens: at most 1024 x 81 characters)
     ("oversize completion prompt", _cmpl(prompt="a" * 100_000), 400, "context_length_exceeded", "prompt"),
     (
