@@ -55,7 +55,9 @@ def build_app(
         if state.owns_backend:  # uvicorn has stopped accepting and finished (or cancelled) the requests
             await asyncio.to_thread(backend.close)
 
-    app = FastAPI(title="minisgl", version=health.VERSION, lifespan=lifespan)
+    # No redirect from /health/ to /health: Starlette builds the Location from the request's Host
+    # header, which would send a client wherever that header says; an unknown path is a 404.
+    app = FastAPI(title="minisgl", version=health.VERSION, lifespan=lifespan, redirect_slashes=False)
     app.state.server = state
     app.state.minisgl = backend
     app.state.limits = limits

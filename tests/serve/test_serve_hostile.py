@@ -907,3 +907,11 @@ def test_the_prompts_of_one_client_request_are_one_owner_for_fair_admission(serv
         assert r.status_code == 200, r.text
     assert len(owners) == 6 and len(set(owners[:3])) == 1 and len(set(owners[3:])) == 1
     assert owners[0] is not None and owners[0] != owners[3]
+
+
+def test_a_trailing_slash_is_a_404_not_a_redirect_built_from_host(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=10, follow_redirects=False) as c:
+        for path in ("/health/", "/v1/models/"):
+            r = c.get(path)
+            assert r.status_code == 404 and "location" not in r.headers, (path, r.status_code, r.headers)
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
