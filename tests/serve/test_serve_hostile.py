@@ -915,3 +915,18 @@ def test_a_trailing_slash_is_a_404_not_a_redirect_built_from_host(server):
             r = c.get(path)
             assert r.status_code == 404 and "location" not in r.headers, (path, r.status_code, r.headers)
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_logprob_bytes_of_tokens_holding_part_of_a_character_join_into_the_text(client):
+    """An emoji is several byte-level tokens, each decoding alone to U+FFFD: their `bytes` are the
+    token's own, so a client joining them gets the emoji back (OpenAI's reason for the field)."""
+    req = {**CHAT, "guided_regex": "😀 é😀", "max_tokens": 12, "logprobs": True, "top_logprobs": 2}
+    r = client.post("/v1/chat/completions", json=req)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["message"]["content"] == "😀 é😀"
+    entries = choice["logprobs"]["content"]
+    assert len(entries) > 3  # several tokens per emoji
+    joined = bytes(b for e in entries for b in e["bytes"]).decode("utf-8")
+    assert joined.startswith("😀 é😀"), joined  # (then the end-of-turn token the grammar let through)
+    assert all(e["bytes"] != [239, 191, 189] for e in entries), entries  # no U+FFFD stand-ins
