@@ -106,6 +106,9 @@ def api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, BodyRejected):
+        if exc.status == 503:
+            headers = {"Connection": "close", "Retry-After": str(RETRY_AFTER_S)}
+            return APIError(503, exc.message, "server_overloaded", code=exc.code, headers=headers)
         return APIError(exc.status, exc.message, code=exc.code, headers={"Connection": "close"})
     if isinstance(exc, RequestFailedError) and isinstance(exc.__cause__, GrammarError):
         exc = exc.__cause__  # the output left its grammar, or the parser hit its limits mid-way
@@ -210,5 +213,5 @@ def add_error_handlers(app: FastAPI) -> None:
 
 # What /openapi.json shows for the failures every route may answer.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 431, 500, 503)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 415, 421, 431, 500, 503)
 }

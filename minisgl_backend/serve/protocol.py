@@ -178,6 +178,10 @@ class _SamplingFields(BaseModel):
         ]
         if bad:
             raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {bad[:5]}")
+        # "00005" and "5" would name one token with two biases, one silently lost: one spelling only
+        padded = [k[:20] for k in self.logit_bias or {} if len(k) > 1 and k.startswith("0")]
+        if padded:
+            raise ValueError(f"logit_bias keys must be token ids without leading zeros, got {padded[:5]}")
         return self
 
     @property
@@ -308,6 +312,12 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             return "".join(p["text"] for p in self.content)
         return self.content or ""
+
+    def chars(self) -> int:
+        """The characters the chat template renders from this message: its text and the names and
+        arguments of its tool calls."""
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
+        return len(self.text()) + calls
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (a developer message is a system one to them)."""

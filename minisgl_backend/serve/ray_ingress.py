@@ -240,6 +240,7 @@ class Ingress:
         api_key: str | None,
         *handles: Any,
         limits: Any = None,
+        allowed_hosts: frozenset[str] | None = None,
     ) -> None:
         from minisgl_backend.serve.app import build_app
 
@@ -247,7 +248,7 @@ class Ingress:
         cfg = EngineConfig.from_dict(config)
         infos = await asyncio.gather(*(_await(h.info.remote()) for h in handles))
         self.backend = RayBackend(handles, infos, cfg, model_name)
-        self._app = build_app(self.backend, model_name, api_key, limits=limits)
+        self._app = build_app(self.backend, model_name, api_key, limits=limits, allowed_hosts=allowed_hosts)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app

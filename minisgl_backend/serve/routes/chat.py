@@ -54,6 +54,8 @@ from minisgl_backend.types import RequestOutput, StreamDelta, TokenLogprob
 
 router = keyed_router()
 
+SMALL_ANSWER = 8  # choices without logprobs up to this are built on the loop, larger answers on a worker
+
 
 @router.post(
     "/v1/chat/completions",
@@ -68,8 +70,9 @@ async def chat_completions(
 ) -> Response:
     state.check_model(body.model)
     state.check_sequences(1, body.n)
-    chars = sum(len(m.text()) for m in body.messages)
+    chars = sum(m.chars() for m in body.messages)  # tool calls' arguments too: the template renders them
     state.check_chars(chars, "the conversation", "messages")
+    state.check_request_chars(chars, "the conversation", "messages")
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     choice = (
         body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
@@ -86,6 +89,7 @@ async def chat_completions(
         if tools or fmt:  # the prompt shows them too: bound them before the template runs
             shown = len(json.dumps(tools, ensure_ascii=False)) + len(json.dumps(fmt, ensure_ascii=False))
             state.check_chars(chars + shown, "the conversation with its tools and format", "tools")
+            state.check_request_chars(chars + shown, "the conversation with its tools and format", "tools")
         tok = pool.tokenizer()
         prompt = render_chat(
             tok,
@@ -111,25 +115,32 @@ async def chat_completions(
     if body.stream:
         return sse_response(state, _stream(state, streams[0], body, rid, prompt), streams)
     (out,) = await results_or_disconnect(request, streams)
-    choices = []
-    for s in out.samples:  # one choice per sample (n)
-        content, calls, invalid = (
-            parse_tool_calls(s.text, prompt.tool_names, prompt.reply_tool)
-            if prompt.parses_output
-            else (s.text, [], [])
+
+    def respond() -> str:
+        choices = []
+        for s in out.samples:  # one choice per sample (n)
+            content, calls, invalid = (
+                parse_tool_calls(s.text, prompt.tool_names, prompt.reply_tool)
+                if prompt.parses_output
+                else (s.text, [], [])
+            )
+            tool_calls = _tool_calls(calls)
+            content += _salvage(invalid, prompt.tool_names, tool_calls)
+            finish = "tool_calls" if tool_calls and not invalid else s.finish_reason
+            message = AssistantMessage(
+                content=content if (content or not tool_calls) else None, tool_calls=tool_calls or None
+            )
+            lps = _logprobs(state, s.logprobs or []) if body.logprobs else None
+            choices.append(ChatChoice(index=s.index, message=message, logprobs=lps, finish_reason=finish))
+        answer = ChatCompletionResponse(
+            id=rid, created=int(time.time()), model=state.model_name, choices=choices, usage=Usage.of([out])
         )
-        tool_calls = _tool_calls(calls)
-        content += _salvage(invalid, prompt.tool_names, tool_calls)
-        finish = "tool_calls" if tool_calls and not invalid else s.finish_reason
-        message = AssistantMessage(
-            content=content if (content or not tool_calls) else None, tool_calls=tool_calls or None
-        )
-        lps = _logprobs(state, s.logprobs or []) if body.logprobs else None
-        choices.append(ChatChoice(index=s.index, message=message, logprobs=lps, finish_reason=finish))
-    answer = ChatCompletionResponse(
-        id=rid, created=int(time.time()), model=state.model_name, choices=choices, usage=Usage.of([out])
-    )
-    return Response(answer.model_dump_json(), media_type="application/json")
+        return answer.model_dump_json()
+
+    # Many choices, or logprobs (top_logprobs entries per token), take long enough to build that
+    # the event loop would hold up every stream: those are built on a worker.
+    small = body.n <= SMALL_ANSWER and not body.logprobs
+    return Response(respond() if small else await pool.answer(respond), media_type="application/json")
 
 
 async def _stream(
@@ -211,13 +222,14 @@ def _tool_calls(calls: list[ParsedCall]) -> list[AssistantToolCall]:
 
 def _salvage(invalid: list[ParsedCall], tool_names: set[str], calls: list[AssistantToolCall]) -> str:
     """What became of tagged calls that do not parse (a forced call cut by max_tokens): one that got
-    as far as its arguments is appended to `calls` with the arguments as written so far (not valid
-    JSON, as OpenAI returns a cut call); the text of any other is returned, to go into the content."""
+    as far as its arguments is appended to `calls` with the partial object written so far (closed
+    into valid JSON); any other is returned as written, tags included, to go into the content: the
+    tokens were generated and billed, so the client gets them rather than an empty reply."""
     text = []
     for bad in invalid:
         part = partial_tool_call(bad["args"], tool_names)
         if part is None:
-            text.append(bad["args"])
+            text.append(bad["text"])
         else:
             calls.append(AssistantToolCall(id=bad["id"], function=ToolCallFunction(**part)))
     return "".join(text)
