@@ -272,6 +272,8 @@ def test_bench_memory_sets_rss_against_the_weights(tiny_model_dir, tmp_path):
     assert "bound 1.15 x weights + KV pool" in r.stdout and "batch-1 decode" in r.stdout
     bad = _minisgl(*args, "--busy", "1", timeout=120)
     assert bad.returncode != 0 and "--scenario memory takes none of" in bad.stderr
+
+
 def test_serve_tells_a_port_in_use_before_loading_the_model(monkeypatch, capsys):
     import socket
 
