@@ -1,6 +1,6 @@
 """A reasoning model's trace (`<think>...</think>` at the start of a reply, as Qwen3 and DeepSeek-R1
-write it) split from its answer, whole or while it streams: shared by `minisgl serve` (the
-`reasoning` field) and the LangChain adapter (`reasoning_content`)."""
+write it) split from its answer, whole or while it streams: what the LangChain adapter reports as
+`reasoning_content`, kept at the engine's chat level beside the other chat helpers."""
 
 from __future__ import annotations
 
