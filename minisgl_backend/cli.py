@@ -719,6 +719,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--check", action="store_true", help="compare every completed response with a solo run of its prompt"
     )
     bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument(
+        "--offline-baseline",
+        action="store_true",
+        help="without --url: then run the same requests in-process on the same engine (no HTTP, no "
+        "server threads) and print served / offline: what the server's own threads cost",
+    )
     bs.add_argument("--json", help="also write the results to this JSON file")
     _engine_args(bs)
     bs.set_defaults(fn=_cmd_bench_serve)

@@ -337,3 +337,21 @@ def test_the_docs_serve_recipes_wait_for_health_before_the_first_request():
         wait = next(i for i, ln in enumerate(lines) if "/health" in ln)
         first = next(i for i, ln in enumerate(lines) if "/v1/" in ln or ln.startswith("lm_eval"))
         assert start < wait < first and lines[wait].startswith("until curl -sf"), block
+
+
+def test_bench_serve_sets_the_served_run_against_the_same_requests_offline(tmp_path):
+    """`minisgl bench-serve --offline-baseline`: the same requests in the same closed loop, on the
+    same engine called in-process, and served / offline (what the server's own threads cost); it
+    is refused where it cannot compare like with like."""
+    pytest.importorskip("fastapi")
+    out = tmp_path / "serve.json"
+    args = ("bench-serve", "--tiny", "--num-requests", "8", "--concurrency", "4", "--output-len", "4")
+    r = _minisgl(*args, "--offline-baseline", "--json", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr
+    row = json.loads(out.read_text())
+    assert row["completed"] == 8 and row["offline_req_per_s"] > 0
+    ratio = row["output_tok_per_s"] / row["offline_output_tok_per_s"]
+    assert row["served_over_offline"] == pytest.approx(ratio)
+    assert "served / offline" in r.stdout
+    bad = _minisgl(*args, "--offline-baseline", "--url", "http://127.0.0.1:9", timeout=120)
+    assert bad.returncode != 0 and "--offline-baseline runs the same closed loop" in bad.stderr
