@@ -1,6 +1,8 @@
 """The Triton attention kernels (model/triton_attention.py), on the CPU under Triton's interpreter
 (on a GPU machine, on the GPU): paged decode and prefill/extend attention against the model's own
-torch reference (layers.eager_attention over KVCache.gather, masked by chunk_mask).
+torch reference (layers.eager_attention over KVCache.gather, masked by chunk_mask), the kernels
+behind the model's attention back-end, and an engine whose every attention runs them, against the
+CPU engine on the layouts its scheduler produces.
 
 Shapes are tiny: the interpreter runs each program of a launch in Python."""
 
@@ -20,11 +22,13 @@ if not ON_GPU:
     # Triton reads it when triton.language and the kernels are first imported: set before both.
     os.environ["TRITON_INTERPRET"] = "1"
 
+from minisgl_backend import SamplingParams  # noqa: E402
 from minisgl_backend.iteration import PrefillChunk  # noqa: E402
 from minisgl_backend.kvcache.storage import KVCache  # noqa: E402
 from minisgl_backend.model import triton_attention as ta  # noqa: E402
-from minisgl_backend.model.batch import chunk_mask  # noqa: E402
+from minisgl_backend.model.batch import ForwardBatch, chunk_mask, row_tables  # noqa: E402
 from minisgl_backend.model.layers import eager_attention  # noqa: E402
+from tests.helpers import drained_engine, model_spec, token_prompts  # noqa: E402
 
 pytestmark = pytest.mark.gpu_sim
 DEV = "cuda" if ON_GPU else "cpu"
@@ -229,3 +233,119 @@ def test_prefill_skips_tiles_no_query_of_a_tile_sees(window):
     else:
         assert torch.equal(out[32:], clean[32:]), "tile 2 read a key before its first query's window"
         assert out[0].isnan().any(), "the query at the poisoned position must see it"
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
+def test_backend_matches_the_cpu_attention_on_a_mixed_batch(window):
+    """Attention.forward over the Triton back-end against the CPU paths (the native paged kernel,
+    and the torch gather + SDPA path) on one mixed batch: three decode rows, then a first and a later
+    prompt chunk; every row, and the kept rows of a last layer."""
+    from minisgl_backend.model.layers import Attention
+    from minisgl_backend.model.llama import build_rotary
+
+    spec = model_spec(sliding_window=window)
+    attn = Attention(spec, 0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    bs, kvh, d = 4, spec.num_kv_heads, spec.head_dim
+    kv = _pool(40, bs, kvh, d, torch.float32, seed=40)
+    ctx = [3, 9, 14]  # decode rows: contexts including the new token
+    chunk_specs = [(0, 7), (10, 6)]  # (prefix, length)
+    tables = _tables(ctx + [p + n for p, n in chunk_specs], bs, 40, seed=41)
+    positions, slots, chunks, start = [], [], [], len(ctx)
+    for n, t in zip(ctx, tables):
+        positions.append(n - 1)
+        slots.append(int(t[(n - 1) // bs]) * bs + (n - 1) % bs)
+    for (prefix, length), t in zip(chunk_specs, tables[len(ctx) :]):
+        chunks.append(PrefillChunk(start, length, prefix + length, t))
+        for p in range(prefix, prefix + length):
+            positions.append(p)
+            slots.append(int(t[p // bs]) * bs + p % bs)
+        start += length
+    n = len(positions)
+    pos = torch.tensor(positions)
+    dec_tables = _padded(tables[: len(ctx)])
+    keys = torch.arange(dec_tables.shape[1] * bs)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        positions=pos,
+        slot_mapping=torch.tensor(slots),
+        num_decode=len(ctx),
+        decode_block_tables=dec_tables,
+        decode_mask=(keys[None, :] <= pos[: len(ctx), None])[:, None, None, :],
+        prefill_chunks=tuple(chunks),
+        logits_index=torch.tensor([0, 2, 9, n - 1]),
+    )
+    x = torch.randn(n, spec.hidden_size, generator=_gen(42))
+    rope = build_rotary(spec)[0](pos, torch.float32)
+    from minisgl_backend.model.batch import decode_window
+
+    with torch.no_grad():
+        native = attn(x, rope, batch, kv, [], None, rows=row_tables(batch))
+        masks = [chunk_mask(c, window) for c in chunks]
+        plain = attn(x, rope, batch, kv, masks, decode_window(batch, window, bs))
+        triton_out = attn(x, rope, batch, kv, [], None, backend=ta.TritonAttention())
+        kept = attn(x, rope, batch, kv, [], None, keep=batch.logits_index, backend=ta.TritonAttention())
+    assert (triton_out - native).abs().max() < 1e-5
+    assert (triton_out - plain).abs().max() < 1e-5
+    assert torch.equal(kept, triton_out[batch.logits_index])
+
+
+def test_the_backend_is_chosen_once_at_load(monkeypatch):
+    """On the CPU the default keeps the CPU paths (the layer loop under the native decode stack);
+    MINISGL_ATTENTION=triton puts the kernels under every layer; torch keeps them off; anything else
+    is refused."""
+    from minisgl_backend.errors import ConfigError
+    from minisgl_backend.model.decode_stack import DecodeStackForward
+    from minisgl_backend.model.llama import CausalLM, LayerLoop
+    from minisgl_backend.model.loader import attention_backend, forward_strategy
+
+    model = CausalLM(model_spec())
+    monkeypatch.delenv("MINISGL_ATTENTION", raising=False)
+    assert attention_backend(model) is None
+    default = forward_strategy(model, deterministic=False)
+    assert isinstance(default, DecodeStackForward) and default.inner.attention is None
+    monkeypatch.setenv("MINISGL_ATTENTION", "torch")
+    assert attention_backend(model) is None
+    monkeypatch.setenv("MINISGL_ATTENTION", "triton")
+    forced = forward_strategy(model, deterministic=False)
+    assert isinstance(forced, LayerLoop) and isinstance(forced.attention, ta.TritonAttention)
+    monkeypatch.setenv("MINISGL_ATTENTION", "flash")
+    with pytest.raises(ConfigError, match="MINISGL_ATTENTION"):
+        attention_backend(model)
+
+
+@pytest.mark.skipif(ON_GPU, reason="compares against the CPU engine")
+def test_an_engine_on_the_kernels_matches_the_cpu_engine(tiny_model_dir, monkeypatch):
+    """The whole engine with every attention on the Triton kernels (the interpreter) against the CPU
+    engine, on what its scheduler lays out: ragged prompts in chunks of 8 over blocks of 4, decode
+    rows mixed with later chunks, 5 new tokens each. The same greedy tokens, and logprobs within
+    float32 noise."""
+    cfg = dict(
+        dtype="float32",
+        num_blocks=128,
+        block_size=4,
+        chunk_size=8,
+        max_num_batched_tokens=24,
+        max_model_len=64,
+        num_threads=1,
+        stats_interval_s=0,
+    )
+    prompts = token_prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+
+    def run() -> list:
+        with drained_engine(tiny_model_dir, **cfg) as eng:
+            return eng.generate(prompts, params, use_tqdm=False)
+
+    monkeypatch.delenv("MINISGL_ATTENTION", raising=False)
+    cpu = run()
+    monkeypatch.setenv("MINISGL_ATTENTION", "triton")
+    kernels = run()
+    assert all(o.logprobs and len(o.token_ids) == 5 for o in cpu + kernels)
+    for a, b in zip(cpu, kernels):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert abs(x.logprob - y.logprob) < 1e-4
