@@ -78,6 +78,7 @@ def _decode_kernel(
     USE_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     F32_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -122,7 +123,7 @@ def _decode_kernel(
         if F32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
         if USE_CAP:
             s = _softcap(s, cap)
         s = tl.where(nmask[None, :], s, float("-inf"))
@@ -130,7 +131,7 @@ def _decode_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(
@@ -169,6 +170,7 @@ def _prefill_kernel(
     USE_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     F32_DOT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -207,7 +209,7 @@ def _prefill_kernel(
         if F32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
         if USE_CAP:
             s = _softcap(s, cap)
         visible = nmask[None, :] & (n[None, :] <= qpos[:, None])
@@ -218,7 +220,7 @@ def _prefill_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     # Rows past the chunk's end saw no key (l = 0); they are not stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -236,6 +238,12 @@ def _pow2(x: int, least: int = 16) -> int:
 
 def _f32_dot(q: torch.Tensor) -> bool:
     return q.dtype == torch.float32 or interpreting()
+
+
+def _dot_precision(q: torch.Tensor) -> str | None:
+    # float32 operands in full precision (a GPU would round them to tf32 by default, far from the
+    # CPU's float32 results); other operands at the tensor cores' own precision.
+    return "ieee" if _f32_dot(q) else None
 
 
 def paged_decode_attention(
@@ -298,6 +306,7 @@ def paged_decode_attention(
         USE_CAP=softcap is not None,
         USE_WINDOW=window is not None,
         F32_DOT=_f32_dot(q),
+        DOT_PREC=_dot_precision(q),
     )
     return out
 
@@ -359,6 +368,7 @@ def paged_prefill_attention(
         USE_CAP=softcap is not None,
         USE_WINDOW=window is not None,
         F32_DOT=_f32_dot(q),
+        DOT_PREC=_dot_precision(q),
     )
     return out
 
