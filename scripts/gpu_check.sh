@@ -10,7 +10,8 @@
 #   env      torch, CUDA, triton, the GPU
 #   tracker  the native completion tracker for this Python (one compiler line; the CPU kernels are
 #            not rebuilt: the GPU never runs them, and without them the CPU falls back to torch)
-#   tests    the CUDA tests, the tracker's, and the Triton attention kernels' (on the GPU itself)
+#   tests    the CUDA tests, the tracker's, the Triton attention kernels' and the logits reduction's
+#            (on the GPU itself)
 #   forward  decode-step and prefill-chunk micro-numbers on random 1B and 8B shapes, batch 1/16/64,
 #            Triton kernels vs the torch path (time, host issue time, kernels per forward, logit diff)
 #   model    a random-weight ~1.2B Llama directory in the scratch dir (the next stage's model)
@@ -95,7 +96,7 @@ stage_tests() {
   # The tests' tiny model takes its tokenizer from there too (the embedded model cannot travel).
   if [[ -f "$TOKENIZER/tokenizer.json" ]]; then export MINISGL_TOKENIZER="$TOKENIZER"; fi
   "$PY" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_cuda.py tests/engine/test_tracker.py \
-    tests/kernels/test_triton_attention.py 2>&1 | tee "$OUT/tests.log"
+    tests/kernels/test_triton_attention.py tests/engine/test_sampler_reduce.py 2>&1 | tee "$OUT/tests.log"
 }
 
 stage_forward() {

@@ -13,6 +13,8 @@ from minisgl_backend.sampling.reduce import draw_reduced, hash_uniform_torch, ma
 from minisgl_backend.sampling.sampler import SampleRow, hash_uniform, sample
 
 pytestmark = pytest.mark.gpu_sim
+# On a GPU machine the device side runs on the GPU (scripts/gpu_check.sh): the same bits are expected.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_the_torch_hash_has_the_numpy_hashs_bits():
@@ -24,7 +26,13 @@ def test_the_torch_hash_has_the_numpy_hashs_bits():
     ids[0, :3] = [0, 1, 262143]
     want = hash_uniform(np.array(seeds, dtype=np.uint64), np.array(positions), ids)
     seeds_i64 = torch.tensor([s - 2**64 if s >= 2**63 else s for s in seeds])
-    got = hash_uniform_torch(seeds_i64, torch.tensor(positions), torch.from_numpy(ids)).numpy()
+    got = (
+        hash_uniform_torch(
+            seeds_i64.to(DEV), torch.tensor(positions, device=DEV), torch.from_numpy(ids).to(DEV)
+        )
+        .cpu()
+        .numpy()
+    )
     assert np.array_equal(got.view(np.uint64), want.view(np.uint64))
 
 
@@ -80,7 +88,7 @@ def test_the_reduced_draw_is_the_full_draw(vocab):
     logits = np.concatenate([logits] * 2)  # each logits row under two different keys
     rows = _rows(logits.shape[0], rng)
     full = sample(logits, rows)
-    cand = reduce_rows(torch.from_numpy(logits), rows, k=k).numpy()
+    cand = reduce_rows(torch.from_numpy(logits).to(DEV), rows, k=k).numpy()
     # A device may return tied candidates in any order: the answer must not depend on it.
     perm = np.stack([rng.permutation(cand.ids.shape[1]) for _ in rows])
     cand = cand._replace(
@@ -109,7 +117,7 @@ def test_rows_whose_draw_needs_more_than_scores_take_the_full_row():
     ]
     rows = [SampleRow(SamplingParams(temperature=0.8, seed=1, **kw), 1, 5, []) for kw in kinds]
     assert not any(reducible(r) for r in rows)
-    assert draw_reduced(reduce_rows(torch.from_numpy(logits), rows).numpy(), rows) == [None] * 6
+    assert draw_reduced(reduce_rows(torch.from_numpy(logits).to(DEV), rows).numpy(), rows) == [None] * 6
 
 
 def test_a_dropped_candidate_is_caught_not_drawn():
@@ -118,11 +126,7 @@ def test_a_dropped_candidate_is_caught_not_drawn():
     rng = np.random.default_rng(4)
     logits = rng.standard_normal((8, 500)).astype(np.float32)
     rows = _rows(8, rng)
-    cand = reduce_rows(torch.from_numpy(logits), rows, k=8)
-    top = cand.ids[:, :1]
-    dropped = type(cand)(
-        cand.ids[:, 1:],
-        cand.logits[:, 1:],
-        torch.from_numpy(logits).double().gather(1, top)[:, 0] * 0 + torch.inf,  # the lost one bounds it
-    )
+    cand = reduce_rows(torch.from_numpy(logits).to(DEV), rows, k=8)
+    lost = torch.tensor([_full_scores(logits[i], r).max() for i, r in enumerate(rows)])
+    dropped = type(cand)(cand.ids[:, 1:], cand.logits[:, 1:], lost)  # the lost best now bounds the rest
     assert draw_reduced(dropped.numpy(), rows) == [None] * 8
