@@ -209,6 +209,10 @@ def run_bench_serve(args: argparse.Namespace, config: ConfigFromFlags) -> int:
         try:
             srv = start_in_thread(engine, api_key=args.api_key, model_name=args.served_model_name)
             try:
+                if args.offline_baseline:  # warm: the served run pays no first-use cost the offline one skips
+                    from minisgl_backend.bench.configs import run_closed_loop
+
+                    run_closed_loop(engine, [[101, 102, 103]] * args.concurrency, 4, args.concurrency)
                 row = bench_serve(srv.url, vocab=engine.vocab_size, **kw)
                 if args.offline_baseline:
                     from minisgl_backend.bench.serve import offline_baseline
