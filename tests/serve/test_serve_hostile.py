@@ -539,6 +539,11 @@ def test_version_and_ping(server):
         v = c.get("/version")
         assert v.status_code == 200 and isinstance(v.json()["version"], str)
         assert c.get("/ping").status_code == 200 and c.post("/ping").status_code == 200
+        for method, path, allowed in (("PUT", "/ping", {"GET", "POST"}), ("DELETE", "/health", {"GET"})):
+            r = c.request(method, path)  # a 405 names every method the path takes
+            assert r.status_code == 405 and allowed <= {m.strip() for m in r.headers["allow"].split(",")}, (
+                r.headers
+            )
 
 
 # ----------------------------------------------------------------------------------------- issue 27
