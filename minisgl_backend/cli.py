@@ -600,7 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--api-key",
         default=os.environ.get("MINISGL_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health (env MINISGL_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every endpoint but the probes, /metrics and the "
+        "docs (env MINISGL_API_KEY)",
     )
     sv.add_argument(
         "--served-model-name", help="the model id clients send and /v1/models lists (default: --model)"

@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from minisgl_backend.chat import ChatTemplateError, GrammarError
 from minisgl_backend.errors import (
@@ -186,6 +187,15 @@ class MappedRoute(APIRoute):
         return mapped
 
 
+def _methods(req: Request) -> list[str]:
+    """Every method some route of the app takes at the request's path."""
+    return [
+        m
+        for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+        if any(r.matches({**req.scope, "method": m})[0] == Match.FULL for r in req.app.router.routes)
+    ]
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Every error a client sees is OpenAI's error object."""
 
@@ -202,9 +212,12 @@ def add_error_handlers(app: FastAPI) -> None:
         return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type_, headers=exc.headers).response()
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette names the methods of one route; a path may have several
+            headers = {**(headers or {}), "Allow": ", ".join(_methods(req))}
+        return APIError(exc.status_code, str(exc.detail), type_, headers=headers).response()
 
     @app.exception_handler(Exception)
     async def internal(_req: Request, exc: Exception) -> JSONResponse:

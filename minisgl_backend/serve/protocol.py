@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from minisgl_backend.types import SamplingParams
 
@@ -31,6 +31,24 @@ def _finite(default: float | None, **kw: Any) -> Any:
 
 
 Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+
+# What /openapi.json says of `stop` and `logit_bias`: the same rules as the checks in
+# `_SamplingFields._check_stop`, so that a client built from the schema sends nothing they refuse.
+MAX_STOPS = 16
+_STOP_TEXT = {"type": "string", "minLength": 1}
+_STOP_SCHEMA = {
+    "anyOf": [_STOP_TEXT, {"type": "array", "items": _STOP_TEXT, "maxItems": MAX_STOPS}, {"type": "null"}]
+}
+_BIAS_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "propertyNames": {"pattern": f"^(0|[1-9][0-9]{{0,{MAX_TOKEN_ID_DIGITS - 1}}})$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+        {"type": "null"},
+    ]
+}
 
 
 class StreamOptions(BaseModel):
@@ -116,14 +134,16 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = _finite(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # OpenAI's own limit; it also bounds what one HTTP request can queue
     n: int = Field(1, ge=1, le=MAX_N, description="parallel samples of each prompt")
     presence_penalty: float = _finite(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = _finite(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Bias] | None = Field(None, description="token id (a string) -> bias in [-100, 100]")
+    logit_bias: Annotated[dict[str, Bias] | None, WithJsonSchema(_BIAS_SCHEMA)] = Field(
+        None, description="token id (a string) -> bias in [-100, 100]"
+    )
     user: str | None = None
     # vLLM extensions
     repetition_penalty: float | None = _finite(None, gt=0.0)
@@ -169,8 +189,8 @@ class _SamplingFields(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop strings")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
         bad = [
             k[:20]
             for k in self.logit_bias or {}

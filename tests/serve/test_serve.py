@@ -577,6 +577,34 @@ def test_openapi_request_bodies_are_what_the_server_accepts(server, client):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("stop", [""]),
+        ("stop", ""),
+        ("stop", [f"s{i}" for i in range(17)]),
+        ("logit_bias", {"00005": 1}),
+        ("logit_bias", {"five": 1}),
+        ("logit_bias", {"12345678901": 1}),
+        ("logit_bias", {"5": 101}),
+    ],
+)
+def test_the_documented_schema_refuses_what_the_server_refuses(server, client, field, value):
+    """A client (or a test generator) built from /openapi.json sends no body the server answers
+    400: the schema is no looser than the checks."""
+    import jsonschema
+
+    doc = _openapi(server)
+    documented = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
+    schema = {**documented["schema"], "components": doc["components"]}
+    body = {"prompt": "x", "max_tokens": 1, field: value}
+    r = client.post("/v1/completions", json={**body, "model": MODEL})
+    assert r.status_code == 400, r.text
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(body, schema)
+    jsonschema.validate({**body, field: {"stop": ["ok"], "logit_bias": {"5": 1}}[field]}, schema)
+
+
 def _conforms(doc: dict, model, raw) -> None:
     """`raw` (a JSON text) is an instance of the response model and of its schema in /openapi.json,
     and the model describes all of it (a round trip through the model gives the same JSON)."""
