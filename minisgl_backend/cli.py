@@ -323,11 +323,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
     _check_tool_call_parser(args)
     _check_generation_config(args)
+    _check_reasoning_parser(args)
     if args.chat_template:
         _chat_template(args.chat_template)  # a bad reference fails before the model loads
     if args.replicas > 1 or args.ray_address:
         if args.chat_template:
             raise MiniSGLError("--chat-template is not supported with --replicas / --ray-address yet")
+        if args.reasoning_parser:
+            raise MiniSGLError("--reasoning-parser is not supported with --replicas / --ray-address yet")
         if args.shutdown_timeout:
             raise MiniSGLError(
                 "--shutdown-timeout is not supported with --replicas / --ray-address yet: "
@@ -356,6 +359,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         extra_hosts=_extra_hosts(args),
         shutdown_timeout=args.shutdown_timeout,
+        reasoning_parser=args.reasoning_parser,
     )
     return 0
 
@@ -440,6 +444,16 @@ def _check_tool_call_parser(args: argparse.Namespace) -> None:
         )
 
 
+def _check_reasoning_parser(args: argparse.Namespace) -> None:
+    from minisgl_backend.chat.reasoning import REASONING_PARSERS
+
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        raise MiniSGLError(
+            f"--reasoning-parser {args.reasoning_parser!r}: minisgl splits reasoning traces written as "
+            f"<think>...</think> at the start of a reply: {', '.join(REASONING_PARSERS)}"
+        )
+
+
 def _vllm_serve_args(sv: argparse.ArgumentParser) -> None:
     """`vllm serve` habits: the model as a positional argument, a chat template, the tool flags."""
     sv.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model (same as --model)")
@@ -453,6 +467,12 @@ def _vllm_serve_args(sv: argparse.ArgumentParser) -> None:
         "--enable-auto-tool-choice",
         action="store_true",
         help="accepted for vLLM compatibility: tool_choice auto is always on (calls parsed from the reply)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        help="deepseek_r1 or qwen3: a chat reply's leading <think>...</think> goes to the message's "
+        "`reasoning` field (streamed as `reasoning` deltas) instead of its content",
     )
     g.add_argument(
         "--tool-call-parser",

@@ -1,10 +1,12 @@
 """A reasoning model's trace (`<think>...</think>` at the start of a reply, as Qwen3 and DeepSeek-R1
-write it) split from its answer, whole or while it streams: what the LangChain adapter reports as
-`reasoning_content`, kept at the engine's chat level beside the other chat helpers."""
+write it) split from its answer, whole or while it streams: shared by `minisgl serve
+--reasoning-parser` (the message's `reasoning`) and the LangChain adapter (`reasoning_content`)."""
 
 from __future__ import annotations
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# vLLM's names (`--reasoning-parser`) for the formats split here: each writes its trace this way.
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def split_reasoning(text: str) -> tuple[str, str | None]:

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from minisgl_backend.chat.reasoning import REASONING_PARSERS
 from minisgl_backend.serve.backend import Backend
 from minisgl_backend.serve.errors import APIError, SlowClientError, add_error_handlers, api_error
 from minisgl_backend.serve.guard import BodyGuard, Buffered, Drain, DrainGuard, HostGuard, ServeLimits
@@ -40,13 +41,22 @@ def build_app(
     enable_metrics: bool = True,
     limits: ServeLimits | None = None,
     allowed_hosts: frozenset[str] | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The API over `backend`. `owns_backend`: close it when the app shuts down (the CLI's case).
     `limits`: the per-request bounds (ServeLimits' defaults unless given). `allowed_hosts`: the
     `Host` names answered (guard.allowed_hosts), others get a 421; None answers any.
+    `reasoning_parser` (REASONING_PARSERS): chat replies' reasoning traces go to `reasoning`.
     `app.state.minisgl` is the backend (tests and the runner reach the engine side through it)."""
     limits = limits or ServeLimits()
-    state = ServerState.for_backend(backend, model_name, api_key, owns_backend, limits)
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"reasoning parser {reasoning_parser!r}: minisgl splits <think>...</think> traces, which "
+            f"{', '.join(REASONING_PARSERS)} write"
+        )
+    state = ServerState.for_backend(
+        backend, model_name, api_key, owns_backend, limits, reasoning=reasoning_parser is not None
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

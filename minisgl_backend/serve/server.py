@@ -35,6 +35,7 @@ def create_app(
     enable_metrics: bool = True,
     limits: Any = None,
     allowed_hosts: frozenset[str] | None = None,
+    reasoning_parser: str | None = None,
 ) -> Any:
     """The API over one in-process `engine`. `owns_engine`: close it when the app shuts down.
     `limits`: a serve.guard.ServeLimits (its defaults unless given). `allowed_hosts`: the `Host`
@@ -55,6 +56,7 @@ def create_app(
         enable_metrics=enable_metrics,
         limits=limits,
         allowed_hosts=allowed_hosts,
+        reasoning_parser=reasoning_parser,
     )
 
 
@@ -167,6 +169,7 @@ def run_server(
     extra_hosts: Sequence[str] | None = None,
     shutdown_timeout: float = 0.0,
     sock: socket.socket | None = None,
+    reasoning_parser: str | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn's handlers: stop accepting, finish or cancel in-flight
     requests, then the lifespan closes the engine). Blocks. `log_level` is uvicorn's and the
@@ -177,7 +180,15 @@ def run_server(
     from minisgl_backend.serve.guard import allowed_hosts
 
     hosts = allowed_hosts(host, extra_hosts)
-    app = create_app(engine, model_name, api_key, owns_engine=True, limits=limits, allowed_hosts=hosts)
+    app = create_app(
+        engine,
+        model_name,
+        api_key,
+        owns_engine=True,
+        limits=limits,
+        allowed_hosts=hosts,
+        reasoning_parser=reasoning_parser,
+    )
     sock = sock or bind(host, port)
     bound = sock.getsockname()
     logging.getLogger("minisgl.serve").setLevel(log_level.upper())
@@ -235,6 +246,7 @@ def start_in_thread(
     limits: Any = None,
     extra_hosts: Sequence[str] | None = None,
     shutdown_timeout: float = 0.0,
+    reasoning_parser: str | None = None,
 ) -> BackgroundServer:
     """Start serving `engine` on a background thread; returns once the server accepts connections.
     port 0 picks a free port (bound here, so there is no race for it). `limits`: a ServeLimits.
@@ -243,7 +255,15 @@ def start_in_thread(
     from minisgl_backend.serve.guard import allowed_hosts
 
     hosts = allowed_hosts(host, extra_hosts)
-    app = create_app(engine, model_name, api_key, owns_engine=owns_engine, limits=limits, allowed_hosts=hosts)
+    app = create_app(
+        engine,
+        model_name,
+        api_key,
+        owns_engine=owns_engine,
+        limits=limits,
+        allowed_hosts=hosts,
+        reasoning_parser=reasoning_parser,
+    )
     sock = bind(host, port)
     server = _server(app, _uvicorn_config(app), shutdown_timeout)
     started = threading.Event()

@@ -93,6 +93,8 @@ class ServerState:
     api_key: str | None = None
     owns_backend: bool = False
     limits: ServeLimits = field(default_factory=ServeLimits)
+    # --reasoning-parser: a chat reply's leading <think>...</think> goes to the message's `reasoning`
+    reasoning: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -103,6 +105,7 @@ class ServerState:
         api_key: str | None,
         owns_backend: bool,
         limits: ServeLimits,
+        reasoning: bool = False,
     ) -> ServerState:
         if api_key is not None and not api_key.strip():
             raise ValueError("the API key is empty: the server would accept any client; pass None for no key")
@@ -117,6 +120,7 @@ class ServerState:
             api_key=api_key,
             owns_backend=owns_backend,
             limits=limits,
+            reasoning=reasoning,
         )
 
     # ------------------------------------------------------------------ checks of a request

@@ -21,6 +21,7 @@ from minisgl_backend.chat import (
     render_chat,
 )
 from minisgl_backend.chat.logprobs import chat_logprobs
+from minisgl_backend.chat.reasoning import ReasoningStreamSplitter, split_reasoning
 from minisgl_backend.chat.tools import ParsedCall
 from minisgl_backend.serve.backend import Stream
 from minisgl_backend.serve.bodies import documented_body, json_body
@@ -119,16 +120,19 @@ async def chat_completions(
     def respond() -> str:
         choices = []
         for s in out.samples:  # one choice per sample (n)
+            text, thought = split_reasoning(s.text) if state.reasoning else (s.text, None)
             content, calls, invalid = (
-                parse_tool_calls(s.text, prompt.tool_names, prompt.reply_tool)
+                parse_tool_calls(text, prompt.tool_names, prompt.reply_tool)
                 if prompt.parses_output
-                else (s.text, [], [])
+                else (text, [], [])
             )
             tool_calls = _tool_calls(calls)
             content += _salvage(invalid, prompt.tool_names, tool_calls)
             finish = "tool_calls" if tool_calls and not invalid else s.finish_reason
             message = AssistantMessage(
-                content=content if (content or not tool_calls) else None, tool_calls=tool_calls or None
+                content=content if (content or not tool_calls) else None,
+                tool_calls=tool_calls or None,
+                **({"reasoning": thought} if thought is not None else {}),
             )
             lps = _logprobs(state, s.logprobs or []) if body.logprobs else None
             choices.append(ChatChoice(index=s.index, message=message, logprobs=lps, finish_reason=finish))
@@ -151,6 +155,8 @@ async def _stream(
     splitters = [
         ToolCallStreamSplitter(prompt.reply_tool) if prompt.parses_output else None for _ in range(body.n)
     ]
+    # With --reasoning-parser, a reply's leading trace is split off first; the rest is the answer.
+    thinkers = [ReasoningStreamSplitter() if state.reasoning else None for _ in range(body.n)]
 
     def chunk(
         i: int, delta: ChatDelta, finish: str | None = None, logprobs: ChatLogprobs | None = None
@@ -168,8 +174,13 @@ async def _stream(
                 yield sse_error(item)
                 return
             if isinstance(item, StreamDelta):
+                text, thinker = item.text, thinkers[item.index]
+                if thinker is not None:
+                    text, thought = thinker.feed(text)
+                    if thought:
+                        yield chunk(item.index, ChatDelta(reasoning=thought))
                 splitter = splitters[item.index]
-                text = splitter.feed(item.text) if splitter is not None else item.text
+                text = splitter.feed(text) if splitter is not None else text
                 # Each chunk carries the logprobs of the tokens it came with, as OpenAI streams
                 # them (text held back for a stop string or a tool call still has its logprobs).
                 lps = _logprobs(state, item.logprobs) if body.logprobs and item.logprobs else None
@@ -179,9 +190,16 @@ async def _stream(
             out: RequestOutput = item
             for s in out.samples:
                 finish: str = s.finish_reason
-                splitter = splitters[s.index]
+                splitter, thinker, held = splitters[s.index], thinkers[s.index], ""
+                if thinker is not None:  # what it held back: a partial tag, or the rest of the trace
+                    held, thought = thinker.finish()
+                    if thought:
+                        yield chunk(s.index, ChatDelta(reasoning=thought))
                 if splitter is not None:
+                    if held:
+                        held = splitter.feed(held)
                     tail, calls, invalid = splitter.finish(prompt.tool_names)
+                    tail = held + tail
                     tool_calls = _tool_calls(calls)
                     tail += _salvage(invalid, prompt.tool_names, tool_calls)
                     if tail:
@@ -193,6 +211,8 @@ async def _stream(
                             for j, c in enumerate(tool_calls)
                         ]
                         yield chunk(s.index, ChatDelta(tool_calls=deltas))
+                elif held:
+                    yield chunk(s.index, ChatDelta(content=held))
                 yield chunk(s.index, ChatDelta(), finish)
             break
         if body.include_usage:
