@@ -53,7 +53,7 @@ def _mix64(h: torch.Tensor) -> torch.Tensor:
 
 def hash_uniform_torch(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """sampler.hash_uniform in torch on any device, the same bits: seeds [R] (int64 holding the
-    uint64 seed's bits), positions [R], token_ids [R, C] -> float64 [R, C]."""
+    bits of each uint64 sampling key), positions [R], token_ids [R, C] -> float64 [R, C]."""
     row = _mix64(_mix64(seeds ^ _i64(0x9E3779B97F4A7C15)) + positions * _i64(0xD1B54A32D192ED03))
     h = _mix64(row[:, None] ^ (token_ids * _i64(0xA24BAED4963EE407)))
     return (_shr(h, 11).double() + 0.5) / float(1 << 53)
