@@ -81,6 +81,7 @@ class Backend(ABC):
     model_dir: str
     max_model_len: int
     vocab_size: int
+    max_logprobs: int  # the engine's max_logprobs: the most alternatives a request may ask for
     tokenizer: Any  # the app deep-copies it: the event loop encodes with its own copy
 
     @abstractmethod
@@ -166,6 +167,7 @@ class EngineBackend(Backend):
         self.model_dir = str(engine.model_dir)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.max_logprobs = engine.config.max_logprobs
         self.tokenizer = engine.tokenizer
         # The newest finished requests, by `user` tag: none (maxlen 0) unless `keep_finished` asks.
         self.finished: collections.deque[FinishedRecord] = collections.deque(maxlen=0)

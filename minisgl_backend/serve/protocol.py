@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validat
 
 from minisgl_backend.types import SamplingParams
 
-MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key longer than this is no token id (and int() of 5,000 digits fails)
 
@@ -261,7 +260,8 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # At most the engine's max_logprobs (EngineConfig, the one limit): checked at submit, a 400 naming it.
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
     suffix: str | None = Field(None, max_length=0, description="not supported")
@@ -423,7 +423,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs, as logprobs
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -114,6 +114,7 @@ class RayBackend(Backend):
         self.model_dir = infos[0]["model_dir"]
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = infos[0]["vocab_size"]
+        self.max_logprobs = config.max_logprobs
         # Resolved on this node (the replicas' model_dir is a path on theirs).
         self.tokenizer = load_tokenizer(resolve_model_dir(config.model))
         # Up to max_num_seqs requests beyond the idlest replica, the one holding a prompt's prefix

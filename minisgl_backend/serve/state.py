@@ -133,6 +133,18 @@ class ServerState:
                 code="model_not_found",
             )
 
+    def check_logprobs(self, k: int | None, param: str) -> None:
+        """A 400 naming `param` when a request asks for more alternatives than the engine's
+        max_logprobs (the one limit: vLLM's --max-logprobs)."""
+        cap = self.backend.max_logprobs
+        if k is not None and k > cap:
+            raise APIError(
+                400,
+                f"{param} must be at most {cap} (the server's max_logprobs, --max-logprobs), got {k}",
+                param=param,
+                code="invalid_sampling_params",
+            )
+
     def check_sequences(self, prompts: int, n: int) -> None:
         lim = self.limits
         if prompts > lim.max_prompts:

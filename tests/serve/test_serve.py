@@ -1347,3 +1347,28 @@ def test_health_is_503_once_the_engine_is_dead(server, client):
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead" and "retry-after" in r.headers
+
+
+def test_the_logprobs_limit_is_the_engines(tiny_model_dir):
+    """logprobs / top_logprobs are capped by the engine's max_logprobs (vLLM's --max-logprobs), the
+    one limit: a server configured for 30 answers 25 alternatives, and past 30 is a 400 naming it."""
+    config = EngineConfig(model=str(tiny_model_dir), **TINY_ENGINE, max_logprobs=30)
+    with (
+        serving(config, key=KEY, model=MODEL) as srv,
+        httpx.Client(base_url=srv.url, headers=AUTH) as c,
+    ):
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "logprobs": 25})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 25
+        chat = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 1,
+            "logprobs": True,
+        }
+        r = c.post("/v1/chat/completions", json=chat | {"top_logprobs": 25})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/chat/completions", json=chat | {"top_logprobs": 31})
+        assert r.status_code == 400 and "max_logprobs" in r.json()["error"]["message"], r.text
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "logprobs": 31})
+        assert r.status_code == 400 and "max_logprobs" in r.json()["error"]["message"], r.text

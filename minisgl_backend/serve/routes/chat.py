@@ -71,6 +71,7 @@ async def chat_completions(
 ) -> Response:
     state.check_model(body.model)
     state.check_sequences(1, body.n)
+    state.check_logprobs(body.top_logprobs, "top_logprobs")
     chars = sum(m.chars() for m in body.messages)  # tool calls' arguments too: the template renders them
     state.check_chars(chars, "the conversation", "messages")
     state.check_request_chars(chars, "the conversation", "messages")

@@ -57,6 +57,7 @@ async def completions(
     p = body.prompt
     prompts: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     state.check_sequences(len(prompts), body.n)
+    state.check_logprobs(body.logprobs, "logprobs")
     for i, pr in enumerate(prompts):
         what = "the prompt" if len(prompts) == 1 else f"prompt {i}"
         if isinstance(pr, str):
