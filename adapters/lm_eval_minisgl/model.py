@@ -13,16 +13,21 @@ import json
 import logging
 from typing import Any
 
-import jinja2
-from lm_eval.api.instance import Instance
-from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import (
-    handle_stop_sequences,
-    has_bos_prefix,
-    normalize_gen_kwargs,
-    postprocess_generated_text,
-)
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval_minisgl import missing_extra
+
+try:
+    import jinja2
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.models.utils import (
+        handle_stop_sequences,
+        has_bos_prefix,
+        normalize_gen_kwargs,
+        postprocess_generated_text,
+    )
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ModuleNotFoundError as e:  # the lm-eval extra is not installed
+    raise missing_extra(e) from e
 
 from lm_eval_minisgl.replicas import make_engine
 from lm_eval_minisgl.seeds import RequestSeeds
