@@ -98,4 +98,4 @@ def register_tasks() -> None:
         original(*bound.args, **bound.kwargs)
 
     __init__._minisgl_tasks = True  # type: ignore[attr-defined]
-    TaskManager.__init__ = __init__  # type: ignore[method-assign]
+    TaskManager.__init__ = __init__

@@ -36,6 +36,8 @@ device, dtype, shapes and the kernel family only, so every row of every batch ta
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -235,11 +237,13 @@ class BatchInvariantForward:
             if keep is not None:  # a row's output depends only on its own query and keys
                 q, row_table, positions = q[keep], row_table[keep], positions[keep]
             o = cpu_kernels.paged_attention(q, kpool, vpool, tables, row_table, positions, scale, window, cap)
+            assert o is not None, "the row tables are built only where the native paged attention runs"
             return attn.o_proj(o.view(q.shape[0], attn.h * attn.d))
         out = x.new_zeros(x.shape[0], attn.h, attn.d)  # row padding stays zero
         b = batch.num_decode
         if b:
             pos = batch.positions[:b]
+            assert batch.decode_block_tables is not None  # decode rows have tables
             kc, vc = context(kv, attn.layer_id, batch.decode_block_tables, int(pos.max()) + 1, scratch)
             out[:b] = attend(q[:b, None], kc, vc, pos[:, None], scale, window, cap)[:, 0]
         for chunk in batch.prefill_chunks:  # every chunk reads its whole context back from the cache
@@ -289,5 +293,5 @@ def enable(model: CausalLM) -> BatchInvariantForward:
             with torch.no_grad():
                 probed[key] = tiles_for(lin.weight, lin.bias)
         lin.__class__ = TiledLinear
-        lin.tiles = probed[key]
+        cast(TiledLinear, lin).tiles = probed[key]
     return BatchInvariantForward(model)

@@ -4,7 +4,8 @@ that chains them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Where packed, the int8 kernel wins only at one row: from two rows on, the packed kernel
         # reuses each (dequantized bf16) weight across the rows faster than the int8 FMA kernel.
-        if self.qweight is not None and (self.packed is None or x.shape[0] == 1):
+        if self.qweight is not None and self.qscale is not None and (self.packed is None or x.shape[0] == 1):
             out = cpu_kernels.linear_int8(x, self.qweight, self.qscale, self.bias)
             if out is not None:
                 return out
@@ -226,6 +227,7 @@ class Attention(nn.Module):
             if keep is not None:  # a row's output depends only on its own query and keys
                 q, rows = q[keep], (rows[0], rows[1][keep], rows[2][keep])
             o = cpu_kernels.paged_attention(q, kpool, vpool, *rows, self.scale, self.window, self.softcap)
+            assert o is not None, "rows are given only where the native paged attention runs"
             return self.o_proj(o.view(q.shape[0], self.h * self.d))
 
         b = batch.num_decode
@@ -233,10 +235,12 @@ class Attention(nn.Module):
         if b:
             tables, mask = (batch.decode_block_tables, batch.decode_mask) if decode is None else decode
             full, pos = batch.decode_block_tables, batch.positions[:b]
+            assert tables is not None and mask is not None and full is not None, "decode rows have tables"
             o = self._decode_attention(q[:b], tables, mask, kv, full, pos)
             if out is None:  # a decode-only batch: the attention output is the whole output
                 return self.o_proj(kept(o.reshape(n, self.h * self.d), keep))
             out[:b] = o
+        assert out is not None  # b < n: the batch has prefill rows
         for chunk, mask in zip(batch.prefill_chunks, masks):
             s, e = chunk.start, chunk.start + chunk.length
             qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
@@ -303,7 +307,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lin = self.gate_up_proj
-        if lin.gated:  # the GEMM and silu_and_mul in one pass (the same bits as the two in turn)
+        if lin.gated and lin.packed is not None:  # the GEMM and silu_and_mul in one pass (the same bits)
             h = cpu_kernels.linear_packed_silu(x, lin.packed, lin.weight.shape)
             if h is not None:
                 return self.down_proj(h)
@@ -346,3 +350,23 @@ class DecoderLayer(nn.Module):
         # Gemma: post_attention_layernorm normalises the attention output; the MLP has its own pair.
         h, x = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(a))
         return x + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class DecoderLayers(nn.ModuleList):
+    """The decoder's layers: an nn.ModuleList whose items are typed as DecoderLayer, so the code that
+    walks the layers (the layer loop, the decode stack, packing) is type-checked against them."""
+
+    def __init__(self, layers: Iterable[DecoderLayer]) -> None:
+        super().__init__(layers)
+
+    def __iter__(self) -> Iterator[DecoderLayer]:
+        return cast(Iterator[DecoderLayer], super().__iter__())
+
+    @overload
+    def __getitem__(self, idx: slice) -> DecoderLayers: ...
+
+    @overload
+    def __getitem__(self, idx: int) -> DecoderLayer: ...
+
+    def __getitem__(self, idx: int | slice) -> DecoderLayer | DecoderLayers:
+        return cast("DecoderLayer | DecoderLayers", super().__getitem__(idx))

@@ -305,6 +305,7 @@ class Scheduler:
         for key, index, lp in out.prompt_logprobs:
             req = by_key[key]
             if req.status == RequestStatus.RUNNING:
+                assert req.prompt_logprobs is not None  # only a request that scores its prompt gets these
                 req.prompt_logprobs[index] = lp
         updates: list[tuple[Request, list[int]]] = []
         for entry in batch.decode + batch.prefill:

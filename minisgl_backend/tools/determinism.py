@@ -340,8 +340,8 @@ def prefill_matches(engine: Engine, workload: Workload, outputs: dict[str, Reque
         )
     fresh = engine.generate(prompts, params, use_tqdm=False)
     return {
-        spec.name: _lp_bytes(f.prompt_logprobs[len(outputs[spec.name].prompt_token_ids) :])
-        == _lp_bytes(outputs[spec.name].logprobs)
+        spec.name: _lp_bytes((f.prompt_logprobs or [])[len(outputs[spec.name].prompt_token_ids) :])
+        == _lp_bytes(outputs[spec.name].logprobs or [])
         for spec, f in zip(specs, fresh)
     }
 
