@@ -85,16 +85,15 @@ __attribute__((always_inline)) inline void attend_group_body(const T* q, const T
 
 template <typename T>
 __attribute__((target("arch=x86-64-v4"))) void attend_group(const T* q, const T* kpool, const T* vpool,
-                                                           const int64_t* table, int64_t pos, int64_t kvh, T* out,
-                                                           const AttnShape& s, std::vector<float>& scores,
-                                                           std::vector<float>& acc) {
+                                                            const int64_t* table, int64_t pos, int64_t kvh, T* out,
+                                                            const AttnShape& s, std::vector<float>& scores,
+                                                            std::vector<float>& acc) {
     attend_group_body(q, kpool, vpool, table, pos, kvh, out, s, scores, acc);
 }
 
 template <typename T>
-AVX2 void attend_group_avx2(const T* q, const T* kpool, const T* vpool, const int64_t* table, int64_t pos,
-                            int64_t kvh, T* out, const AttnShape& s, std::vector<float>& scores,
-                            std::vector<float>& acc) {
+AVX2 void attend_group_avx2(const T* q, const T* kpool, const T* vpool, const int64_t* table, int64_t pos, int64_t kvh,
+                            T* out, const AttnShape& s, std::vector<float>& scores, std::vector<float>& acc) {
     attend_group_body(q, kpool, vpool, table, pos, kvh, out, s, scores, acc);
 }
 
@@ -147,7 +146,8 @@ template <int KEYS>
 AVX512 inline void lane_scores(const float* qt, const float* const* kf, int64_t chunks, __m512* out) {
     __m512 p[KEYS][16];
     for (int j = 0; j < 8; ++j)  // vsum16's first level as the partials come: 8 live vectors per key
-        for (int k = 0; k < KEYS; ++k) p[k][j] = _mm512_add_ps(lane_dot(qt, kf[k], chunks, j), lane_dot(qt, kf[k], chunks, j + 8));
+        for (int k = 0; k < KEYS; ++k)
+            p[k][j] = _mm512_add_ps(lane_dot(qt, kf[k], chunks, j), lane_dot(qt, kf[k], chunks, j + 8));
     for (int k = 0; k < KEYS; ++k) {
         for (int w = 4; w >= 1; w /= 2)
             for (int j = 0; j < w; ++j) p[k][j] = _mm512_add_ps(p[k][j], p[k][j + w]);
@@ -245,7 +245,8 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         __m512 part[16];
         for (auto& p : part) p = _mm512_setzero_ps();
         for (int64_t key = lo; key <= b.hi; ++key) {
-            const __m512 e = _mm512_maskz_mov_ps(sees(first_v, last_v, key), exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + key * 16), mx)));
+            const __m512 e = _mm512_maskz_mov_ps(sees(first_v, last_v, key),
+                                                 exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + key * 16), mx)));
             _mm512_storeu_ps(sc + key * 16, e);
             part[key & 15] = _mm512_add_ps(part[key & 15], e);  // by absolute key mod 16, as the tiles
         }
@@ -272,8 +273,8 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
 
 template <typename T>
 AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
-                         const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
-                         int scorer, AttnScratch& w) {
+                         const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s, int scorer,
+                         AttnScratch& w) {
     const BlockKeys b = block_keys(table, pos, rows, s, w);
     if (rows * (s.heads / s.kv_heads) >= LANES_FROM)
         return attend_lanes<T>(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, b, scorer, w);
@@ -289,8 +290,8 @@ AVX512 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kp
 
 template <typename T>
 void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables,
-                       const int64_t* row_table, const int64_t* positions, uintptr_t out, int64_t n,
-                       const AttnShape& s, int scorer, int threads, int isa) {
+                       const int64_t* row_table, const int64_t* positions, uintptr_t out, int64_t n, const AttnShape& s,
+                       int scorer, int threads, int isa) {
     const auto* qp = reinterpret_cast<const T*>(q);
     const auto* kp = reinterpret_cast<const T*>(k);
     const auto* vp = reinterpret_cast<const T*>(v);
@@ -309,7 +310,8 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
     // Blocks: runs of up to ATTN_BLOCK consecutive rows on one table (one row each on the scalar path).
     std::vector<int64_t> starts;
     for (int64_t r = 0; r < n; ++r)
-        if (!vector || r == 0 || row_table[r] != row_table[r - 1] || r - starts.back() == ATTN_BLOCK) starts.push_back(r);
+        if (!vector || r == 0 || row_table[r] != row_table[r - 1] || r - starts.back() == ATTN_BLOCK)
+            starts.push_back(r);
     const int64_t blocks = static_cast<int64_t>(starts.size());
     starts.push_back(n);
     // One item at a time: a long prefill block costs many decode rows.
@@ -366,15 +368,11 @@ void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, ui
     const auto* pp = reinterpret_cast<const int64_t*>(positions);
     if (!tables_in_bounds(reinterpret_cast<const int64_t*>(tables), rt, pp, n, num_tables, table_stride, block_size,
                           num_blocks))
-        throw std::out_of_range("paged_attention: a row's table, position or block id lies outside the tables or the pool");
-    const AttnShape s{heads,
-                      kv_heads,
-                      head_dim,
-                      block_size,
-                      table_stride,
-                      static_cast<float>(scale),
-                      static_cast<float>(softcap),
-                      window};
+        throw std::out_of_range(
+            "paged_attention: a row's table, position or block id lies outside the tables or the pool");
+    const AttnShape s{
+        heads, kv_heads, head_dim, block_size, table_stride, static_cast<float>(scale), static_cast<float>(softcap),
+        window};
     if (bf16)
         paged_attention_t<uint16_t>(q, q_stride, k, v, tables, rt, pp, out, n, s, scorer, threads, isa);
     else

@@ -99,8 +99,9 @@ DPBF16 void dp_value_sum_in_place(const uint16_t* vpool, int64_t rows, const int
                     const __m512i e1 = ve ? _mm512_loadu_si512(ve + 32) : _mm512_setzero_si512();
                     const __m512i o0 = vo ? _mm512_loadu_si512(vo) : _mm512_setzero_si512();
                     const __m512i o1 = vo ? _mm512_loadu_si512(vo + 32) : _mm512_setzero_si512();
-                    const __m512bh vv[4] = {(__m512bh)_mm512_unpacklo_epi16(e0, o0), (__m512bh)_mm512_unpackhi_epi16(e0, o0),
-                                            (__m512bh)_mm512_unpacklo_epi16(e1, o1), (__m512bh)_mm512_unpackhi_epi16(e1, o1)};
+                    const __m512bh vv[4] = {
+                        (__m512bh)_mm512_unpacklo_epi16(e0, o0), (__m512bh)_mm512_unpackhi_epi16(e0, o0),
+                        (__m512bh)_mm512_unpacklo_epi16(e1, o1), (__m512bh)_mm512_unpackhi_epi16(e1, o1)};
                     for (int v = 0; v < 6; ++v) {
                         if (v >= nv) break;
                         int32_t pair;
@@ -125,8 +126,8 @@ DPBF16 void dp_value_sum_in_place(const uint16_t* vpool, int64_t rows, const int
 // probabilities rounded to bf16 over the span (zero outside its keys), each pair broadcast.
 // flatten: value_sum is AVX512 (it is the FMA sum's too), and DpSteps::add's vdpbf16ps can be inlined
 // only into a function compiled for AVX512-BF16; flattened into this one, the loop keeps it inline.
-DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t rows, const int64_t* pos,
-                                                  int64_t kvh, uint16_t* out, const AttnShape& s, const BlockKeys& b,
+DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t rows, const int64_t* pos, int64_t kvh,
+                                                  uint16_t* out, const AttnShape& s, const BlockKeys& b,
                                                   AttnScratch& w) {
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
     const int64_t base = b.lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base, p0 = b.lo / 2;
@@ -156,7 +157,8 @@ DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, 
         const int64_t ke = 2 * (p0 + t), ko = ke + 1;
         const __m512 e = ke >= b.lo ? _mm512_mul_ps(_mm512_loadu_ps(sc + ke * 16), inv) : _mm512_setzero_ps();
         const __m512 o = ko <= b.hi ? _mm512_mul_ps(_mm512_loadu_ps(sc + ko * 16), inv) : _mm512_setzero_ps();
-        _mm512_storeu_si512(w.ppair.data() + t * 16, _mm512_or_si512(bf16_lanes(e), _mm512_slli_epi32(bf16_lanes(o), 16)));
+        _mm512_storeu_si512(w.ppair.data() + t * 16,
+                            _mm512_or_si512(bf16_lanes(e), _mm512_slli_epi32(bf16_lanes(o), 16)));
     }
     for (int64_t c = 0; c < d / 16; ++c) {
         __m512 acc[16];
@@ -268,9 +270,8 @@ DPBF16 void dp_scores(const uint16_t* kpool, const int64_t* table, const AttnSha
 // sc[v * span + key - base] = score x scale for every key of the tiles; keys outside [lo, hi] hold a
 // repeated key's score, which the softmax masks out as it does every key outside a row's range.
 template <int N>
-DPBF16 void dp_key_scores(const uint16_t* kpool, const int64_t* offsets, int64_t lo, int64_t hi, int64_t kvh,
-                          int64_t d, const uint16_t* const* qp, float scale, float* sc, int64_t span,
-                          uint32_t* stage) {
+DPBF16 void dp_key_scores(const uint16_t* kpool, const int64_t* offsets, int64_t lo, int64_t hi, int64_t kvh, int64_t d,
+                          const uint16_t* const* qp, float scale, float* sc, int64_t span, uint32_t* stage) {
     constexpr int T = N == 1 ? 8 : N == 2 ? 6 : N == 3 ? 4 : N <= 5 ? 3 : 2;
     const int64_t base = lo / 16 * 16, pairs = d / 2;
     for (int64_t t0 = base; t0 <= hi; t0 += 16 * T) {
@@ -319,13 +320,20 @@ using KeyScores = void (*)(const uint16_t*, const int64_t*, int64_t, int64_t, in
 // The decode blocks' vector counts (rows x heads of the group below LANES_FROM).
 KeyScores key_scores_for(int64_t vectors) {
     switch (vectors) {
-        case 1: return dp_key_scores<1>;
-        case 2: return dp_key_scores<2>;
-        case 3: return dp_key_scores<3>;
-        case 4: return dp_key_scores<4>;
-        case 5: return dp_key_scores<5>;
-        case 6: return dp_key_scores<6>;
-        default: return dp_key_scores<7>;
+        case 1:
+            return dp_key_scores<1>;
+        case 2:
+            return dp_key_scores<2>;
+        case 3:
+            return dp_key_scores<3>;
+        case 4:
+            return dp_key_scores<4>;
+        case 5:
+            return dp_key_scores<5>;
+        case 6:
+            return dp_key_scores<6>;
+        default:
+            return dp_key_scores<7>;
     }
 }
 

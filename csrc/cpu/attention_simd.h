@@ -140,7 +140,8 @@ AVX512 inline void pack_query_pairs(const uint16_t* q, int64_t q_stride, int64_t
         const __mmask16 in_row = static_cast<__mmask16>((1u << take) - 1);
         __m512i r[16];
         for (int64_t l = 0; l < 16; ++l)
-            r[l] = l < n ? _mm512_maskz_loadu_epi32(in_row, q + (v0 + l) / g * q_stride + (kvh * g + (v0 + l) % g) * d + 2 * c)
+            r[l] = l < n ? _mm512_maskz_loadu_epi32(in_row,
+                                                    q + (v0 + l) / g * q_stride + (kvh * g + (v0 + l) % g) * d + 2 * c)
                          : _mm512_setzero_si512();
         transpose16(r);
         for (int i = 0; i < take; ++i) _mm512_storeu_si512(qb + (c + i) * 16, r[i]);
@@ -150,9 +151,9 @@ AVX512 inline void pack_query_pairs(const uint16_t* q, int64_t q_stride, int64_t
 // ---- the bf16 scorers and the V sum on vdpbf16ps (attention_bf16.cpp) ----
 
 DPBF16 void stage_value_pairs(const uint16_t* vpool, const BlockKeys& b, int64_t kvh, const AttnShape& s,
-                               AttnScratch& w);
-DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t rows, const int64_t* pos,
-                                                  int64_t kvh, uint16_t* out, const AttnShape& s, const BlockKeys& b,
+                              AttnScratch& w);
+DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t rows, const int64_t* pos, int64_t kvh,
+                                                  uint16_t* out, const AttnShape& s, const BlockKeys& b,
                                                   AttnScratch& w);
 DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, const AttnShape& s, AttnScratch& w,
                                uint16_t* const* lane_out, int64_t n);
@@ -189,13 +190,14 @@ AVX512 void softmax_and_sum(const T* vpool, int64_t rows, const int64_t* pos, in
                 sum = _mm512_add_ps(sum, e);  // lane j: keys j mod 16, in key order
             }
             const __m512 inv = _mm512_set1_ps(1.0f / hsum16(sum));
-            for (int64_t t = t0; t <= t1; t += 16) _mm512_storeu_ps(sh + t, _mm512_mul_ps(_mm512_loadu_ps(sh + t), inv));
+            for (int64_t t = t0; t <= t1; t += 16)
+                _mm512_storeu_ps(sh + t, _mm512_mul_ps(_mm512_loadu_ps(sh + t), inv));
         }
     }
     if constexpr (std::is_same_v<T, uint16_t>)
         if (dp) return dp_value_sum(vpool, rows, pos, kvh, out, s, b, w);
-    value_sum(FmaSteps<T>{vpool + kvh * d, w.offsets.data(), lo, w.scores.data() - base, span}, rows, b, pos, kvh,
-              out, s);
+    value_sum(FmaSteps<T>{vpool + kvh * d, w.offsets.data(), lo, w.scores.data() - base, span}, rows, b, pos, kvh, out,
+              s);
 }
 
 }  // namespace minisgl::cpu::attn
