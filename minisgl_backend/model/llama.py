@@ -29,34 +29,12 @@ from minisgl_backend.model.layers import (
     Attention,
     DecoderLayer,
     DecoderLayers,
-    GemmaRMSNorm,
     Linear,
-    RMSNorm,
     norm_layer,
     softcap,
 )
 from minisgl_backend.model.rope import Rotary
-from minisgl_backend.model.spec import SUPPORTED_MODEL_TYPES, ModelSpec
-
-# This module's names, and those it held before the spec, the batch and the layers moved to their own
-# modules (tests and scripts import them from here).
-__all__ = [
-    "SUPPORTED_MODEL_TYPES",
-    "Attention",
-    "CausalLM",
-    "Decoder",
-    "Forward",
-    "ForwardBatch",
-    "GemmaRMSNorm",
-    "LayerLoop",
-    "Linear",
-    "ModelSpec",
-    "RMSNorm",
-    "Ropes",
-    "build_rotary",
-    "chunk_mask",
-    "fused_layout",
-]
+from minisgl_backend.model.spec import ModelSpec
 
 # (cos, sin) [N, 1, rotary dim] per RoPE of the model (Decoder.rotary), for the N rows of a batch.
 Ropes = list[tuple[torch.Tensor, torch.Tensor]]
