@@ -27,11 +27,10 @@ from minisgl_backend.errors import (
 )
 from minisgl_backend.executor import make_executor
 from minisgl_backend.executor.base import DualWorkerExecutor
-from minisgl_backend.executor.token_table import TokenTable
+from minisgl_backend.executor.token_table import RowPool, TokenTable
 from minisgl_backend.executor.tracker import make_tracker
 from minisgl_backend.handle import RequestHandle
 from minisgl_backend.kvcache.block_pool import BlockPool
-from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
 from minisgl_backend.metrics import Metrics, Tracer, install_logging
 from minisgl_backend.model import cpu_threads

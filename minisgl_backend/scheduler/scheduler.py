@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.errors import InvariantError
+from minisgl_backend.executor.token_table import RowPool
 from minisgl_backend.iteration import IterationOutput
 from minisgl_backend.kvcache.block_pool import BlockPool
-from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.scheduler.prefix_admission import Counters, PrefixAdmission
 from minisgl_backend.scheduler.request import Request, RequestStatus
 from minisgl_backend.types import FinishReason
