@@ -45,7 +45,7 @@ from torch import nn
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.batch import ForwardBatch, row_tables
-from minisgl_backend.model.layers import Attention, Linear, kept
+from minisgl_backend.model.layers import Attention, Linear, take_rows
 from minisgl_backend.model.llama import CausalLM, Ropes
 
 ROW_MULTIPLE = 4  # attention's matmul row counts are padded to this (see attend)
@@ -251,7 +251,7 @@ class BatchInvariantForward:
             for s in range(chunk.start, chunk.start + chunk.length, QUERY_TILE):
                 e = min(s + QUERY_TILE, chunk.start + chunk.length)
                 out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale, window, cap)[0]
-        return attn.o_proj(kept(out.view(x.shape[0], attn.h * attn.d), keep))
+        return attn.o_proj(take_rows(out.view(x.shape[0], attn.h * attn.d), keep))
 
     def ropes(self, model: CausalLM, positions: torch.Tensor, dtype: torch.dtype) -> Ropes:
         return [(cos[positions].to(dtype), sin[positions].to(dtype)) for cos, sin in self.tables]

@@ -167,7 +167,7 @@ def eager_attention(
     return torch.matmul(probs, v)
 
 
-def kept(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+def take_rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """The rows `keep` of x (all of x for None)."""
     return x if keep is None else x[keep]
 
@@ -238,7 +238,7 @@ class Attention(nn.Module):
             assert tables is not None and mask is not None and full is not None, "decode rows have tables"
             o = self._decode_attention(q[:b], tables, mask, kv, full, pos)
             if out is None:  # a decode-only batch: the attention output is the whole output
-                return self.o_proj(kept(o.reshape(n, self.h * self.d), keep))
+                return self.o_proj(take_rows(o.reshape(n, self.h * self.d), keep))
             out[:b] = o
         assert out is not None  # b < n: the batch has prefill rows
         for chunk, mask in zip(batch.prefill_chunks, masks):
@@ -257,7 +257,7 @@ class Attention(nn.Module):
             else:
                 o = eager_attention(qr, kr, vr, mask, self.scale, self.softcap)
             out[s:e] = o[0].transpose(0, 1)
-        return self.o_proj(kept(out.reshape(n, self.h * self.d), keep))
+        return self.o_proj(take_rows(out.reshape(n, self.h * self.d), keep))
 
     def _decode_attention(
         self,
@@ -343,7 +343,7 @@ class DecoderLayer(nn.Module):
         the other rows skip attention, o_proj and the MLP (in a 512-token prefill chunk that is all
         of the layer but its qkv_proj, about 1/num_layers of the chunk's work)."""
         a = attend(self.self_attn, self.input_layernorm(x), keep)
-        x = kept(x, keep)
+        x = take_rows(x, keep)
         if not self.gemma:  # post_attention_layernorm is the MLP's input norm
             h, x = self.post_attention_layernorm.add_and_norm(x, a)
             return x + self.mlp(h)
