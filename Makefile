@@ -38,11 +38,14 @@ test-fast: setup
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
 
-# Style and layering (CI runs it before the tests): ruff lint + format, import-linter contracts.
+# Style, layering and types (CI runs it before the tests): ruff lint + format, import-linter contracts,
+# mypy (pyproject.toml's [tool.mypy]), and csrc/ against .clang-format.
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
+	$(BIN)/clang-format --dry-run --Werror $$(find csrc -name '*.cpp' -o -name '*.h' | sort)
 
 # The documentation (docs/, mkdocs.yml): `docs` serves it with live reload on DOCS_ADDR; `docs-build` is
 # what CI runs: a strict build (a broken link or anchor, or a page missing from the nav, fails) into site/.

@@ -63,7 +63,8 @@ class BuildPyWithPth(build_py):
 NATIVE = Extension(
     "minisgl_backend.native._native", ["csrc/inflight_tracker.cpp"], language="c++", optional=True
 )
-# The CPU decode kernels (csrc/cpu/: one file per kernel family; docs/architecture.md, "CPU kernels").
+# The CPU decode kernels: every .cpp of csrc/cpu/ (a file per kernel family, the attention in three:
+# the blocks of rows, the bf16 scorers, the avx2 family's; docs/architecture.md, "CPU kernels").
 # Optional too: without them the model runs torch's own ops (minisgl_backend/model/cpu_kernels.py
 # decides per call). The headers are `depends`: a change to one rebuilds every file, and the sdist ships them.
 KERNEL_SOURCES = sorted(str(p) for p in Path("csrc/cpu").glob("*.cpp"))

@@ -44,8 +44,8 @@ struct TrackerState {
     std::atomic<int64_t> spurious{0};  // completions refused because nothing was in flight
 
     // The completion path (any thread, including the CUDA runtime's callback thread): count + push,
-    // nothing else, so the callback thread is never held up. Notifying after unlocking keeps the waiter from waking into a held mutex.
-    // Returns false (and changes nothing) when no iteration is in flight: the count never goes
+    // nothing else, so the callback thread is never held up. Notifying after unlocking keeps the waiter from waking
+    // into a held mutex. Returns false (and changes nothing) when no iteration is in flight: the count never goes
     // negative, which would silently disable backpressure.
     bool complete(int64_t id) noexcept {
         int64_t cur = inflight.load(std::memory_order_relaxed);
@@ -92,8 +92,7 @@ const CudaRuntime* cuda_runtime() {
     std::lock_guard<std::mutex> lk(g_cuda_mu);
     if (g_cuda.launch_host_func != nullptr) return &g_cuda;
     if (try_handle(dlopen(nullptr, RTLD_NOW))) return &g_cuda;
-    static const char* const kSonames[] = {"libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0",
-                                           "libcudart.so"};
+    static const char* const kSonames[] = {"libcudart.so.12", "libcudart.so.13", "libcudart.so.11.0", "libcudart.so"};
     for (const char* name : kSonames) {  // already loaded, e.g. RTLD_LOCAL by torch
         if (try_handle(dlopen(name, RTLD_NOW | RTLD_NOLOAD))) return &g_cuda;
     }
@@ -136,8 +135,7 @@ class InflightTracker {
 
     void complete(int64_t id) {
         if (!state_->complete(id)) {
-            throw std::runtime_error("InflightTracker.complete(" + std::to_string(id) +
-                                     "): no iteration is in flight");
+            throw std::runtime_error("InflightTracker.complete(" + std::to_string(id) + "): no iteration is in flight");
         }
     }
 
@@ -222,6 +220,7 @@ PYBIND11_MODULE(_native, m) {
                    " max_inflight=" + std::to_string(t.max_inflight()) + ">";
         });
 
-    m.def("cuda_runtime_available", [] { return cuda_runtime() != nullptr; },
-          "True if a CUDA runtime with cudaLaunchHostFunc can be found in or loaded into the process.");
+    m.def(
+        "cuda_runtime_available", [] { return cuda_runtime() != nullptr; },
+        "True if a CUDA runtime with cudaLaunchHostFunc can be found in or loaded into the process.");
 }

@@ -91,7 +91,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
             object.__setattr__(self, "model", os.fspath(self.model))
-        if self.prefix_cache is False:  # YAML 1.1 reads a bare `off` as false
+        given: object = self.prefix_cache
+        if given is False:  # YAML 1.1 reads a bare `off` as false
             object.__setattr__(self, "prefix_cache", "off")
         validate_fields(self, _SPECS, ConfigError)
         try:

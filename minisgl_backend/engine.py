@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import atexit
 import copy
-import dataclasses
-import itertools
 import logging
-import numbers
 import queue
-import random
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -26,47 +22,32 @@ import torch
 
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.errors import (
-    EmptyPromptError,
-    InvalidRequestError,
-    InvalidSamplingParamsError,
-    PromptTooLongError,
     QueueFullError,
     ReentrantCallError,
 )
 from minisgl_backend.executor import make_executor
 from minisgl_backend.executor.base import DualWorkerExecutor
-from minisgl_backend.executor.token_table import TokenTable
+from minisgl_backend.executor.token_table import RowPool, TokenTable
 from minisgl_backend.executor.tracker import make_tracker
 from minisgl_backend.handle import RequestHandle
 from minisgl_backend.kvcache.block_pool import BlockPool
-from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
 from minisgl_backend.metrics import Metrics, Tracer, install_logging
 from minisgl_backend.model import cpu_threads
 from minisgl_backend.model.loader import DTYPES, LoadedModel, load_model, prepare
-from minisgl_backend.sampling.sampler import sample_key
+from minisgl_backend.scheduler.intake import (
+    ParamsLike,
+    Prompt,
+    RequestIntake,
+    as_params,
+    as_params_list,
+    as_prompt_list,
+)
 from minisgl_backend.scheduler.loop import Abort, Add, Drain, SchedulerLoop, StatsLine
-from minisgl_backend.scheduler.request import Request, SampleGroup
 from minisgl_backend.scheduler.scheduler import Scheduler
-from minisgl_backend.types import RequestOutput, SamplingParams, StreamDelta
-from minisgl_backend.validation import check_text
+from minisgl_backend.types import RequestOutput, StreamDelta
 
 log = logging.getLogger("minisgl")
-
-
-def _own_processors(params: SamplingParams) -> SamplingParams:
-    """`params` for one sequence: each logits processor that has a `fork()` (a stateful one, such as a
-    grammar's parser) replaced by a fork of it, so the n samples of a request and the prompts that
-    share one SamplingParams never advance each other's state."""
-    procs = params.logits_processors
-    if not any(callable(getattr(p, "fork", None)) for p in procs):
-        return params
-    forked = tuple(p.fork() if callable(getattr(p, "fork", None)) else p for p in procs)
-    return dataclasses.replace(params, logits_processors=forked)
-
-
-Prompt = str | Sequence[int]
-ParamsLike = SamplingParams | dict | None
 
 
 _LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -79,16 +60,6 @@ def _close_live_engines() -> None:
     # destructor -> std::terminate ("terminate called without an active exception"). Stop them first.
     for engine in list(_LIVE_ENGINES):
         engine.close()
-
-
-def _as_params(params: ParamsLike) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if isinstance(params, SamplingParams):
-        return params
-    if isinstance(params, dict):
-        return SamplingParams.from_dict(params)
-    raise InvalidSamplingParamsError(f"expected SamplingParams or dict, got {type(params).__name__}")
 
 
 def _load(config: EngineConfig, executor: DualWorkerExecutor) -> tuple[LoadedModel, KVCache]:
@@ -162,15 +133,19 @@ class Engine:
         scheduler = Scheduler(config, pool, rows, self.max_model_len, metrics=metrics)
         self._loop = SchedulerLoop(config, scheduler, executor, tracker, metrics, self.tracer)
         self._executor, self._metrics = executor, metrics
-        self._eos_ids = loaded.eos_token_ids
-        # The scheduler thread detokenises with its own copy: callers may be encoding concurrently.
-        self._detok_tokenizer = copy.deepcopy(self.tokenizer)
-        self._encode_lock = threading.Lock()
-        self._seed_lock = threading.Lock()
-        self._seed_rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
-        self._ids = itertools.count()
         # Blocking calls from these threads (a logits processor, a done-callback) would deadlock.
         self._own_threads = frozenset([self._loop.thread, *executor.threads])
+        # The scheduler thread detokenises with its own copy: callers may be encoding concurrently.
+        detok = copy.deepcopy(self.tokenizer)
+        self._intake = RequestIntake(
+            config,
+            self.tokenizer,
+            detok,
+            self.vocab_size,
+            self.max_model_len,
+            loaded.eos_token_ids,
+            self._own_threads,
+        )
         # The loop holds the Engine only while work is pending (SchedulerLoop._keepalive), so an
         # Engine dropped without close() is collected once idle, and this stops its threads.
         self._finalizer = weakref.finalize(self, self._loop.shutdown)
@@ -189,7 +164,7 @@ class Engine:
         `max_waiting_requests` set, raises QueueFullError while that many requests wait for admission.
         `owner`: whose share of admission the request takes under `scheduling_policy: fair` (the
         server passes one per HTTP request, for all its prompts); default: the request's own id."""
-        reqs = self._make_requests(prompt, _as_params(params), request_id, owner)
+        reqs = self._intake.make_requests(prompt, as_params(params), request_id, owner)
         if (
             self.config.max_waiting_requests is not None
             and self.num_waiting() >= self.config.max_waiting_requests
@@ -212,17 +187,12 @@ class Engine:
         (a request with n > 1 gives sample 0, with all n in `RequestOutput.samples`). `desc` labels
         the progress bar (`use_tqdm`)."""
         self._not_reentrant("Engine.generate()")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if isinstance(params, (list, tuple)):
-            if len(params) != len(prompts):
-                raise InvalidSamplingParamsError(f"{len(params)} sampling params for {len(prompts)} prompts")
-            plist = [_as_params(p) for p in params]
-        else:
-            plist = [_as_params(params)] * len(prompts)
+        plist = as_prompt_list(prompts)
         # Validate everything before queueing anything: a bad prompt fails the call, not half of it.
-        reqs = [self._make_requests(p, sp, None) for p, sp in zip(prompts, plist)]
+        reqs = [
+            self._intake.make_requests(p, sp, None)
+            for p, sp in zip(plist, as_params_list(params, len(plist)))
+        ]
         handles = [r[0].handle for r in reqs]
         done: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         for h in handles:
@@ -313,76 +283,3 @@ class Engine:
                 "processor or a result callback): it would wait for work that this thread must do, a "
                 "deadlock. Call it from another thread."
             )
-
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            check_text("the prompt", prompt, InvalidRequestError)
-            with self._encode_lock:
-                return list(self.tokenizer.encode(prompt))
-        if (
-            isinstance(prompt, (bytes, bytearray, memoryview))
-            or not isinstance(prompt, Sequence)
-            or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
-        ):
-            kind = type(prompt).__name__
-            raise InvalidRequestError(
-                f"a prompt must be a string or a list of int token ids, got {kind}"
-                + (" (decode bytes to str first)" if isinstance(prompt, bytes) else "")
-            )
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        return ids
-
-    def _make_requests(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None, owner: str | None = None
-    ) -> tuple[Request, ...]:
-        """The request's params.n samples (one Request each, sample i keyed by sample_key(seed, i)),
-        with one handle and one SampleGroup between them."""
-        ids = self._tokenize(prompt)
-        if not ids:
-            raise EmptyPromptError("the prompt is empty (it has no tokens)")
-        if len(ids) > self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens but the context limit (max_model_len) "
-                f"is {self.max_model_len}"
-            )
-        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stop:
-            raise InvalidSamplingParamsError(
-                f"stop_token_ids out of range [0, {self.vocab_size}): {bad_stop}"
-            )
-        params.check_vocab(self.vocab_size)
-        cap = self.config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > cap:
-                raise InvalidSamplingParamsError(
-                    f"{name} must be in [0, {cap}] (the engine's max_logprobs setting), got {k}"
-                )
-        seed = params.seed
-        if seed is None:  # reported in the output so the sample can be replayed
-            with self._seed_lock:
-                seed = self._seed_rng.getrandbits(63)
-        if request_id is not None and (not isinstance(request_id, str) or not request_id):
-            raise InvalidRequestError(f"request_id must be a non-empty string or None, got {request_id!r}")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        handle = RequestHandle(rid, params.n)
-        handle._engine_threads = self._own_threads
-        group = SampleGroup(params.n)
-        return tuple(
-            Request(
-                rid,
-                ids,
-                _own_processors(params),
-                sample_key(seed, i),
-                self._eos_ids,
-                self._detok_tokenizer,
-                handle,
-                i,
-                group,
-                owner,
-            )
-            for i in range(params.n)
-        )

@@ -25,7 +25,7 @@ def token_prompts(n: int, base: int = 0) -> list[list[int]]:
 
 def model_spec(**over: Any):
     """A one-layer fp32 Llama ModelSpec (GQA: 4 query heads on 2 KV heads of dim 8), with `over`."""
-    from minisgl_backend.model.llama import ModelSpec
+    from minisgl_backend.model.spec import ModelSpec
 
     shape = dict(vocab_size=10, hidden_size=32, intermediate_size=8, num_layers=1, head_dim=8)
     attention = dict(num_heads=4, num_kv_heads=2, rope_theta=10000.0, max_position_embeddings=64)

@@ -57,7 +57,7 @@ _MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "vi
 def _text(message: BaseMessage) -> str:
     if not isinstance(message.content, list):
         return str(message.content)
-    media = sorted({p.get("type") for p in message.content if isinstance(p, dict)} & _MEDIA_PARTS)
+    media = sorted({str(p.get("type")) for p in message.content if isinstance(p, dict)} & _MEDIA_PARTS)
     if media:
         raise InvalidRequestError(
             f"ChatMiniSGL reads text only: a {message.type} message has {media} content part(s); "

@@ -15,7 +15,16 @@ from typing import Any
 MODEL_NAME = "minisgl"
 MODEL_TARGET = "lm_eval_minisgl.model:MiniSGLLM"
 
-__all__ = ["MODEL_NAME", "MODEL_TARGET", "register", "register_tasks", "tasks_dir"]
+EXTRA = "pip install 'minisgl[lm-eval]'"
+
+__all__ = ["EXTRA", "MODEL_NAME", "MODEL_TARGET", "missing_extra", "register", "register_tasks", "tasks_dir"]
+
+
+def missing_extra(error: ModuleNotFoundError) -> ModuleNotFoundError:
+    """The error to raise when lm-eval (or a library it brings) is not installed: lm-eval is the
+    `lm-eval` extra, not a requirement of the engine, so the message says how to add it."""
+    message = f"{error}: the lm-eval adapter needs the lm-eval extra: {EXTRA}"
+    return ModuleNotFoundError(message, name=error.name)
 
 
 def register() -> None:
@@ -89,4 +98,4 @@ def register_tasks() -> None:
         original(*bound.args, **bound.kwargs)
 
     __init__._minisgl_tasks = True  # type: ignore[attr-defined]
-    TaskManager.__init__ = __init__  # type: ignore[method-assign]
+    TaskManager.__init__ = __init__

@@ -6,7 +6,8 @@ meta-path finder that wraps the loaders of `lm_eval.models` and `lm_eval.tasks.m
 the first runs, the model is registered; after the second, every TaskManager also indexes the
 package's local tasks (`--tasks minisgl_mc` from any directory, no `--include_path`). It costs one
 list insert at start-up, imports nothing heavy, and never raises — a failing hook must not break
-unrelated Python programs.
+unrelated Python programs. Where lm-eval is not installed (it is the `lm-eval` extra) the finder never
+acts: `lm_eval.models` cannot be imported, so nothing is registered and nothing is imported.
 """
 
 from __future__ import annotations

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 
 def main() -> None:
-    from lm_eval_minisgl import register
+    from lm_eval_minisgl import missing_extra, register
 
-    register()
-    from lm_eval.__main__ import cli_evaluate
+    try:
+        register()
+        from lm_eval.__main__ import cli_evaluate
+    except ModuleNotFoundError as e:  # the lm-eval extra is not installed
+        raise SystemExit(str(missing_extra(e))) from None
 
     cli_evaluate()
 

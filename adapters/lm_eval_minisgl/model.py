@@ -11,18 +11,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
-import jinja2
-from lm_eval.api.instance import Instance
-from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import (
-    handle_stop_sequences,
-    has_bos_prefix,
-    normalize_gen_kwargs,
-    postprocess_generated_text,
-)
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval_minisgl import missing_extra
+
+try:
+    import jinja2
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.models.utils import (
+        handle_stop_sequences,
+        has_bos_prefix,
+        normalize_gen_kwargs,
+        postprocess_generated_text,
+    )
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ModuleNotFoundError as e:  # the lm-eval extra is not installed
+    raise missing_extra(e) from e
 
 from lm_eval_minisgl.replicas import make_engine
 from lm_eval_minisgl.seeds import RequestSeeds
@@ -33,10 +38,21 @@ from minisgl_backend import (
     InvalidSamplingParamsError,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
 )
+from minisgl_backend.cluster import ReplicaSet
 from minisgl_backend.config import load_preset
 
 log = logging.getLogger("lm_eval_minisgl")
+
+
+def _span_logprobs(out: RequestOutput, n: int) -> list[TokenLogprob]:
+    """The logprobs of the last `n` prompt tokens, which the request asked for (prompt_logprobs_start)."""
+    span = (out.prompt_logprobs or [])[-n:]
+    if len(span) != n or any(lp is None for lp in span):
+        raise RuntimeError(f"the engine returned no logprobs for the scored span of {n} tokens")
+    return [lp for lp in span if lp is not None]
+
 
 # model_args the adapter consumes itself; every other key must be an EngineConfig field.
 ADAPTER_ARGS = {
@@ -135,6 +151,8 @@ def build_engine_config(model_args: dict[str, Any]) -> EngineConfig:
 class MiniSGLLM(TemplateLM):
     """`lm_eval --model minisgl --model_args pretrained=...,dtype=...,chunk_size=...`"""
 
+    engine: Engine | ReplicaSet  # a ReplicaSet with data_parallel_size > 1: the same interface
+
     def __init__(
         self,
         pretrained: str | None = None,
@@ -188,7 +206,7 @@ class MiniSGLLM(TemplateLM):
             cfg = build_engine_config(args)
             if "seed" not in engine_args and cfg.seed is None:
                 cfg = cfg.replace(seed=_DEFAULT_SEED)
-            engine = make_engine(cfg, data_parallel_size, ray_address, replica_timeout_s)
+            self.engine = make_engine(cfg, data_parallel_size, ray_address, replica_timeout_s)
         elif data_parallel_size != 1:
             raise ConfigError(
                 "data_parallel_size builds its own replicas: pass engine settings, not an Engine"
@@ -197,8 +215,9 @@ class MiniSGLLM(TemplateLM):
             raise ConfigError(f"engine must be a minisgl Engine instance, got {type(engine).__name__}")
         elif engine_args or pretrained is not None or config is not None:
             raise ConfigError("pass engine settings or an Engine instance, not both")
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+        else:
+            self.engine = engine
+        self.tokenizer = self.engine.tokenizer
         self.chat_template_args = template_args
         self.enable_thinking = template_args.get("enable_thinking")
         self.think_end_token = _as_token_id_if_special(think, self.tokenizer)
@@ -210,16 +229,17 @@ class MiniSGLLM(TemplateLM):
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self._max_gen_toks = int(max_gen_toks)
-        self._max_length = int(max_length) if max_length else engine.max_model_len
-        if self._max_length > engine.max_model_len:
+        self._max_length = int(max_length) if max_length else self.engine.max_model_len
+        if self._max_length > self.engine.max_model_len:
             raise ConfigError(
-                f"max_length={self._max_length} exceeds the engine's context limit ({engine.max_model_len}); "
+                f"max_length={self._max_length} exceeds the engine's context limit "
+                f"({self.engine.max_model_len}); "
                 "raise max_model_len / the KV capacity or lower max_length"
             )
         self._warned_truncation = False
         # Unseeded requests get seeds from the run seed and their position in lm-eval's order, so
         # sampled generations do not depend on how the work is split (adapters/.../seeds.py).
-        self._seeds = RequestSeeds(engine.config.seed)
+        self._seeds = RequestSeeds(self.engine.config.seed)
 
     # ------------------------------------------------------------------ lm-eval plumbing
     @property
@@ -271,12 +291,15 @@ class MiniSGLLM(TemplateLM):
         self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
         def render(history: list[dict[str, str]]) -> str:
-            return self.tokenizer.apply_chat_template(
-                history,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=not add_generation_prompt,
-                **self.chat_template_args,
+            return cast(  # tokenize=False: the rendered text
+                str,
+                self.tokenizer.apply_chat_template(
+                    history,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=not add_generation_prompt,
+                    **self.chat_template_args,
+                ),
             )
 
         try:
@@ -352,7 +375,7 @@ class MiniSGLLM(TemplateLM):
         outs = self._run(prompts, params, disable_tqdm, desc)
         scores: list[tuple[float, bool]] = []
         for out, key in zip(outs, keys):
-            lps = out.prompt_logprobs[-key[0] :]  # type: ignore[index]
+            lps = _span_logprobs(out, key[0])
             scores.append((float(sum(lp.logprob for lp in lps)), all(lp.rank == 1 for lp in lps)))
         results = [scores[i] for i, _ in spans]
         for (req_key, _, _), res in zip(requests, results):
@@ -363,7 +386,7 @@ class MiniSGLLM(TemplateLM):
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         """Perplexity: disjoint windows of at most max_length tokens (exactly hf's windows), all
         windows of all documents scored in one engine call, summed per document."""
-        windows: list[tuple[None, list[int], list[int]]] = []
+        windows: list[tuple[tuple[str, str] | None, list[int], list[int]]] = []
         counts: list[int] = []
         for (text,) in (req.args for req in requests):
             doc = [
@@ -418,7 +441,7 @@ class MiniSGLLM(TemplateLM):
         return params, until, params.max_tokens
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        eos = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)
+        eos = cast(str, self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False))  # one id: a str
         prompts: list[list[int]] = []
         params: list[SamplingParams] = []
         stops: list[list[str]] = []
@@ -459,7 +482,9 @@ class MiniSGLLM(TemplateLM):
         text = out.text
         if think in out.token_ids:
             last = len(out.token_ids) - 1 - out.token_ids[::-1].index(think)
-            text = self.tokenizer.decode(out.token_ids[last + 1 :], skip_special_tokens=True).lstrip()
+            text = cast(
+                str, self.tokenizer.decode(out.token_ids[last + 1 :], skip_special_tokens=True)
+            ).lstrip()
         return postprocess_generated_text(text, until, None)
 
 

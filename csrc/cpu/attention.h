@@ -77,8 +77,7 @@ inline void prefetch_rows(const T* pool, const BlockKeys& b, int64_t kvh, const 
 // The avx2 family's attention of one block (attention_avx2.cpp; head_dim a multiple of 8, up to 256):
 // float32 FMAs, 8 lanes. Instantiated for float and bf16 (uint16_t).
 template <typename T>
-void attend_block_avx2(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
-                       const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
-                       AttnScratch& w);
+void attend_block_avx2(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool, const int64_t* table,
+                       const int64_t* pos, int64_t kvh, T* out, const AttnShape& s, AttnScratch& w);
 
 }  // namespace minisgl::cpu

@@ -31,7 +31,7 @@ namespace minisgl::cpu {
 namespace avx2 {
 namespace {
 
-constexpr int64_t QV = 4;  // query vectors per score pass
+constexpr int64_t QV = 4;          // query vectors per score pass
 constexpr int64_t VG = 3, CG = 3;  // query vectors x 8-dim chunks per V-sum pass
 
 template <typename T>
@@ -41,7 +41,8 @@ AVX2 inline __m256 load8(const T* p) {
 
 // The keys of the 8-key tile from key t that lie in [first, last], as an all-ones / zero lane mask.
 AVX2 inline __m256 tile_lanes8(int64_t first, int64_t last, int64_t t) {
-    const __m256i key = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i key =
+        _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256i out = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(first)), key),
                                         _mm256_cmpgt_epi32(key, _mm256_set1_epi32(static_cast<int>(last))));
     return _mm256_castsi256_ps(_mm256_xor_si256(out, _mm256_set1_epi32(-1)));
@@ -83,7 +84,8 @@ AVX2 void stage(const T* q, int64_t q_stride, int64_t rows, const T* kpool, cons
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < g; ++h)
             for (int64_t c = 0; c < chunks; ++c)
-                _mm256_storeu_ps(w.q.data() + (r * g + h) * d + c * 8, load8(q + r * q_stride + (kvh * g + h) * d + c * 8));
+                _mm256_storeu_ps(w.q.data() + (r * g + h) * d + c * 8,
+                                 load8(q + r * q_stride + (kvh * g + h) * d + c * 8));
     w.kf.resize(static_cast<size_t>(tiles * d * 8));
     for (int64_t t = 0; t < tiles; ++t) {
         const T* kr[8];
@@ -174,9 +176,8 @@ constexpr ValuePass<T> VALUE_PASSES[VG][CG] = {
 };
 
 template <typename T>
-AVX2 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
-                       const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
-                       AttnScratch& w) {
+AVX2 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool, const int64_t* table,
+                       const int64_t* pos, int64_t kvh, T* out, const AttnShape& s, AttnScratch& w) {
     const BlockKeys b = block_keys(table, pos, rows, s, w);
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 8, n = rows * g;
     const int64_t lo = b.lo, base = lo / 8 * 8, span = (b.hi / 8 + 1) * 8 - base;
@@ -205,7 +206,8 @@ AVX2 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kpoo
         const __m256 top = _mm256_set1_ps(hmax8(mx));
         __m256 sum = _mm256_setzero_ps();
         for (int64_t t = t0; t <= t1; t += 8) {
-            const __m256 e = _mm256_and_ps(tile_lanes8(b.first[r], pos[r], t), exp8(_mm256_sub_ps(_mm256_loadu_ps(sv + t), top)));
+            const __m256 e =
+                _mm256_and_ps(tile_lanes8(b.first[r], pos[r], t), exp8(_mm256_sub_ps(_mm256_loadu_ps(sv + t), top)));
             _mm256_storeu_ps(sv + t, e);
             sum = _mm256_add_ps(sum, e);
         }
@@ -231,9 +233,8 @@ AVX2 void attend_block(const T* q, int64_t q_stride, int64_t rows, const T* kpoo
 }  // namespace avx2
 
 template <typename T>
-void attend_block_avx2(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool,
-                       const int64_t* table, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
-                       AttnScratch& w) {
+void attend_block_avx2(const T* q, int64_t q_stride, int64_t rows, const T* kpool, const T* vpool, const int64_t* table,
+                       const int64_t* pos, int64_t kvh, T* out, const AttnShape& s, AttnScratch& w) {
     avx2::attend_block(q, q_stride, rows, kpool, vpool, table, pos, kvh, out, s, w);
 }
 

@@ -43,12 +43,12 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("linear_dpbf16_silu", &linear_dpbf16_silu, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
           py::arg("packed"), py::arg("y"), py::arg("m"), py::arg("i"), py::arg("k"), py::arg("threads"),
           "y[m,i] = silu(x @ gate^T) * (x @ up^T) over pack_dpbf16([gate | up], gated=True); bfloat16.");
-    m.def("linear_dpbf16", &linear_dpbf16, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
-          py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
-          py::arg("threads"),
+    m.def("linear_dpbf16", &linear_dpbf16, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"),
+          py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
           "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for any m over pack_dpbf16(w); contiguous bfloat16.");
     m.def("stream_read", &stream_read, py::call_guard<py::gil_scoped_release>(), py::arg("buf"), py::arg("bytes"),
-          py::arg("threads"), py::arg("isa"), "Read `bytes` of buf once over `threads` (a memory bandwidth probe); returns their sum.");
+          py::arg("threads"), py::arg("isa"),
+          "Read `bytes` of buf once over `threads` (a memory bandwidth probe); returns their sum.");
     m.def("pool_set_test_delay", &pool_set_test_delay, py::arg("slot"), py::arg("micros"),
           "Test hook: pool thread `slot` sleeps `micros` after its first claim in every call (0 = off).");
     m.def("pool_claims", &pool_claims, py::call_guard<py::gil_scoped_release>(), py::arg("threads"), py::arg("n"),
@@ -58,8 +58,7 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("pool_contended", &pool_contended,
           "Whether the kernels' threads have been kept waiting for a core lately (another busy process).");
     m.def("linear_int8", &linear_int8, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
-          py::arg("scale"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
-          py::arg("threads"),
+          py::arg("scale"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
           "y[m,n] = (x[m,k] @ w[n,k]^T) * scale[n] (+ bias[n]); x, bias, y bfloat16, w int8, scale float32.");
     m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(), py::arg("q"),
           py::arg("q_row_stride"), py::arg("k"), py::arg("v"), py::arg("tables"), py::arg("row_table"),
@@ -76,16 +75,17 @@ PYBIND11_MODULE(_kernels, m) {
           "out = RMSNorm(x [+ residual]) row by row; with residual, sum_out receives x + residual.");
     m.def("rope", &rope, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("cos"), py::arg("sin"),
           py::arg("rows"), py::arg("heads"), py::arg("rot"), py::arg("row_stride"), py::arg("head_stride"),
-          py::arg("bf16"), py::arg("threads"), py::arg("isa"), "Rotate the first `rot` features of every head of x in place.");
-    m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>(), py::arg("gate_up"),
-          py::arg("out"), py::arg("rows"), py::arg("dim"), py::arg("bf16"), py::arg("threads"), py::arg("isa"),
+          py::arg("bf16"), py::arg("threads"), py::arg("isa"),
+          "Rotate the first `rot` features of every head of x in place.");
+    m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>(), py::arg("gate_up"), py::arg("out"),
+          py::arg("rows"), py::arg("dim"), py::arg("bf16"), py::arg("threads"), py::arg("isa"),
           "out [rows, dim] = silu(gate) * up for gate_up [rows, 2 * dim] = [gate | up].");
     py::class_<StackLinear>(m, "StackLinear")
         .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t>(), py::arg("weight"),
              py::arg("packed"), py::arg("bias"), py::arg("qweight"), py::arg("qscale"), py::arg("n"), py::arg("k"));
     py::class_<DecodeStack>(m, "DecodeStack")
-        .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t, int,
-                      int, int>(),
+        .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t, int, int,
+                      int>(),
              py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"),
              py::arg("eps"), py::arg("scale"), py::arg("softcap"), py::arg("block_size"), py::arg("num_blocks"),
              py::arg("scorer"), py::arg("pack_kind"), py::arg("isa"))

@@ -79,8 +79,7 @@ inline bool cpu_has_avx512() {
 // XFEATURE_XTILEDATA); without it the first tile instruction is SIGILL. Asked once at import.
 inline bool cpu_has_amx() {
     __builtin_cpu_init();
-    if (!cpu_has_avx512() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16"))
-        return false;
+    if (!cpu_has_avx512() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
@@ -132,9 +131,8 @@ AVX512 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
     const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
     // per lane: [a, b, c, d] partial sums
-    const __m512 abcd = _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
     const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
@@ -205,8 +203,10 @@ AVX512 inline void store16m<uint16_t>(uint16_t* p, __m512 v, __mmask16 m) {
 
 template <typename T>
 AVX512 inline __m512 round16(__m512 v) {  // to the dtype and back, as storing and loading it
-    if constexpr (std::is_same_v<T, float>) return v;
-    else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(v)), 16));
+    if constexpr (std::is_same_v<T, float>)
+        return v;
+    else
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(v)), 16));
 }
 
 // exp(x): 2^(x log2 e) split into 2^n (scalef) times 2^f, |f| <= 1/2, from its degree-7 Taylor
@@ -238,7 +238,8 @@ AVX512 inline float hsum16(__m512 v) {
 
 // The first min(n, 8) lanes as an all-ones / zero mask (maskload / maskstore's operand), n >= 1.
 AVX2 inline __m256i first_lanes8(int64_t n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 8 ? n : 8)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // 8 float32 rounded to bf16 (round-to-nearest-even, NaN kept a quiet NaN: f32_to_bf16, eight at a
@@ -259,7 +260,9 @@ AVX2 inline __m128i round_to_bf16x8(__m256 v) {
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
 }
 
-AVX2 inline __m256 widen_bf16x8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+AVX2 inline __m256 widen_bf16x8(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 
 // load8n / store8n: the first min(n, 8) elements (n >= 1), widened to float32 / rounded to the
 // array's dtype; lanes past n load as zero and are not stored. Short bf16 runs go through a zeroed
@@ -282,8 +285,10 @@ template <typename T>
 AVX2 inline void store8n(T* p, __m256 v, int64_t n);
 template <>
 AVX2 inline void store8n<float>(float* p, __m256 v, int64_t n) {
-    if (n >= 8) _mm256_storeu_ps(p, v);
-    else _mm256_maskstore_ps(p, first_lanes8(n), v);
+    if (n >= 8)
+        _mm256_storeu_ps(p, v);
+    else
+        _mm256_maskstore_ps(p, first_lanes8(n), v);
 }
 template <>
 AVX2 inline void store8n<uint16_t>(uint16_t* p, __m256 v, int64_t n) {
@@ -299,8 +304,10 @@ AVX2 inline void store8n<uint16_t>(uint16_t* p, __m256 v, int64_t n) {
 
 template <typename T>
 AVX2 inline __m256 round8(__m256 v) {  // to the dtype and back, as storing and loading it
-    if constexpr (std::is_same_v<T, float>) return v;
-    else return round8_f32(v);
+    if constexpr (std::is_same_v<T, float>)
+        return v;
+    else
+        return round8_f32(v);
 }
 
 // exp(x) on 8 lanes, Cephes' expf: n = round(x log2 e), f = x - n ln 2 (in two FMAs, ln 2 split so
@@ -335,9 +342,8 @@ AVX2 inline float hsum8(__m256 v) {
 AVX2 inline __m128 reduce4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
     const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
-    const __m256 abcd = _mm256_add_ps(
-        _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))),
-        _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))));
+    const __m256 abcd = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))),
+                                      _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(ab), _mm256_castps_pd(cd))));
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
@@ -350,7 +356,7 @@ AVX2 inline __m128 reduce4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
 // the AVX-512 kernels keep their bits.
 struct Lanes16 {
     using F = __m512;
-    using W = __m512i;        // one k-step of bf16 weights: 16 (even, odd) pairs
+    using W = __m512i;  // one k-step of bf16 weights: 16 (even, odd) pairs
     static constexpr int N = 16;
     static constexpr bool PAIRED_SUMS = false;  // rowwise_lanes.h rms_norm_row: 16 ordered elements a step
     AVX512 static F zero() { return _mm512_setzero_ps(); }
@@ -362,11 +368,17 @@ struct Lanes16 {
     AVX512 static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     AVX512 static F loadu(const float* p) { return _mm512_loadu_ps(p); }
     template <typename T>
-    AVX512 static F loadn(const T* p, int64_t n) { return load16m(p, first_lanes(n)); }
+    AVX512 static F loadn(const T* p, int64_t n) {
+        return load16m(p, first_lanes(n));
+    }
     template <typename T>
-    AVX512 static void storen(T* p, F v, int64_t n) { store16m(p, v, first_lanes(n)); }
+    AVX512 static void storen(T* p, F v, int64_t n) {
+        store16m(p, v, first_lanes(n));
+    }
     template <typename T>
-    AVX512 static F round(F v) { return round16<T>(v); }
+    AVX512 static F round(F v) {
+        return round16<T>(v);
+    }
     AVX512 static F exp(F x) { return exp16(x); }
     AVX512 static float hsum(F v) { return hsum16(v); }
     AVX512 static __m128 reduce4(F a, F b, F c, F d) { return minisgl::cpu::reduce4(a, b, c, d); }
@@ -402,11 +414,17 @@ struct Lanes8 {
     AVX2 static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
     AVX2 static F loadu(const float* p) { return _mm256_loadu_ps(p); }
     template <typename T>
-    AVX2 static F loadn(const T* p, int64_t n) { return load8n(p, n); }
+    AVX2 static F loadn(const T* p, int64_t n) {
+        return load8n(p, n);
+    }
     template <typename T>
-    AVX2 static void storen(T* p, F v, int64_t n) { store8n(p, v, n); }
+    AVX2 static void storen(T* p, F v, int64_t n) {
+        store8n(p, v, n);
+    }
     template <typename T>
-    AVX2 static F round(F v) { return round8<T>(v); }
+    AVX2 static F round(F v) {
+        return round8<T>(v);
+    }
     AVX2 static F exp(F x) { return exp8(x); }
     AVX2 static float hsum(F v) { return hsum8(v); }
     AVX2 static __m128 reduce4(F a, F b, F c, F d) { return reduce4x8(a, b, c, d); }
@@ -421,7 +439,8 @@ struct Lanes8 {
         odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
     }
     AVX2 static W join(F even, F odd) {  // round8_f32 leaves the bf16 bits high, zeros below
-        return _mm256_or_si256(_mm256_castps_si256(round8_f32(odd)), _mm256_srli_epi32(_mm256_castps_si256(round8_f32(even)), 16));
+        return _mm256_or_si256(_mm256_castps_si256(round8_f32(odd)),
+                               _mm256_srli_epi32(_mm256_castps_si256(round8_f32(even)), 16));
     }
     AVX2 static void store_pairs(uint16_t* p, W w, int64_t n) {
         if (n >= 16) {

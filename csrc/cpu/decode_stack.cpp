@@ -46,9 +46,19 @@ void stack_linear(const StackLinear& l, int pack_kind, const uint16_t* x, uint16
 DecodeStack::DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
                          double eps, double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer,
                          int pack_kind, int isa)
-    : h_(heads), kvh_(kv_heads), d_(head_dim), hidden_(hidden), inter_(intermediate), eps_(static_cast<float>(eps)),
-      scale_(static_cast<float>(scale)), softcap_(static_cast<float>(softcap)), bs_(block_size), blocks_(num_blocks),
-      scorer_(scorer), pack_kind_(pack_kind), isa_(require_isa(isa)) {
+    : h_(heads),
+      kvh_(kv_heads),
+      d_(head_dim),
+      hidden_(hidden),
+      inter_(intermediate),
+      eps_(static_cast<float>(eps)),
+      scale_(static_cast<float>(scale)),
+      softcap_(static_cast<float>(softcap)),
+      bs_(block_size),
+      blocks_(num_blocks),
+      scorer_(scorer),
+      pack_kind_(pack_kind),
+      isa_(require_isa(isa)) {
     if (heads % kv_heads != 0 || head_dim % (isa_ == ISA_AVX2 ? 8 : 16) != 0 || head_dim > 256)
         throw std::invalid_argument(
             "DecodeStack: heads must be a multiple of kv_heads, head_dim of the lane width (16, avx2 8; <= 256)");
@@ -56,9 +66,9 @@ DecodeStack::DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int6
         throw std::invalid_argument("DecodeStack: the avx2 family packs nothing");
 }
 
-void DecodeStack::add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down,
-                            uintptr_t input_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm,
-                            uintptr_t kpool, uintptr_t vpool, int64_t window, int64_t rope, bool gated) {
+void DecodeStack::add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down, uintptr_t input_norm,
+                            uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t kpool, uintptr_t vpool,
+                            int64_t window, int64_t rope, bool gated) {
     layers_.push_back(
         {qkv, o, gate_up, down, input_norm, post_norm, q_norm, k_norm, kpool, vpool, window, rope, gated});
 }
@@ -66,8 +76,8 @@ void DecodeStack::add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up,
 // x [n, hidden] (the embeddings; overwritten with the residual stream) and mlp_out [n, hidden]:
 // on return the last layer's input to its final add, as DecoderLayer.forward's `x` and `mlp(h)`.
 // Row i is a decode row at positions[i], writing its K/V at slots[i], reading table i.
-void DecodeStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots,
-                      uintptr_t tables, int64_t table_stride, std::vector<uintptr_t> cos, std::vector<uintptr_t> sin,
+void DecodeStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots, uintptr_t tables,
+                      int64_t table_stride, std::vector<uintptr_t> cos, std::vector<uintptr_t> sin,
                       std::vector<int64_t> rot, int threads) const {
     const auto* pos = reinterpret_cast<const int64_t*>(positions);
     const auto* slot = reinterpret_cast<const int64_t*>(slots);
@@ -75,12 +85,14 @@ void DecodeStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t posit
     std::vector<int64_t> row_table(static_cast<size_t>(n));
     for (int64_t r = 0; r < n; ++r) {
         row_table[r] = r;
-        if (slot[r] < 0 || slot[r] >= blocks_ * bs_) throw std::out_of_range("DecodeStack: a KV slot lies outside the pool");
+        if (slot[r] < 0 || slot[r] >= blocks_ * bs_)
+            throw std::out_of_range("DecodeStack: a KV slot lies outside the pool");
     }
     if (!tables_in_bounds(tab, row_table.data(), pos, n, n, table_stride, bs_, blocks_))
         throw std::out_of_range("DecodeStack: a row's position or block id lies outside its table or the pool");
     for (const auto& l : layers_)
-        if (l.rope < 0 || l.rope >= static_cast<int64_t>(cos.size()) || cos.size() != sin.size() || sin.size() != rot.size())
+        if (l.rope < 0 || l.rope >= static_cast<int64_t>(cos.size()) || cos.size() != sin.size() ||
+            sin.size() != rot.size())
             throw std::invalid_argument("DecodeStack: a layer's RoPE index has no cos/sin pair");
     const int64_t width = (h_ + 2 * kvh_) * d_, kv_row = kvh_ * d_;
     std::vector<uint16_t> normed(n * hidden_), qkv(n * width), attn(n * h_ * d_), attn_out(n * hidden_),
@@ -101,8 +113,8 @@ void DecodeStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t posit
             rms_norm_t<uint16_t>(qr, nullptr, nullptr, qw, qr, h_, d_, eps_, false, threads, isa_);
             rms_norm_t<uint16_t>(kr, nullptr, nullptr, kw, kr, kvh_, d_, eps_, false, threads, isa_);
         }
-        rope_t(qkv.data(), reinterpret_cast<const uint16_t*>(cos[l.rope]), reinterpret_cast<const uint16_t*>(sin[l.rope]),
-               n, h_ + kvh_, rot[l.rope], width, d_, threads, isa_);
+        rope_t(qkv.data(), reinterpret_cast<const uint16_t*>(cos[l.rope]),
+               reinterpret_cast<const uint16_t*>(sin[l.rope]), n, h_ + kvh_, rot[l.rope], width, d_, threads, isa_);
         auto* kp = reinterpret_cast<uint16_t*>(l.kpool);
         auto* vp = reinterpret_cast<uint16_t*>(l.vpool);
         for (int64_t r = 0; r < n; ++r) {  // KVCache.write

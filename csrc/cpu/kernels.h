@@ -14,22 +14,21 @@
 namespace minisgl::cpu {
 
 // ---- linear_fma.cpp: 1-4 rows on float32 FMAs over split bf16 pairs, AVX-512 or AVX2 (isa: common.h Isa) ----
-void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
-                 int threads, int isa);
+void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K, int threads,
+                 int isa);
 
 // ---- linear_amx.cpp: any row count on the AMX tile unit, over weights packed at load ----
 int64_t packed_amx_elems(int64_t N, int64_t K);
 void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads);
-void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, uintptr_t ids, int64_t count, uintptr_t out,
-                     int threads);
+void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, uintptr_t ids, int64_t count, uintptr_t out, int threads);
 void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
                 int threads);
 
 // ---- linear_dpbf16.cpp: any row count on vdpbf16ps (AVX512-BF16), over weights packed at load ----
 int64_t packed_dpbf16_elems(int64_t N, int64_t K);
 void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, int threads);
-void packed_rows_dpbf16(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr_t ids, int64_t count,
-                        uintptr_t out, int threads);
+void packed_rows_dpbf16(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr_t ids, int64_t count, uintptr_t out,
+                        int threads);
 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
                    int threads);
 void linear_dpbf16_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K, int threads);
@@ -56,19 +55,19 @@ void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, ui
                      double softcap, int64_t window, bool bf16, int scorer, int threads, int isa);
 template <typename T>
 void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables,
-                       const int64_t* row_table, const int64_t* positions, uintptr_t out, int64_t n,
-                       const AttnShape& s, int scorer, int threads, int isa);
+                       const int64_t* row_table, const int64_t* positions, uintptr_t out, int64_t n, const AttnShape& s,
+                       int scorer, int threads, int isa);
 
 // ---- rowwise.cpp: RMSNorm (+ residual add), RoPE, SiLU x up, AVX-512 or AVX2 (isa); the typed forms
 // for the decode stack (instantiated for bf16, uint16_t) ----
 void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t sum_out, uintptr_t weight, uintptr_t out, int64_t rows,
               int64_t dim, double eps, bool gemma, bool bf16, int threads, int isa);
-void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr,
-          int64_t sh, bool bf16, int threads, int isa);
+void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
+          bool bf16, int threads, int isa);
 void silu_and_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, bool bf16, int threads, int isa);
 template <typename T>
-void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim,
-                float eps, bool gemma, int threads, int isa);
+void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim, float eps,
+                bool gemma, int threads, int isa);
 template <typename T>
 void rope_t(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
             int threads, int isa);
@@ -92,7 +91,7 @@ struct StackLayer {
 };
 
 class DecodeStack {
-  public:
+   public:
     DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
                 double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind,
                 int isa);
@@ -103,7 +102,7 @@ class DecodeStack {
              int64_t table_stride, std::vector<uintptr_t> cos, std::vector<uintptr_t> sin, std::vector<int64_t> rot,
              int threads) const;
 
-  private:
+   private:
     int64_t h_, kvh_, d_, hidden_, inter_;
     float eps_, scale_, softcap_;
     int64_t bs_, blocks_;

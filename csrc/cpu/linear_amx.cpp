@@ -120,8 +120,7 @@ void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads) {
 
 // Rows `ids` of the weight pack_amx laid out, back in [count, K] order: the inverse of its index map,
 // so a packed weight is the only copy the model needs (a tied embedding reads its rows from here).
-void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, uintptr_t ids, int64_t count, uintptr_t out,
-                     int threads) {
+void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, uintptr_t ids, int64_t count, uintptr_t out, int threads) {
     const auto* pp = reinterpret_cast<const uint16_t*>(packed);
     const auto* ip = reinterpret_cast<const int64_t*>(ids);
     auto* op = reinterpret_cast<uint16_t*>(out);

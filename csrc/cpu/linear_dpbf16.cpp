@@ -4,11 +4,10 @@
 //
 // vdpbf16ps multiplies 16 (even, odd) bf16 pairs of one register by 16 pairs of another and adds both
 // products into 16 float32 lanes: 32 multiply-adds per instruction, where a float32 FMA of the same
-// width does 16, so the float32 split of linear_bf16 would cost about half the rate here. pack_dpbf16 lays the weights out once
-// at load in the order the kernel reads them: panels of 64 outputs (the last one 16, 32 or 48), each
-// [K/2 pairs][outputs][2], so one k-pair of a panel is four 64-byte vectors and a panel is one
-// contiguous run. A k-pair of an input row is one 32-bit broadcast; a 6-row x 64-output tile keeps
-// 24 accumulators in registers.
+// width does 16, so the float32 split of linear_bf16 would cost about half the rate here. pack_dpbf16 lays the weights
+// out once at load in the order the kernel reads them: panels of 64 outputs (the last one 16, 32 or 48), each [K/2
+// pairs][outputs][2], so one k-pair of a panel is four 64-byte vectors and a panel is one contiguous run. A k-pair of
+// an input row is one 32-bit broadcast; a 6-row x 64-output tile keeps 24 accumulators in registers.
 //
 // Bit-exactness: each output element is one vdpbf16ps chain over K in pair order, started at zero
 // (K blocks spill the chain to float32 memory and reload it unchanged), then the bias add and one
@@ -40,8 +39,8 @@ constexpr int64_t DP_PREFETCH_BYTES = 1024;
 // stride 64), started at zero when `first`. `stream`: the first tile over this block of the panel,
 // which reads it from memory (the later tiles find it in cache).
 template <int R, int V>
-DPBF16 void dp_tile(const uint16_t* x, int64_t xs, const uint16_t* panel, int64_t p0, int64_t p1, float* c,
-                    bool first, bool stream) {
+DPBF16 void dp_tile(const uint16_t* x, int64_t xs, const uint16_t* panel, int64_t p0, int64_t p1, float* c, bool first,
+                    bool stream) {
     __m512 acc[R][V];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
@@ -77,21 +76,31 @@ using DpTile = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int6
 template <int V>
 constexpr DpTile dp_tile_of(int rows) {
     switch (rows) {
-        case 1: return dp_tile<1, V>;
-        case 2: return dp_tile<2, V>;
-        case 3: return dp_tile<3, V>;
-        case 4: return dp_tile<4, V>;
-        case 5: return dp_tile<5, V>;
-        default: return dp_tile<6, V>;
+        case 1:
+            return dp_tile<1, V>;
+        case 2:
+            return dp_tile<2, V>;
+        case 3:
+            return dp_tile<3, V>;
+        case 4:
+            return dp_tile<4, V>;
+        case 5:
+            return dp_tile<5, V>;
+        default:
+            return dp_tile<6, V>;
     }
 }
 
 DpTile dp_tile_for(int rows, int vectors) {
     switch (vectors) {
-        case 1: return dp_tile_of<1>(rows);
-        case 2: return dp_tile_of<2>(rows);
-        case 3: return dp_tile_of<3>(rows);
-        default: return dp_tile_of<4>(rows);
+        case 1:
+            return dp_tile_of<1>(rows);
+        case 2:
+            return dp_tile_of<2>(rows);
+        case 3:
+            return dp_tile_of<3>(rows);
+        default:
+            return dp_tile_of<4>(rows);
     }
 }
 
@@ -161,8 +170,8 @@ void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, i
 
 // Rows `ids` of the weight pack_dpbf16 laid out (gated or not), back in [count, K] order: the inverse
 // of its index map, so a packed weight is the only copy the model needs.
-void packed_rows_dpbf16(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr_t ids, int64_t count,
-                        uintptr_t out, int threads) {
+void packed_rows_dpbf16(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr_t ids, int64_t count, uintptr_t out,
+                        int threads) {
     const auto* pp = reinterpret_cast<const uint16_t*>(packed);
     const auto* ip = reinterpret_cast<const int64_t*>(ids);
     auto* op = reinterpret_cast<uint16_t*>(out);

@@ -35,8 +35,8 @@ using V = Lanes8;
 }  // namespace
 }  // namespace avx2
 
-void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
-                 int threads, int isa) {
+void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K, int threads,
+                 int isa) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x);
     const auto* wp = reinterpret_cast<const uint16_t*>(w);
     const auto* bp = reinterpret_cast<const uint16_t*>(bias);

@@ -65,10 +65,17 @@ AVX512 void tiles_int8(const float* x, int64_t xs, const int8_t* w, const float*
     int64_t m0 = 0;
     for (; m0 + 4 <= M; m0 += 4) tile_int8<4>(x + m0 * xs, xs, wb, scale + n0, bb, y + m0 * N + n0, K, N);
     switch (M - m0) {
-        case 3: tile_int8<3>(x + m0 * xs, xs, wb, scale + n0, bb, y + m0 * N + n0, K, N); break;
-        case 2: tile_int8<2>(x + m0 * xs, xs, wb, scale + n0, bb, y + m0 * N + n0, K, N); break;
-        case 1: tile_int8<1>(x + m0 * xs, xs, wb, scale + n0, bb, y + m0 * N + n0, K, N); break;
-        default: break;
+        case 3:
+            tile_int8<3>(x + m0 * xs, xs, wb, scale + n0, bb, y + m0 * N + n0, K, N);
+            break;
+        case 2:
+            tile_int8<2>(x + m0 * xs, xs, wb, scale + n0, bb, y + m0 * N + n0, K, N);
+            break;
+        case 1:
+            tile_int8<1>(x + m0 * xs, xs, wb, scale + n0, bb, y + m0 * N + n0, K, N);
+            break;
+        default:
+            break;
     }
 }
 

@@ -84,10 +84,17 @@ LANES_TARGET void tiles_bf16(const float* xe, const float* xo, int64_t xs, const
     int64_t m0 = 0;
     for (; m0 + 4 <= M; m0 += 4) tile_bf16<4>(xe + m0 * xs, xo + m0 * xs, xs, wb, bb, y + m0 * N + n0, K, N);
     switch (M - m0) {
-        case 3: tile_bf16<3>(xe + m0 * xs, xo + m0 * xs, xs, wb, bb, y + m0 * N + n0, K, N); break;
-        case 2: tile_bf16<2>(xe + m0 * xs, xo + m0 * xs, xs, wb, bb, y + m0 * N + n0, K, N); break;
-        case 1: tile_bf16<1>(xe + m0 * xs, xo + m0 * xs, xs, wb, bb, y + m0 * N + n0, K, N); break;
-        default: break;
+        case 3:
+            tile_bf16<3>(xe + m0 * xs, xo + m0 * xs, xs, wb, bb, y + m0 * N + n0, K, N);
+            break;
+        case 2:
+            tile_bf16<2>(xe + m0 * xs, xo + m0 * xs, xs, wb, bb, y + m0 * N + n0, K, N);
+            break;
+        case 1:
+            tile_bf16<1>(xe + m0 * xs, xo + m0 * xs, xs, wb, bb, y + m0 * N + n0, K, N);
+            break;
+        default:
+            break;
     }
 }
 

@@ -90,7 +90,7 @@ int64_t run_delay_ns(pid_t tid) {
 // against kContendedShare. On an idle machine it stays near zero; beside another busy process the
 // threads spend a large part of every window waiting, far above the threshold.
 class Contention {
-  public:
+   public:
     static constexpr int64_t kWindowNs = 20'000'000;
     static constexpr double kContendedShare = 0.05;
 
@@ -138,7 +138,7 @@ class Contention {
         __atomic_store_n(&last_ns_, now, __ATOMIC_RELAXED);
     }
 
-  private:
+   private:
     struct Seen {
         pid_t tid;
         int64_t delay;  // run_delay at the last window, -1 before the first
@@ -153,7 +153,7 @@ class Contention {
 thread_local bool t_registered = false;  // this thread's run-queue wait is watched
 
 class Pool {
-  public:
+   public:
     static Pool& get() {
         // Never destroyed: its threads sleep in the kernel at exit and are ended with the process.
         static Pool* pool = [] {
@@ -193,7 +193,7 @@ class Pool {
 
     std::mutex call_mu;  // one caller at a time; others run alone
 
-  private:
+   private:
     void grow(int want) {
         std::lock_guard<std::mutex> lock(grow_mu_);
         for (; started_ < want; ++started_) std::thread([this, slot = started_ + 1] { worker(slot); }).detach();

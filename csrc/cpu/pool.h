@@ -27,12 +27,12 @@ namespace minisgl::cpu {
 // The items [0, n) shared out among the `slots` threads of one call. claim() returns the next run of
 // items for the thread in `slot`: from its own share first, then from the others'.
 class WorkShare {
-  public:
+   public:
     WorkShare(int64_t n, int slots, int64_t grain);
     bool claim(int slot, int64_t& begin, int64_t& end);
     int slots() const { return slots_; }
 
-  private:
+   private:
     static constexpr int kMaxSlots = 64;
     struct alignas(64) Share {
         int64_t next;  // atomically incremented by claim()

@@ -30,7 +30,8 @@ AVX2 double sum_avx2(const float* p, int64_t n, int64_t g0, int64_t g1) {
     for (int64_t i = g0 * 4; i < std::min(n, g1 * 4); i += 4) {
         __m256 a = _mm256_setzero_ps();
         for (int64_t j = 0; j < 4 && i + j < n; ++j)
-            a = _mm256_add_ps(a, _mm256_add_ps(_mm256_loadu_ps(p + (i + j) * 16), _mm256_loadu_ps(p + (i + j) * 16 + 8)));
+            a = _mm256_add_ps(a,
+                              _mm256_add_ps(_mm256_loadu_ps(p + (i + j) * 16), _mm256_loadu_ps(p + (i + j) * 16 + 8)));
         total += hsum8(a);
     }
     return total;

@@ -39,8 +39,8 @@ using V = Lanes8;
 inline int row_threads(int64_t rows, int threads) { return rows >= 32 ? threads : 1; }
 
 template <typename T>
-void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim,
-                float eps, bool gemma, int threads, int isa) {
+void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim, float eps,
+                bool gemma, int threads, int isa) {
     const bool wide = require_isa(isa) == ISA_AVX512;
     parallel_for(row_threads(rows, threads), rows, 0, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
@@ -88,8 +88,8 @@ void rope_t(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64
 template void rope_t(uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int,
                      int);
 
-void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr,
-          int64_t sh, bool bf16, int threads, int isa) {
+void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
+          bool bf16, int threads, int isa) {
     if (bf16)
         rope_t(reinterpret_cast<uint16_t*>(x), reinterpret_cast<const uint16_t*>(cos),
                reinterpret_cast<const uint16_t*>(sin), rows, heads, rot, sr, sh, threads, isa);
@@ -116,11 +116,10 @@ template void silu_and_mul_t(const uint16_t*, uint16_t*, int64_t, int64_t, int, 
 
 void silu_and_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, bool bf16, int threads, int isa) {
     if (bf16)
-        silu_and_mul_t(reinterpret_cast<const uint16_t*>(gate_up), reinterpret_cast<uint16_t*>(out), rows, dim,
-                       threads, isa);
-    else
-        silu_and_mul_t(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), rows, dim, threads,
+        silu_and_mul_t(reinterpret_cast<const uint16_t*>(gate_up), reinterpret_cast<uint16_t*>(out), rows, dim, threads,
                        isa);
+    else
+        silu_and_mul_t(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), rows, dim, threads, isa);
 }
 
 }  // namespace minisgl::cpu

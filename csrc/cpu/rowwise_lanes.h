@@ -63,7 +63,8 @@ LANES_TARGET void rms_norm_row(T* xr, const T* residual, T* sr, const T* weight,
         }
         const F inv = V::set1(1.0f / std::sqrt(V::hsum(ss) / static_cast<float>(dim) + eps));
         for (int64_t i = 0; i < dim; i += V::N)
-            V::storen(out + i, rms_out<T>(V::loadn(src + i, dim - i), inv, V::loadn(weight + i, dim - i), gemma), dim - i);
+            V::storen(out + i, rms_out<T>(V::loadn(src + i, dim - i), inv, V::loadn(weight + i, dim - i), gemma),
+                      dim - i);
     }
 }
 
@@ -115,8 +116,8 @@ LANES_TARGET void rope_head(T* xh, const T* c, const T* s, int64_t half) {
         for (int64_t i = 0; i < half; i += V::N) {
             const int64_t n = half - i;
             F y1, y2;
-            rope_lanes<T>(V::loadn(xh + i, n), V::loadn(xh + i + half, n), V::loadn(c + i, n), V::loadn(c + i + half, n),
-                          V::loadn(s + i, n), V::loadn(s + i + half, n), y1, y2);
+            rope_lanes<T>(V::loadn(xh + i, n), V::loadn(xh + i + half, n), V::loadn(c + i, n),
+                          V::loadn(c + i + half, n), V::loadn(s + i, n), V::loadn(s + i + half, n), y1, y2);
             V::storen(xh + i, y1, n);
             V::storen(xh + i + half, y2, n);
         }

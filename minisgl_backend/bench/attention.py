@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,12 +60,19 @@ def torch_decode(q, k, v, tables, pos, scale) -> torch.Tensor:
     return torch.matmul(probs, vc.transpose(1, 2)).view(bsz, HEADS, HEAD_DIM)
 
 
-def kernel_calls(scorers: list[str], *args: object) -> dict[str, functools.partial[object]]:
-    """paged_attention(*args) on each scorer, as calls without arguments (no mask, no sinks)."""
-    return {
-        name: functools.partial(cpu_kernels.paged_attention, *args, None, None, scorer=name)
-        for name in scorers
-    }
+def kernel_calls(
+    scorers: list[str],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: torch.Tensor,
+    row_table: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> dict[str, Callable[[], object]]:
+    """paged_attention on each scorer, as calls without arguments (no window, no softcap)."""
+    args = (q, k, v, tables, row_table, positions, scale, None, None)
+    return {name: functools.partial(cpu_kernels.paged_attention, *args, scorer=name) for name in scorers}
 
 
 def main() -> None:

@@ -133,7 +133,7 @@ def _configs(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
         with open(args.trace, "w") as f:
             json.dump({"traceEvents": events}, f)
         print(f"wrote {args.trace} (open in chrome://tracing or ui.perfetto.dev)")
-    if args.plot:
+    if args.plot and events is not None:
         from minisgl_backend.tools.plot import plot_utilisation
 
         plot_utilisation(events, args.plot)

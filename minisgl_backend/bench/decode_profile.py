@@ -24,8 +24,8 @@ import torch
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.batch import ForwardBatch
 from minisgl_backend.model.decode_stack import DecodeStackForward
-from minisgl_backend.model.llama import ForwardBatch
 from minisgl_backend.model.loader import load_model, prepare
 
 BLOCK = 16

@@ -243,7 +243,7 @@ def overlap_rows(args: argparse.Namespace) -> dict[str, Any]:
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump({"traceEvents": events}, f)
-    if args.plot:
+    if args.plot and events is not None:
         try:
             from minisgl_backend.tools.plot import plot_utilisation
 

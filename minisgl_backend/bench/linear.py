@@ -41,6 +41,12 @@ def stream_step(xs: dict, shapes: list, weights: list, packed: bool) -> None:
             cpu_kernels.linear(xs[k], w)
 
 
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    packed = cpu_kernels.pack(w)
+    assert packed is not None, "packs is set only where the packed kernels run"
+    return packed
+
+
 def best_of(fn, clock) -> float:
     fn()
     best = float("inf")
@@ -93,7 +99,7 @@ def main() -> None:
         shapes = SMOLLM2_LAYER * SMOLLM2_LAYERS + [(SMOLLM2_VOCAB, 576)]
         weights = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for n, k in shapes]
         if packs:
-            weights = [cpu_kernels.pack(w) for w in weights]
+            weights = [_pack(w) for w in weights]
         for m in a.rows:
             xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in {k for _, k in shapes}}
             ms = best_of(functools.partial(stream_step, xs, shapes, weights, packs), clock) * 1e3
@@ -105,8 +111,8 @@ def main() -> None:
     few_rows = ("avx2" if cpu_kernels.isa() == cpu_kernels.ISA_AVX2 else "avx512") + "_few_rows"
     for m in a.rows:
         x = torch.randn(m, a.k, generator=g).bfloat16()
-        fns = {"onednn": functools.partial(F.linear, x, w)}
-        if packs:
+        fns: dict[str, Callable[[], object]] = {"onednn": functools.partial(F.linear, x, w)}
+        if packs and packed is not None:
             fns[cpu_kernels.family()] = functools.partial(cpu_kernels.linear_packed, x, packed, (a.n, a.k))
         if cpu_kernels.kernel_row_limit() is None or m <= cpu_kernels.MAX_KERNEL_ROWS:
             fns[few_rows] = functools.partial(cpu_kernels.linear, x, w)

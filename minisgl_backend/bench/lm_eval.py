@@ -160,7 +160,7 @@ def main() -> None:
     mini_args = f"pretrained={args.model},dtype={args.dtype}" + (
         f",{args.minisgl_args}" if args.minisgl_args else ""
     )
-    configs = {"minisgl": ("minisgl", mini_args, [])}
+    configs: dict[str, tuple[str, str, list[str]]] = {"minisgl": ("minisgl", mini_args, [])}
     configs.update({f"minisgl {v}": ("minisgl", f"{mini_args},{v}", []) for v in args.variant})
     for bs in filter(None, args.hf_batch_sizes.split(",")):
         configs[f"hf bs={bs}"] = ("hf", f"pretrained={hf_dir},dtype={args.dtype}", ["--batch_size", bs])

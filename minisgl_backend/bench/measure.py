@@ -28,11 +28,13 @@ def _pct(xs: Sequence[float], q: float) -> float:
 
 
 def summarize(outputs: Sequence[RequestOutput], wall: float) -> dict[str, float]:
-    ttft = [o.timings.ttft for o in outputs]
+    ttft = [t for o in outputs if (t := o.timings.ttft) is not None]
     tpot = [
-        (o.timings.finish - o.timings.first_token) / (len(o.token_ids) - 1)
+        (end - first) / (len(o.token_ids) - 1)
         for o in outputs
         if len(o.token_ids) > 1
+        and (end := o.timings.finish) is not None
+        and (first := o.timings.first_token) is not None
     ]
     gen = sum(len(o.token_ids) for o in outputs)
     row = {

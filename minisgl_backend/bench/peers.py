@@ -28,10 +28,10 @@ PEER_WORKLOADS = {
     "32 x 100 -> 64": (32, 100, 64),
     "32 x 512 -> 1 (prefill)": (32, 512, 1),
 }
-PEER_VARIANTS = {"default": {}, "deterministic": {"deterministic": True}}
+PEER_VARIANTS: dict[str, dict[str, Any]] = {"default": {}, "deterministic": {"deterministic": True}}
 # With a competing load (bench_peers' `busy`): the default config beside it, and one thread beside it
 # (what the engine must never fall below: the threads it adds have to pay for themselves).
-BUSY_VARIANTS = {"default, busy": {}, "1 thread, busy": {"num_threads": 1}}
+BUSY_VARIANTS: dict[str, dict[str, Any]] = {"default, busy": {}, "1 thread, busy": {"num_threads": 1}}
 
 
 def prefill_gflop(spec: ModelSpec, n: int, length: int) -> float:

@@ -61,7 +61,7 @@ def _stats(name: str, xs: list[float]) -> dict[str, float]:
 
 async def _one(client: Any, res: Result, body: dict[str, Any], hang_up: bool) -> None:
     t0 = time.perf_counter()
-    last = None
+    last = t0  # the time of the latest text chunk
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:

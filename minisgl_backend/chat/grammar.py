@@ -14,19 +14,22 @@ import json
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
 import numpy as np
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 import torch
 
 # Compact JSON: fixed separators, no free whitespace (a small model left free to choose whitespace
 # can pad forever). json.dumps' spaced separators, as the tool prompt shows them, bring no net gain
 # for whole calls: a small greedy model (SmolLM2-135M) gets some calls right that compact JSON gets
 # wrong and others wrong that it gets right; they stay for the one place they help (`_args_style`).
-_COMPACT = {"whitespace_flexible": False}
-_SPACED = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+_COMPACT: JsonCompileOptions = {"whitespace_flexible": False}
+_SPACED: JsonCompileOptions = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
@@ -76,7 +79,7 @@ def _ll_tokenizer(hf_tokenizer: Any) -> llguidance.LLTokenizer:
         return tok
 
 
-def _args_style(params: dict[str, Any]) -> dict[str, Any]:
+def _args_style(params: dict[str, Any]) -> JsonCompileOptions:
     """How a tool's arguments are written: compact JSON, except for an object that declares no
     properties (json_object's "any JSON object"). There the model picks each value's type, and
     compact JSON forbids the `": "` it would write before a string, so greedy SmolLM2-135M takes a

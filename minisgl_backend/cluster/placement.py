@@ -41,9 +41,9 @@ def replica_resources(ray: Any, config: EngineConfig, n: int, what: str) -> tupl
     nodes = [nd for nd in ray.nodes() if nd.get("Alive")]
     max_node = max((nd.get("Resources", {}).get("CPU", 0) for nd in nodes), default=1)
     share = cpu_share(n, ray.cluster_resources().get("CPU", 1), max_node)
-    if config.num_threads is None:
-        config = config.replace(num_threads=share)
-    num_cpus = min(config.num_threads, max(1, int(max_node)))
+    threads = share if config.num_threads is None else config.num_threads
+    config = config.replace(num_threads=threads)
+    num_cpus = min(threads, max(1, int(max_node)))
     gpus = 1 if config.device.startswith("cuda") else 0
     if gpus:
         config = config.replace(device="cuda")

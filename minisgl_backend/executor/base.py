@@ -55,11 +55,19 @@ def index_tensors(inp: IterationInputs, input_ids: torch.Tensor) -> list[torch.T
     ]
 
 
+def _given(t: torch.Tensor | None) -> torch.Tensor:
+    assert t is not None  # a prefill chunk always has its block table
+    return t
+
+
 def forward_batch(inp: IterationInputs, tensors: Sequence[torch.Tensor | None]) -> ForwardBatch:
     """The ForwardBatch of `inp` over `tensors` laid out as by index_tensors (on any device)."""
     ids, positions, slots, tables, mask, logits_index, *chunk_tables = tensors
+    # Only the decode tables and mask are None (a batch without decode rows): the rest always exist.
+    assert ids is not None and positions is not None and slots is not None and logits_index is not None
     chunks = tuple(
-        PrefillChunk(c.start, c.length, c.ctx_len, t) for c, t in zip(inp.prefill_chunks, chunk_tables)
+        PrefillChunk(c.start, c.length, c.ctx_len, _given(t))
+        for c, t in zip(inp.prefill_chunks, chunk_tables)
     )
     return ForwardBatch(
         input_ids=ids,
@@ -80,9 +88,10 @@ class DualWorkerExecutor:
         self.tracker = tracker
         self.metrics = metrics
         self.tracer = tracer
-        self.model: CausalLM | None = None
-        self.kv: KVCache | None = None
-        self.table: TokenTable | None = None
+        # model, kv and table: set by attach(), before the first iteration is submitted.
+        self.model: CausalLM
+        self.kv: KVCache
+        self.table: TokenTable
         self.results: dict[int, IterationOutput] = {}
         self.error: BaseException | None = None
         self._delay_s = debug_delay_ms / 1000.0

@@ -107,7 +107,9 @@ class CUDAExecutor(DualWorkerExecutor):
     def _acquire_slot(self, iteration: int) -> StagingSlot | None:
         """A staging slot for `iteration`, waiting (rarely) until the oldest held slot's fence passed."""
         while (slot := self._ring.acquire(iteration, self._sampled_upto)) is None:
-            if not self._wait_sampled(self._ring.oldest_fence()):
+            fence = self._ring.oldest_fence()
+            assert fence is not None  # no free slot: some slot is held
+            if not self._wait_sampled(fence):
                 return None
         return slot
 
@@ -120,6 +122,7 @@ class CUDAExecutor(DualWorkerExecutor):
 
     def _record_forward(self, iteration: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """GPU time of the forward (both events passed: the D2H after them is done)."""
+        assert self._clock is not None  # set before the first forward is launched
         ref, t_ref = self._clock
         t0 = t_ref + ref.elapsed_time(start) / 1000
         t1 = t_ref + ref.elapsed_time(end) / 1000

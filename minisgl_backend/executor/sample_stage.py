@@ -97,7 +97,7 @@ def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable
         ]
         scored = _scored(
             want,
-            lambda w: w[0].params.logprobs,
+            lambda w: w[0].params.logprobs or 0,  # never None here: filtered above
             lambda g, k: token_logprobs(logits[[s.logits_row for s, _ in g]], [t for _, t in g], k),
             lambda w: w[0].req_key,
             errors,

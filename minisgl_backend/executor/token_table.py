@@ -1,4 +1,5 @@
-"""Per-request token rows: how a drawn token reaches the next iteration without the CPU planner.
+"""Per-request token rows: how a drawn token reaches the next iteration without the CPU planner, and
+which rows are free (RowPool).
 
 Row r holds request r's prompt and every token drawn for it, at their absolute positions. The
 sampling stage writes token p at [r, p]; a later iteration gathers its inputs from [r, positions].
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from minisgl_backend.errors import InvariantError
+from minisgl_backend.kvcache.reclaim import FencedReclaim
 
 
 class TokenTable:
@@ -45,3 +47,29 @@ class TokenTable:
 
     def history(self, row: int, start: int, end: int) -> list[int]:
         return self.ids[row, start:end].tolist()
+
+
+class RowPool:
+    """Which rows of the TokenTable are free: a row is handed to a request at admission and comes back
+    behind a fence (kvcache/reclaim.py), like a KV block, since an in-flight iteration may still read it."""
+
+    def __init__(self, num_rows: int, *, immediate: bool = False) -> None:
+        self.num_rows = num_rows
+        self._free: list[int] = list(range(num_rows))[::-1]  # LIFO: the newest freed row is reused first
+        self._reclaim: FencedReclaim[int] = FencedReclaim(self._free.extend, immediate=immediate)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        return self._free.pop()
+
+    def release(self, row: int, fence: int) -> None:
+        self._reclaim.release([row], fence)
+
+    def retire(self, completed: int) -> None:
+        self._reclaim.retire(completed)
+
+    def num_pending(self) -> int:
+        return self._reclaim.num_pending

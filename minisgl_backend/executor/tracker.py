@@ -173,7 +173,7 @@ def make_tracker(impl: str, max_inflight: int) -> InflightTracker:
     if impl == "native":
         mod = _native()
         if mod is not None:
-            return mod.InflightTracker(max_inflight)  # type: ignore[no-any-return]
+            return mod.InflightTracker(max_inflight)
         if not _warned_fallback:
             _warned_fallback = True
             warnings.warn(

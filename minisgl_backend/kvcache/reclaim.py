@@ -60,28 +60,3 @@ class FencedReclaim(Generic[T]):
     def fences_ordered(self) -> bool:
         fences = [f for f, _ in self._pending]
         return fences == sorted(fences)
-
-
-class RowPool:
-    """Rows of the per-request token table, reclaimed through the same fence rule as KV blocks."""
-
-    def __init__(self, num_rows: int, *, immediate: bool = False) -> None:
-        self.num_rows = num_rows
-        self._free: list[int] = list(range(num_rows))[::-1]  # LIFO: the newest freed row is reused first
-        self._reclaim: FencedReclaim[int] = FencedReclaim(self._free.extend, immediate=immediate)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        return self._free.pop()
-
-    def release(self, row: int, fence: int) -> None:
-        self._reclaim.release([row], fence)
-
-    def retire(self, completed: int) -> None:
-        self._reclaim.retire(completed)
-
-    def num_pending(self) -> int:
-        return self._reclaim.num_pending

@@ -36,6 +36,8 @@ device, dtype, shapes and the kernel family only, so every row of every batch ta
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,7 +45,7 @@ from torch import nn
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.batch import ForwardBatch, row_tables
-from minisgl_backend.model.layers import Attention, Linear, kept
+from minisgl_backend.model.layers import Attention, Linear, take_rows
 from minisgl_backend.model.llama import CausalLM, Ropes
 
 ROW_MULTIPLE = 4  # attention's matmul row counts are padded to this (see attend)
@@ -235,11 +237,13 @@ class BatchInvariantForward:
             if keep is not None:  # a row's output depends only on its own query and keys
                 q, row_table, positions = q[keep], row_table[keep], positions[keep]
             o = cpu_kernels.paged_attention(q, kpool, vpool, tables, row_table, positions, scale, window, cap)
+            assert o is not None, "the row tables are built only where the native paged attention runs"
             return attn.o_proj(o.view(q.shape[0], attn.h * attn.d))
         out = x.new_zeros(x.shape[0], attn.h, attn.d)  # row padding stays zero
         b = batch.num_decode
         if b:
             pos = batch.positions[:b]
+            assert batch.decode_block_tables is not None  # decode rows have tables
             kc, vc = context(kv, attn.layer_id, batch.decode_block_tables, int(pos.max()) + 1, scratch)
             out[:b] = attend(q[:b, None], kc, vc, pos[:, None], scale, window, cap)[:, 0]
         for chunk in batch.prefill_chunks:  # every chunk reads its whole context back from the cache
@@ -247,7 +251,7 @@ class BatchInvariantForward:
             for s in range(chunk.start, chunk.start + chunk.length, QUERY_TILE):
                 e = min(s + QUERY_TILE, chunk.start + chunk.length)
                 out[s:e] = attend(q[None, s:e], kr, vr, batch.positions[None, s:e], scale, window, cap)[0]
-        return attn.o_proj(kept(out.view(x.shape[0], attn.h * attn.d), keep))
+        return attn.o_proj(take_rows(out.view(x.shape[0], attn.h * attn.d), keep))
 
     def ropes(self, model: CausalLM, positions: torch.Tensor, dtype: torch.dtype) -> Ropes:
         return [(cos[positions].to(dtype), sin[positions].to(dtype)) for cos, sin in self.tables]
@@ -289,5 +293,5 @@ def enable(model: CausalLM) -> BatchInvariantForward:
             with torch.no_grad():
                 probed[key] = tiles_for(lin.weight, lin.bias)
         lin.__class__ = TiledLinear
-        lin.tiles = probed[key]
+        cast(TiledLinear, lin).tiles = probed[key]
     return BatchInvariantForward(model)

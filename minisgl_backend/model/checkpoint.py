@@ -100,7 +100,7 @@ class Checkpoint:
 def _read_exact(f, dest: torch.Tensor, path: Path) -> None:
     if not dest.numel():
         return
-    view = memoryview(dest.detach().reshape(-1).view(torch.uint8).numpy())
+    view = dest.detach().reshape(-1).view(torch.uint8).numpy().data  # a memoryview of dest's bytes
     while len(view):
         n = f.readinto(view)
         if not n:

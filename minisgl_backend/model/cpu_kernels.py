@@ -305,7 +305,7 @@ def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
 
 
 def packed_rows(
-    packed: torch.Tensor, shape: tuple[int, int], ids: torch.Tensor, gated: bool = False
+    packed: torch.Tensor, shape: tuple[int, ...], ids: torch.Tensor, gated: bool = False
 ) -> torch.Tensor:
     """Rows `ids` (any shape of int ids, each in [0, N)) of the weight [N, K] = `shape` that
     pack(weight, gated) packed: [*ids.shape, K] bf16, the original values bit for bit. The pack is
@@ -325,7 +325,7 @@ def packed_rows(
     return out.reshape(*ids.shape, k)
 
 
-def linear_packed_silu(x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor | None:
+def linear_packed_silu(x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
     """silu(gate) * up of F.linear(x, [gate | up]) (weight.shape = `shape`, no bias) over pack(weight,
     gated=True), as silu_and_mul of linear_packed rounds it (the same bits) without the [.., 2I]
     intermediate. None where it cannot run."""
@@ -341,7 +341,7 @@ def linear_packed_silu(x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, 
 
 
 def linear_packed(
-    x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None = None
+    x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, ...], bias: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """F.linear(x, weight, bias) for bf16 CPU x [..., K] over pack(weight) (weight.shape = `shape`),
     at any row count. A row's output bits depend only on that row and the weight: never on the row

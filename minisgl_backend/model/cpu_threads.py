@@ -71,11 +71,11 @@ def cgroup_cpu_quota(
         elif "cpu" in controllers.split(","):
             for base in (root / "cpu" / rel, root / "cpu,cpuacct" / rel, root / "cpu", root / "cpu,cpuacct"):
                 try:
-                    quota = int((base / "cpu.cfs_quota_us").read_text())
-                    period = int((base / "cpu.cfs_period_us").read_text())
+                    cfs_quota = int((base / "cpu.cfs_quota_us").read_text())
+                    cfs_period = int((base / "cpu.cfs_period_us").read_text())
                 except (OSError, ValueError):
                     continue
-                return quota / period if quota > 0 and period > 0 else None
+                return cfs_quota / cfs_period if cfs_quota > 0 and cfs_period > 0 else None
     return None
 
 

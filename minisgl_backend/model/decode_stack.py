@@ -111,6 +111,7 @@ class DecodeStack:
         mlp_out = torch.empty_like(x)
         cos = [c.reshape(n, -1).contiguous() for c, _ in ropes]
         sin = [s.reshape(n, -1).contiguous() for _, s in ropes]
+        assert batch.decode_block_tables is not None  # runs() takes decode-only batches
         tables = batch.decode_block_tables.to(torch.int64).contiguous()
         positions = batch.positions[:n].to(torch.int64).contiguous()
         slots = batch.slot_mapping.to(torch.int64).contiguous()
@@ -191,5 +192,8 @@ def _native_ready(lin: Linear) -> bool:
         lin.weight.dtype == torch.bfloat16
         and lin.weight.is_contiguous()
         and (lin.bias is None or (lin.bias.dtype == torch.bfloat16 and lin.bias.is_contiguous()))
-        and (lin.qweight is None or (lin.qweight.is_contiguous() and lin.qscale.dtype == torch.float32))
+        and (
+            lin.qweight is None
+            or (lin.qweight.is_contiguous() and lin.qscale is not None and lin.qscale.dtype == torch.float32)
+        )
     )

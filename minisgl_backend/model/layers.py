@@ -4,7 +4,8 @@ that chains them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Where packed, the int8 kernel wins only at one row: from two rows on, the packed kernel
         # reuses each (dequantized bf16) weight across the rows faster than the int8 FMA kernel.
-        if self.qweight is not None and (self.packed is None or x.shape[0] == 1):
+        if self.qweight is not None and self.qscale is not None and (self.packed is None or x.shape[0] == 1):
             out = cpu_kernels.linear_int8(x, self.qweight, self.qscale, self.bias)
             if out is not None:
                 return out
@@ -174,7 +175,7 @@ AttentionBackend = Callable[
 ]
 
 
-def kept(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+def take_rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """The rows `keep` of x (all of x for None)."""
     return x if keep is None else x[keep]
 
@@ -234,13 +235,14 @@ class Attention(nn.Module):
         kv.write(self.layer_id, batch.slot_mapping, k, v)
         if backend is not None:
             kpool, vpool = kv.k[self.layer_id], kv.v[self.layer_id]
-            o = backend(q, kpool, vpool, batch, self.scale, self.window, self.softcap)
-            return self.o_proj(kept(o.view(n, self.h * self.d), keep))
+            served = backend(q, kpool, vpool, batch, self.scale, self.window, self.softcap)
+            return self.o_proj(take_rows(served.view(n, self.h * self.d), keep))
         if rows is not None:
             kpool, vpool = kv.k[self.layer_id], kv.v[self.layer_id]
             if keep is not None:  # a row's output depends only on its own query and keys
                 q, rows = q[keep], (rows[0], rows[1][keep], rows[2][keep])
             o = cpu_kernels.paged_attention(q, kpool, vpool, *rows, self.scale, self.window, self.softcap)
+            assert o is not None, "rows are given only where the native paged attention runs"
             return self.o_proj(o.view(q.shape[0], self.h * self.d))
 
         b = batch.num_decode
@@ -248,10 +250,12 @@ class Attention(nn.Module):
         if b:
             tables, mask = (batch.decode_block_tables, batch.decode_mask) if decode is None else decode
             full, pos = batch.decode_block_tables, batch.positions[:b]
+            assert tables is not None and mask is not None and full is not None, "decode rows have tables"
             o = self._decode_attention(q[:b], tables, mask, kv, full, pos)
             if out is None:  # a decode-only batch: the attention output is the whole output
-                return self.o_proj(kept(o.reshape(n, self.h * self.d), keep))
+                return self.o_proj(take_rows(o.reshape(n, self.h * self.d), keep))
             out[:b] = o
+        assert out is not None  # b < n: the batch has prefill rows
         for chunk, mask in zip(batch.prefill_chunks, masks):
             s, e = chunk.start, chunk.start + chunk.length
             qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
@@ -268,7 +272,7 @@ class Attention(nn.Module):
             else:
                 o = eager_attention(qr, kr, vr, mask, self.scale, self.softcap)
             out[s:e] = o[0].transpose(0, 1)
-        return self.o_proj(kept(out.reshape(n, self.h * self.d), keep))
+        return self.o_proj(take_rows(out.reshape(n, self.h * self.d), keep))
 
     def _decode_attention(
         self,
@@ -318,7 +322,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lin = self.gate_up_proj
-        if lin.gated:  # the GEMM and silu_and_mul in one pass (the same bits as the two in turn)
+        if lin.gated and lin.packed is not None:  # the GEMM and silu_and_mul in one pass (the same bits)
             h = cpu_kernels.linear_packed_silu(x, lin.packed, lin.weight.shape)
             if h is not None:
                 return self.down_proj(h)
@@ -354,10 +358,30 @@ class DecoderLayer(nn.Module):
         the other rows skip attention, o_proj and the MLP (in a 512-token prefill chunk that is all
         of the layer but its qkv_proj, about 1/num_layers of the chunk's work)."""
         a = attend(self.self_attn, self.input_layernorm(x), keep)
-        x = kept(x, keep)
+        x = take_rows(x, keep)
         if not self.gemma:  # post_attention_layernorm is the MLP's input norm
             h, x = self.post_attention_layernorm.add_and_norm(x, a)
             return x + self.mlp(h)
         # Gemma: post_attention_layernorm normalises the attention output; the MLP has its own pair.
         h, x = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(a))
         return x + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class DecoderLayers(nn.ModuleList):
+    """The decoder's layers: an nn.ModuleList whose items are typed as DecoderLayer, so the code that
+    walks the layers (the layer loop, the decode stack, packing) is type-checked against them."""
+
+    def __init__(self, layers: Iterable[DecoderLayer]) -> None:
+        super().__init__(layers)
+
+    def __iter__(self) -> Iterator[DecoderLayer]:
+        return cast(Iterator[DecoderLayer], super().__iter__())
+
+    @overload
+    def __getitem__(self, idx: slice) -> DecoderLayers: ...
+
+    @overload
+    def __getitem__(self, idx: int) -> DecoderLayer: ...
+
+    def __getitem__(self, idx: int | slice) -> DecoderLayer | DecoderLayers:
+        return cast("DecoderLayer | DecoderLayers", super().__getitem__(idx))

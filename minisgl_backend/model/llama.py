@@ -29,34 +29,13 @@ from minisgl_backend.model.layers import (
     Attention,
     AttentionBackend,
     DecoderLayer,
-    GemmaRMSNorm,
+    DecoderLayers,
     Linear,
-    RMSNorm,
     norm_layer,
     softcap,
 )
 from minisgl_backend.model.rope import Rotary
-from minisgl_backend.model.spec import SUPPORTED_MODEL_TYPES, ModelSpec
-
-# This module's names, and those it held before the spec, the batch and the layers moved to their own
-# modules (tests and scripts import them from here).
-__all__ = [
-    "SUPPORTED_MODEL_TYPES",
-    "Attention",
-    "CausalLM",
-    "Decoder",
-    "Forward",
-    "ForwardBatch",
-    "GemmaRMSNorm",
-    "LayerLoop",
-    "Linear",
-    "ModelSpec",
-    "RMSNorm",
-    "Ropes",
-    "build_rotary",
-    "chunk_mask",
-    "fused_layout",
-]
+from minisgl_backend.model.spec import ModelSpec
 
 # (cos, sin) [N, 1, rotary dim] per RoPE of the model (Decoder.rotary), for the N rows of a batch.
 Ropes = list[tuple[torch.Tensor, torch.Tensor]]
@@ -136,7 +115,7 @@ class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.layers = DecoderLayers(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = norm_layer(spec, spec.hidden_size)
         self.rotary = build_rotary(spec)
 
@@ -210,7 +189,7 @@ class CausalLM(nn.Module):
         (int8 at one row, else the packed copy, else the weight): what a batch-1 step streams."""
         total = 0
         for lin in (m for m in self.modules() if isinstance(m, Linear)):
-            if lin.qweight is not None:
+            if lin.qweight is not None and lin.qscale is not None:
                 total += lin.qweight.numel() + lin.qscale.numel() * 4
             elif lin.packed is not None:
                 total += lin.packed.numel() * lin.packed.element_size()
@@ -243,7 +222,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embeds_from_head():
+        if self.embeds_from_head() and self.lm_head.packed is not None:
             x = cpu_kernels.packed_rows(self.lm_head.packed, self.lm_head.weight.shape, input_ids)
         else:
             x = self.model.embed_tokens(input_ids)

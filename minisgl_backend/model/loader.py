@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -25,6 +25,9 @@ from minisgl_backend.model.decode_stack import DecodeStackForward
 from minisgl_backend.model.layers import AttentionBackend
 from minisgl_backend.model.llama import CausalLM, Forward, LayerLoop, build_rotary
 from minisgl_backend.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("minisgl")
 
@@ -87,7 +90,8 @@ def _convert_gguf(gguf: Path) -> Path:
             "(is the file complete and a supported architecture?)"
         ) from e
     # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
-    model.hf_quantizer = None
+    # (nn.Module types an attribute it does not declare as Tensor | Module.)
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -120,7 +124,7 @@ def resolve_model_dir(ref: str) -> Path:
 
 class LoadedModel(NamedTuple):
     model: CausalLM
-    tokenizer: object  # transformers PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase
     model_dir: Path
     eos_token_ids: frozenset[int]
 
@@ -216,7 +220,7 @@ def attention_backend(model: CausalLM) -> AttentionBackend | None:
     return TritonAttention()
 
 
-def load_tokenizer(model_dir: Path) -> object:
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """The model's HF tokenizer, as the engine loads it (a server front end loads its own copy)."""
     from transformers import AutoTokenizer
 

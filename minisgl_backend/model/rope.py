@@ -16,7 +16,7 @@ total length (and Phi-3's generate() drops its cache once to do that); this engi
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -77,9 +77,9 @@ class RopeSpec(NamedTuple):
         if missing:
             raise ValueError(f"rope_type {rope_type!r} needs {', '.join(missing)} in rope_parameters")
         for k in ("short_factor", "long_factor") if rope_type == "longrope" else ():
-            if len(get(k)) != dim // 2:
+            if len(params[k]) != dim // 2:
                 raise ValueError(
-                    f"longrope {k} has {len(get(k))} entries, expected rotary dim / 2 = {dim // 2}"
+                    f"longrope {k} has {len(params[k])} entries, expected rotary dim / 2 = {dim // 2}"
                 )
         return cls(
             head_dim=head_dim,
@@ -97,8 +97,8 @@ class RopeSpec(NamedTuple):
             mscale=get("mscale"),
             mscale_all_dim=get("mscale_all_dim"),
             truncate=get("truncate", True),
-            short_factor=tuple(get("short_factor")) if get("short_factor") else None,
-            long_factor=tuple(get("long_factor")) if get("long_factor") else None,
+            short_factor=tuple(params["short_factor"]) if get("short_factor") else None,
+            long_factor=tuple(params["long_factor"]) if get("long_factor") else None,
         )
 
     @property
@@ -109,12 +109,24 @@ class RopeSpec(NamedTuple):
         """The longest sequence the scaled RoPE is meant for (the engine's default max_model_len).
         `dynamic` stretches max_position_embeddings by its factor and `yarn` its original length (as
         vLLM derives them); the other types state their limit in max_position_embeddings."""
-        mpe = self.max_position_embeddings
+        mpe = _given(self.max_position_embeddings, "max_position_embeddings")
         if self.rope_type == "dynamic":
-            return int(mpe * self.factor)
+            return int(mpe * _given(self.factor, "factor"))
         if self.rope_type == "yarn" and self.factor:
-            return max(mpe, int(self.original_max_position_embeddings * self.factor))
+            return max(
+                mpe, int(_given(self.original_max_position_embeddings, "original length") * self.factor)
+            )
         return mpe
+
+
+T = TypeVar("T")
+
+
+def _given(value: T | None, name: str) -> T:
+    """A field the rope_type needs: from_hf checks them, so None here means a hand-built spec lacks it."""
+    if value is None:
+        raise ValueError(f"this rope_type needs {name} in its RopeSpec")
+    return value
 
 
 def _exponents(dim: int) -> torch.Tensor:
@@ -129,19 +141,21 @@ def base_inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
     if t in ("default", "dynamic"):  # dynamic equals plain RoPE up to max_position_embeddings
         return inv_freq, 1.0
     if t == "linear":
-        return inv_freq / spec.factor, 1.0
+        return inv_freq / _given(spec.factor, "factor"), 1.0
     if t == "llama3":
         return _llama3(spec, inv_freq), 1.0
     if t == "yarn":
         return _yarn(spec)
     if t == "longrope":
-        return _longrope(spec, spec.short_factor), _longrope_scale(spec)
+        return _longrope(spec, _given(spec.short_factor, "short_factor")), _longrope_scale(spec)
     raise ValueError(f"unsupported rope_type {t!r} (supported: {', '.join(ROPE_TYPES)})")
 
 
 def _llama3(spec: RopeSpec, inv_freq: torch.Tensor) -> torch.Tensor:
-    factor, low, high = spec.factor, spec.low_freq_factor, spec.high_freq_factor
-    old_len = spec.original_max_position_embeddings
+    factor = _given(spec.factor, "factor")
+    low = _given(spec.low_freq_factor, "low_freq_factor")
+    high = _given(spec.high_freq_factor, "high_freq_factor")
+    old_len = _given(spec.original_max_position_embeddings, "original_max_position_embeddings")
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)  # long wavelengths: / factor
@@ -152,8 +166,9 @@ def _llama3(spec: RopeSpec, inv_freq: torch.Tensor) -> torch.Tensor:
 
 
 def _yarn(spec: RopeSpec) -> tuple[torch.Tensor, float]:
-    dim, base, orig = spec.dim, spec.theta, spec.original_max_position_embeddings
-    factor = spec.factor if spec.factor is not None else spec.max_position_embeddings / orig
+    dim, base = spec.dim, spec.theta
+    orig = _given(spec.original_max_position_embeddings, "original_max_position_embeddings")
+    factor = spec.factor if spec.factor is not None else _default_factor(spec, orig)
 
     def mscale_of(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -182,14 +197,19 @@ def _yarn(spec: RopeSpec) -> tuple[torch.Tensor, float]:
     return inv_freq, attention
 
 
+def _default_factor(spec: RopeSpec, orig: int) -> float:
+    """yarn and longrope without a factor: how far max_position_embeddings stretches the original."""
+    return _given(spec.max_position_embeddings, "max_position_embeddings") / orig
+
+
 def _longrope(spec: RopeSpec, factors: tuple[float, ...]) -> torch.Tensor:
     """longrope's frequencies: plain RoPE's divided by one rescale factor per frequency."""
     return 1.0 / (torch.tensor(factors, dtype=torch.float32) * spec.theta ** _exponents(spec.dim))
 
 
 def _longrope_scale(spec: RopeSpec) -> float:
-    orig = spec.original_max_position_embeddings
-    factor = spec.factor if spec.factor is not None else spec.max_position_embeddings / orig
+    orig = _given(spec.original_max_position_embeddings, "original_max_position_embeddings")
+    factor = spec.factor if spec.factor is not None else _default_factor(spec, orig)
     if spec.attention_factor is not None:
         return spec.attention_factor
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
@@ -201,26 +221,29 @@ class Rotary(nn.Module):
     `inv_freq` holds the frequencies of a position inside the original length (the deterministic
     forward reads it only through `forward`, which also covers the position-dependent variants)."""
 
+    inv_freq: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    long_inv_freq: torch.Tensor
+
     def __init__(self, spec: RopeSpec) -> None:
         super().__init__()
         self.spec = spec
         inv_freq, self.scale = base_inv_freq(spec)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         if spec.rope_type == "longrope":
-            self.register_buffer("long_inv_freq", _longrope(spec, spec.long_factor), persistent=False)
+            long_inv_freq = _longrope(spec, _given(spec.long_factor, "long_factor"))
+            self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
 
     def inv_freq_at(self, positions: torch.Tensor) -> torch.Tensor:
         """[N, dim/2] frequencies of each position (the sequence length it sees is position + 1)."""
         spec, n = self.spec, positions.shape[0]
         if spec.rope_type == "longrope":
-            long = (positions >= spec.original_max_position_embeddings)[:, None]
+            long = (positions >= _given(spec.original_max_position_embeddings, "original length"))[:, None]
             return torch.where(long, self.long_inv_freq[None, :], self.inv_freq[None, :])
         if spec.rope_type == "dynamic":
-            mpe = spec.max_position_embeddings
+            mpe = _given(spec.max_position_embeddings, "max_position_embeddings")
+            factor = _given(spec.factor, "factor")
             seq_len = torch.clamp(positions + 1, min=mpe).float()
-            base = spec.theta * ((spec.factor * seq_len / mpe) - (spec.factor - 1)) ** (
-                spec.dim / (spec.dim - 2)
-            )
+            base = spec.theta * ((factor * seq_len / mpe) - (factor - 1)) ** (spec.dim / (spec.dim - 2))
             exps = _exponents(spec.dim).to(positions.device)
             return 1.0 / (base[:, None] ** exps[None, :])
         return self.inv_freq[None, :].expand(n, -1)

@@ -37,15 +37,13 @@ def build_inputs(batch: Batch, block_size: int) -> IterationInputs:
     def add_sample(token_index: int, entry: BatchEntry) -> None:
         req = entry.req
         end = entry.start + entry.length
-        spec = SampleSpec(
-            len(logits_index), id(req), req.table_row, end, len(req.prompt_ids), req.params, req.seed
-        )
+        spec = SampleSpec(len(logits_index), id(req), req.row, end, len(req.prompt_ids), req.params, req.seed)
         samples.append(spec)
         logits_index.append(token_index)
 
     ctx = [entry.start + 1 for entry in batch.decode]
     for i, entry in enumerate(batch.decode):
-        table_rows.append(entry.req.table_row)
+        table_rows.append(entry.req.row)
         positions.append(entry.start)
         slots.append(_slots(entry.req.block_table, entry.start, entry.start + 1, block_size))
         add_sample(i, entry)
@@ -63,13 +61,13 @@ def build_inputs(batch: Batch, block_size: int) -> IterationInputs:
     for entry in batch.prefill:
         req, s, n = entry.req, entry.start, entry.length
         base, end = len(table_rows), s + n
-        table_rows.extend([req.table_row] * n)
+        table_rows.extend([req.row] * n)
         positions.extend(range(s, end))
         slots.append(_slots(req.block_table, s, end, block_size))
         chunks.append(PrefillChunk(base, n, end, torch.tensor(req.block_table[: _blocks(end, block_size)])))
         for p in range(s, end):
             if req.needs_prompt_logprob(p + 1):
-                k = req.params.prompt_logprobs
+                k = req.params.prompt_logprobs or 0  # set: the request scores its prompt
                 scores.append(ScoreSpec(len(logits_index), id(req), p + 1, req.prompt_ids[p + 1], k))
                 logits_index.append(base + p - s)
         if entry.samples:

@@ -49,8 +49,10 @@ class SampleGroup:
         scores the prompt, so the others can share its cached blocks)."""
         first, *rest = self.outputs
         assert first is not None and all(o is not None for o in rest)
-        rest = [dataclasses.replace(o, prompt_logprobs=first.prompt_logprobs) for o in rest]  # type: ignore[arg-type]
-        return dataclasses.replace(first, more_samples=tuple(rest)) if rest else first
+        more = tuple(
+            dataclasses.replace(o, prompt_logprobs=first.prompt_logprobs) for o in rest if o is not None
+        )
+        return dataclasses.replace(first, more_samples=more) if more else first
 
 
 class Request:
@@ -103,6 +105,12 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] * len(prompt_ids) if params.prompt_logprobs is not None and index == 0 else None
         )
+
+    @property
+    def row(self) -> int:
+        """The token-table row of an admitted request (the only kind a batch holds)."""
+        assert self.table_row is not None, "the request holds no token-table row"
+        return self.table_row
 
     @property
     def seq_len(self) -> int:

@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.errors import InvariantError
+from minisgl_backend.executor.token_table import RowPool
 from minisgl_backend.iteration import IterationOutput
 from minisgl_backend.kvcache.block_pool import BlockPool
-from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.scheduler.prefix_admission import Counters, PrefixAdmission
 from minisgl_backend.scheduler.request import Request, RequestStatus
 from minisgl_backend.types import FinishReason
@@ -311,6 +311,7 @@ class Scheduler:
         for key, index, lp in out.prompt_logprobs:
             req = by_key[key]
             if req.status == RequestStatus.RUNNING:
+                assert req.prompt_logprobs is not None  # only a request that scores its prompt gets these
                 req.prompt_logprobs[index] = lp
         updates: list[tuple[Request, list[int]]] = []
         for entry in batch.decode + batch.prefill:

@@ -333,7 +333,7 @@ def run_replicas(
     from minisgl_backend.cluster.routing import route
     from minisgl_backend.model.cpu_threads import usable_cpus
 
-    threads = max(1, (cfg.num_threads or usable_cpus()) // n)
+    threads = max(1, (cfg.num_threads or usable_cpus()[0]) // n)
     cfg = cfg.replace(num_threads=threads)
     outs: dict[str, RequestOutput] = {}
     shares: list[list[Item]] | None = None
@@ -386,8 +386,8 @@ def prefill_matches(engine: Engine, workload: Workload, outputs: dict[str, Reque
         )
     fresh = engine.generate(prompts, params, use_tqdm=False)
     return {
-        spec.name: _lp_bytes(f.prompt_logprobs[len(outputs[spec.name].prompt_token_ids) :])
-        == _lp_bytes(outputs[spec.name].logprobs)
+        spec.name: _lp_bytes((f.prompt_logprobs or [])[len(outputs[spec.name].prompt_token_ids) :])
+        == _lp_bytes(outputs[spec.name].logprobs or [])
         for spec, f in zip(specs, fresh)
     }
 

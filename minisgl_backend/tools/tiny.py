@@ -119,7 +119,7 @@ def llama_tensors(cfg) -> dict[str, tuple[int, ...]]:
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    out = {"model.embed_tokens.weight": (v, h)}
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
         out |= {
@@ -170,7 +170,7 @@ def write_streamed(out: Path, cfg, dtype: torch.dtype, seed: int) -> None:
                 t = torch.ones(shape, dtype=dtype)
             else:
                 t = (torch.randn(shape, generator=g) * cfg.initializer_range).to(dtype)
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
     cfg.save_pretrained(out)
     (out / "model.safetensors.tmp").rename(out / "model.safetensors")
 

@@ -8,9 +8,9 @@ import pytest
 
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.errors import ConfigError
+from minisgl_backend.executor.token_table import RowPool
 from minisgl_backend.handle import RequestHandle
 from minisgl_backend.kvcache.block_pool import BlockPool
-from minisgl_backend.kvcache.reclaim import RowPool
 from minisgl_backend.scheduler.request import Request
 from minisgl_backend.scheduler.scheduler import Scheduler
 from minisgl_backend.types import SamplingParams

@@ -185,7 +185,7 @@ def test_packed_linear_layer_holds_its_weight_once(packing):
     reads the same bits back, the layer computes what the unpacked layer computed, unpack() gives
     the weight back for a change that pack() then reaches, and quantize_int8 repacks the dequantized
     weight itself; fp32 layers do not pack."""
-    from minisgl_backend.model.llama import Linear
+    from minisgl_backend.model.layers import Linear
 
     torch.manual_seed(3)
     lin = Linear(64, 32, bias=False).bfloat16()
@@ -376,7 +376,7 @@ def test_paged_attention_rows_do_not_depend_on_the_call(
 def test_decode_attention_matches_the_torch_path(vector_family, torch_only):
     """The model's own decode attention with and without the kernel (fp32, GQA, paged)."""
     from minisgl_backend.kvcache.storage import KVCache
-    from minisgl_backend.model.llama import Attention
+    from minisgl_backend.model.layers import Attention
 
     spec = model_spec()
     attn = Attention(spec, 0)
@@ -409,7 +409,7 @@ def test_decode_attention_refuses_out_of_range_tables(vector_family):
 @pytest.mark.parametrize("gemma", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_and_fused_add(vector_family, gemma, dtype, torch_only):
-    from minisgl_backend.model.llama import GemmaRMSNorm, RMSNorm
+    from minisgl_backend.model.layers import GemmaRMSNorm, RMSNorm
 
     g = _gen(4)
     norm = (GemmaRMSNorm if gemma else RMSNorm)(96, 1e-6).to(dtype)
@@ -500,7 +500,7 @@ def test_env_switch_turns_the_kernels_off():
 
 @pytest.mark.parametrize("n,k", [(576, 576), (7, 37), (49, 1536)])
 def test_int8_linear_matches_its_dequantized_weight(n, k):
-    from minisgl_backend.model.llama import Linear
+    from minisgl_backend.model.layers import Linear
 
     torch.manual_seed(7)
     lin = Linear(k, n, bias=True).bfloat16()

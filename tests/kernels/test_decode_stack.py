@@ -13,9 +13,12 @@ import torch
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.batch import ForwardBatch
 from minisgl_backend.model.decode_stack import DecodeStack, DecodeStackForward
-from minisgl_backend.model.llama import CausalLM, ForwardBatch, Linear, ModelSpec
+from minisgl_backend.model.layers import Linear
+from minisgl_backend.model.llama import CausalLM
 from minisgl_backend.model.loader import forward_strategy
+from minisgl_backend.model.spec import ModelSpec
 from tests.helpers import model_spec, random_bf16_model
 
 pytestmark = pytest.mark.skipif(

@@ -14,7 +14,8 @@ import torch
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
-from minisgl_backend.model.llama import CausalLM, ForwardBatch
+from minisgl_backend.model.batch import ForwardBatch
+from minisgl_backend.model.llama import CausalLM
 from minisgl_backend.model.loader import forward_strategy
 from tests.helpers import model_spec, random_bf16_model
 

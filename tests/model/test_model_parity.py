@@ -118,7 +118,8 @@ def test_paged_attention_with_scattered_blocks_equals_contiguous():
     contiguous causal pass over the whole sequence (which touches no cache)."""
     from minisgl_backend.iteration import PrefillChunk
     from minisgl_backend.kvcache.storage import KVCache
-    from minisgl_backend.model.llama import Attention, ForwardBatch, chunk_mask
+    from minisgl_backend.model.batch import ForwardBatch, chunk_mask
+    from minisgl_backend.model.layers import Attention
 
     torch.manual_seed(0)
     spec = model_spec()

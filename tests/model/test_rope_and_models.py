@@ -247,7 +247,7 @@ def test_spec_reads_windows_and_ropes(root, smollm_dir):
     """Gemma 3's 5:1 layer pattern and per-layer-type RoPE, Phi-3's partial rotary, Mistral's window."""
     from transformers import AutoConfig
 
-    from minisgl_backend.model.llama import ModelSpec
+    from minisgl_backend.model.spec import ModelSpec
 
     g3 = ModelSpec.from_hf_config(AutoConfig.from_pretrained(_build("gemma3", root, smollm_dir)[1]))
     assert [g3.window(i) for i in range(6)] == [WINDOW] * 5 + [None]
@@ -321,8 +321,8 @@ def test_rope_frequencies_equal_transformers():
 def test_unknown_rope_type_and_model_type_are_clear_errors():
     import transformers as t
 
-    from minisgl_backend.model.llama import SUPPORTED_MODEL_TYPES, ModelSpec
     from minisgl_backend.model.rope import ROPE_TYPES
+    from minisgl_backend.model.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
     cfg = t.LlamaConfig(
         hidden_size=64, num_attention_heads=4, rope_parameters=dict(rope_type="proportional", rope_theta=1e4)
@@ -416,7 +416,8 @@ def test_real_checkpoint_configs_match_transformers_rotary(name):
 
     from transformers import AutoConfig
 
-    from minisgl_backend.model.llama import ModelSpec, build_rotary
+    from minisgl_backend.model.llama import build_rotary
+    from minisgl_backend.model.spec import ModelSpec
 
     cfg = AutoConfig.for_model(
         **{

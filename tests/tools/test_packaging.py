@@ -4,9 +4,11 @@ tasks' data resolved from any working directory; the GGUF conversion cache keyed
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,63 @@ def test_gguf_cache_key_follows_content_not_path_or_mtime(tmp_path):
     b.rename(b.with_name("n.gguf"))
     b.with_name("n.gguf").write_bytes(data)
     assert gguf_cache_key(b.with_name("n.gguf")) != gguf_cache_key(a)  # name
+
+
+# Run in a child interpreter where lm_eval and langchain_core cannot be imported, as after a base install.
+_WITHOUT_EXTRAS = r"""
+import importlib.abc, sys
+
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("lm_eval", "langchain_core"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Absent())
+for name in [m for m in sys.modules if m.split(".")[0] in ("lm_eval", "langchain_core")]:
+    del sys.modules[name]
+exec(PTH_LINE)  # what the installed .pth runs at start-up
+heavy = sorted(m for m in ("torch", "minisgl_backend", "lm_eval", "transformers") if m in sys.modules)
+assert not heavy, heavy
+assert "lm_eval_minisgl._pth_hook" in sys.modules
+for module, extra in (("langchain_minisgl", "langchain"), ("lm_eval_minisgl.model", "lm-eval")):
+    try:
+        __import__(module)
+    except ModuleNotFoundError as e:
+        assert f"pip install 'minisgl[{extra}]'" in str(e), e
+    else:
+        raise AssertionError(module + " imported without its extra")
+try:
+    import lm_eval.models  # the hook's finder steps aside: the plain error, nothing else
+except ModuleNotFoundError as e:
+    assert e.name == "lm_eval", e
+print("ok")
+"""
+
+
+def _pth_line() -> str:
+    """setup.py's PTH_LINE, read without running setup()."""
+    tree = ast.parse((REPO / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "PTH_LINE":
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py has no PTH_LINE")
+
+
+def test_the_pth_hook_is_harmless_and_the_adapters_name_their_extra_without_their_library():
+    script = f"PTH_LINE = {_pth_line()!r}\n{_WITHOUT_EXTRAS}"
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_requirements_are_ranges_and_the_adapters_are_extras():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    requirements = project["dependencies"] + [r for group in extras.values() for r in group]
+    assert not [r for r in requirements if "==" in r or "<=" in r], "a pin keeps users' versions out"
+    names = {
+        r.split("[")[0].split(">")[0].split("<")[0].split("~")[0].strip() for r in project["dependencies"]
+    }
+    assert not names & {"lm-eval", "langchain-core", "langchain"}, names
+    assert extras["lm-eval"] and extras["langchain"] and extras["all"]
+    assert "minisgl[lm-eval,langchain]" in extras["test"]  # `make setup` installs both adapters' libraries

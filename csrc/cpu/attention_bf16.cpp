@@ -1,0 +1,378 @@
+// The bf16 scorers of the AVX-512 paged attention (attention.cpp runs the blocks): the scores of
+// query vectors against keys on the AMX tile unit (amx_scores) or on vdpbf16ps (dp_scores, and
+// dp_key_scores for the few vectors of a decode block), and the V sum on vdpbf16ps (dp_value_sum,
+// dp_lanes_value_sum). Each score and each output element is one chain in a fixed order, so a row's
+// bits depend on its query, its keys and the scorer alone (attention.h states the contract).
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "attention.h"
+#include "attention_simd.h"
+#include "common.h"
+#include "kernels.h"
+
+namespace minisgl::cpu::attn {
+
+// ---- the V sum on vdpbf16ps (the avx512bf16 family's attention) ----
+//
+// With the dp scorer the probabilities are rounded to bf16 and each output element is one vdpbf16ps
+// chain over key pairs (2t, 2t + 1), pairs aligned to absolute key positions and taken in order:
+// acc += p(2t) v(2t) + p(2t+1) v(2t+1), a key outside the row's range with p = 0. Half the
+// instructions of the float32 FMA sum, and the same bits whether the lanes are a decode row's
+// dims (dp_value_sum) or 16 query vectors of a prefill block (attend_lanes).
+
+// V rows of the block's keys as (key 2t, key 2t+1) pairs per dim, [pair - lo / 2][dim]; keys outside
+// [lo, hi] zero (so the pair partner of an end key reads no unwritten slot).
+DPBF16 void stage_value_pairs(const uint16_t* vpool, const BlockKeys& b, int64_t kvh, const AttnShape& s,
+                              AttnScratch& w) {
+    const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = b.hi / 2 - p0 + 1;
+    w.vpair.resize(static_cast<size_t>(pairs * d));
+    for (int64_t t = 0; t < pairs; ++t) {
+        const int64_t ke = 2 * (p0 + t), ko = ke + 1;
+        const bool e_in = ke >= b.lo, o_in = ko <= b.hi;
+        const uint16_t* ve = e_in ? vpool + w.offsets[ke - b.lo] + kvh * d : nullptr;
+        const uint16_t* vo = o_in ? vpool + w.offsets[ko - b.lo] + kvh * d : nullptr;
+        for (int64_t c = 0; c < d; c += 16) {
+            const __m512i e = e_in ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ve + c)))
+                                   : _mm512_setzero_si512();
+            const __m512i o = o_in ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vo + c)))
+                                   : _mm512_setzero_si512();
+            _mm512_storeu_si512(w.vpair.data() + t * d + c, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+        }
+    }
+}
+
+// 16 float32 as bf16 in the low halves of 16 uint32 (vcvtneps2bf16: both V sums round the same way).
+DPBF16 inline __m512i bf16_lanes(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
+
+// value_sum's step with the dp scorer: the key pair t = (2t, 2t + 1), the pair's V rows interleaved
+// by stage_value_pairs, the vector's two bf16 probabilities broadcast as one 32-bit pair.
+struct DpSteps {
+    using Vec = __m512bh;
+    const uint32_t* vpair;  // [t - p0][dim]
+    int64_t p0, d;
+    const uint16_t* p;  // the probabilities, p[vector * span + key]
+    int64_t span;
+
+    static int64_t step(int64_t key) { return key / 2; }
+    const uint32_t* values(int64_t t) const { return vpair + (t - p0) * d; }
+    AVX512 static __m512bh load(const uint32_t* vr) { return (__m512bh)_mm512_loadu_si512(vr); }
+    AVX512 static __m512bh prob(const uint16_t* pv, int64_t t) {
+        int32_t pair;
+        std::memcpy(&pair, pv + 2 * t, 4);
+        return (__m512bh)_mm512_set1_epi32(pair);
+    }
+    DPBF16 static __m512 add(__m512 acc, __m512bh vv, __m512bh pv) { return _mm512_dpbf16_ps(acc, vv, pv); }
+};
+
+// DpSteps' V sum for head_dim a multiple of 64, reading the pairs' V rows in place: each 32-dim half of
+// a 64-dim chunk of keys 2t and 2t + 1 is interleaved into (2t, 2t + 1) pairs in registers
+// (vpunpck{l,h}wd: dims 8L..8L+3 and 8L+4..8L+7 of each 128-bit lane L), so the accumulators hold
+// the dims in that order until a permute at the end puts them back. Each output element is the same
+// chain over the same pairs as value_sum's over stage_value_pairs' layout, so the same bits, without
+// writing every V row of the block out and reading it back (a staging pass that costs a large share of
+// the decode V sum).
+DPBF16 void dp_value_sum_in_place(const uint16_t* vpool, int64_t rows, const int64_t* pos, int64_t kvh, uint16_t* out,
+                                  const AttnShape& s, const BlockKeys& b, const AttnScratch& w, int64_t span,
+                                  int64_t base) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
+    alignas(64) static constexpr int32_t low_dims[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+    alignas(64) static constexpr int32_t high_dims[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    const __m512i lo_idx = _mm512_load_si512(low_dims), hi_idx = _mm512_load_si512(high_dims);
+    const auto row_at = [&](int64_t key, int64_t c0) -> const uint16_t* {  // outside [lo, hi]: none (zeros)
+        return key < b.lo || key > b.hi ? nullptr : vpool + w.offsets[key - b.lo] + kvh * d + c0;
+    };
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h0 = 0; h0 < g; h0 += 6) {
+            const int64_t nv = std::min<int64_t>(6, g - h0);
+            const uint16_t* p = w.pb.data() + (r * g + h0) * span - base;  // p[v * span + key]
+            for (int64_t c0 = 0; c0 < d; c0 += 64) {
+                __m512 acc[6][4];
+                for (auto& a : acc)
+                    for (auto& x : a) x = _mm512_setzero_ps();
+                for (int64_t t = b.first[r] / 2; t <= pos[r] / 2; ++t) {
+                    const uint16_t* ve = row_at(2 * t, c0);
+                    const uint16_t* vo = row_at(2 * t + 1, c0);
+                    const __m512i e0 = ve ? _mm512_loadu_si512(ve) : _mm512_setzero_si512();
+                    const __m512i e1 = ve ? _mm512_loadu_si512(ve + 32) : _mm512_setzero_si512();
+                    const __m512i o0 = vo ? _mm512_loadu_si512(vo) : _mm512_setzero_si512();
+                    const __m512i o1 = vo ? _mm512_loadu_si512(vo + 32) : _mm512_setzero_si512();
+                    const __m512bh vv[4] = {
+                        (__m512bh)_mm512_unpacklo_epi16(e0, o0), (__m512bh)_mm512_unpackhi_epi16(e0, o0),
+                        (__m512bh)_mm512_unpacklo_epi16(e1, o1), (__m512bh)_mm512_unpackhi_epi16(e1, o1)};
+                    for (int v = 0; v < 6; ++v) {
+                        if (v >= nv) break;
+                        int32_t pair;
+                        std::memcpy(&pair, p + v * span + 2 * t, 4);
+                        const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
+                        for (int c = 0; c < 4; ++c) acc[v][c] = _mm512_dpbf16_ps(acc[v][c], vv[c], pv);
+                    }
+                }
+                for (int64_t v = 0; v < nv; ++v) {
+                    uint16_t* o = out + r * s.heads * d + (kvh * g + h0 + v) * d + c0;
+                    for (int half = 0; half < 2; ++half) {
+                        const __m512 lo = acc[v][2 * half], hi = acc[v][2 * half + 1];
+                        store16m(o + half * 32, _mm512_permutex2var_ps(lo, lo_idx, hi), 0xffff);
+                        store16m(o + half * 32 + 16, _mm512_permutex2var_ps(lo, hi_idx, hi), 0xffff);
+                    }
+                }
+            }
+        }
+}
+
+// The decode blocks' V sum (softmax_and_sum's, with the dp scorer): lanes = 16 dims; each vector's
+// probabilities rounded to bf16 over the span (zero outside its keys), each pair broadcast.
+// flatten: value_sum is AVX512 (it is the FMA sum's too), and DpSteps::add's vdpbf16ps can be inlined
+// only into a function compiled for AVX512-BF16; flattened into this one, the loop keeps it inline.
+DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t rows, const int64_t* pos, int64_t kvh,
+                                                  uint16_t* out, const AttnShape& s, const BlockKeys& b,
+                                                  AttnScratch& w) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
+    const int64_t base = b.lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base, p0 = b.lo / 2;
+    w.pb.assign(static_cast<size_t>(rows * g * span), 0);
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < g; ++h) {
+            const float* sh = w.scores.data() + (r * g + h) * span;
+            uint16_t* ph = w.pb.data() + (r * g + h) * span;
+            for (int64_t t = b.first[r] / 16 * 16; t <= pos[r]; t += 16) {
+                const __m512 x = _mm512_maskz_loadu_ps(tile_lanes(b.first[r], pos[r], t), sh + t - base);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(ph + t - base), (__m256i)_mm512_cvtneps_pbh(x));
+            }
+        }
+    if (d % 64 == 0) return dp_value_sum_in_place(vpool, rows, pos, kvh, out, s, b, w, span, base);
+    stage_value_pairs(vpool, b, kvh, s, w);
+    value_sum(DpSteps{w.vpair.data(), p0, d, w.pb.data() - base, span}, rows, b, pos, kvh, out, s);
+}
+
+// A prefill block's V sum for one lane group (attend_lanes', with the dp scorer): sc[key * 16 + lane]
+// the exponentials of keys lo..hi, normalized (x inv, each lane's 1 / sum) as they are rounded to
+// bf16 pairs; the first n lanes' sums stored at lane_out[lane] (store_lanes).
+DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, const AttnShape& s, AttnScratch& w,
+                               uint16_t* const* lane_out, int64_t n) {
+    const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = b.hi / 2 - p0 + 1;
+    w.ppair.resize(static_cast<size_t>(pairs * 16));
+    for (int64_t t = 0; t < pairs; ++t) {
+        const int64_t ke = 2 * (p0 + t), ko = ke + 1;
+        const __m512 e = ke >= b.lo ? _mm512_mul_ps(_mm512_loadu_ps(sc + ke * 16), inv) : _mm512_setzero_ps();
+        const __m512 o = ko <= b.hi ? _mm512_mul_ps(_mm512_loadu_ps(sc + ko * 16), inv) : _mm512_setzero_ps();
+        _mm512_storeu_si512(w.ppair.data() + t * 16,
+                            _mm512_or_si512(bf16_lanes(e), _mm512_slli_epi32(bf16_lanes(o), 16)));
+    }
+    for (int64_t c = 0; c < d / 16; ++c) {
+        __m512 acc[16];
+        for (auto& a : acc) a = _mm512_setzero_ps();
+        for (int64_t t = 0; t < pairs; ++t) {
+            const __m512bh pp = (__m512bh)_mm512_loadu_si512(w.ppair.data() + t * 16);
+            const uint32_t* vr = w.vpair.data() + t * d + c * 16;
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i) {
+                const __m512bh vb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(vr[i]));
+                acc[i] = _mm512_dpbf16_ps(acc[i], vb, pp);
+            }
+        }
+        store_lanes(acc, lane_out, n, c * 16);
+    }
+}
+
+// Scores on the tile unit (bf16, head_dim a multiple of 32, AMX): tmm0 the scores of 16 keys (rows)
+// x 16 query vectors, tmm1 the 16 keys' 32 dims of one k-step, tmm2 that k-step's query pairs.
+AMX void configure_score_tiles() {
+    TileConfig c;
+    for (int t = 0; t < 3; ++t) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    asm volatile("" : : "r"(&c) : "memory");  // the field stores must reach memory (configure_tiles)
+    _tile_loadconfig(&c);
+}
+
+AMX void release_tiles() { _tile_release(); }
+
+// The scores of 16 query vectors against keys base..hi, 16-key tiles aligned to absolute positions:
+// sc[key - base][lane]. qb holds the query vectors as the tile unit's B operand: k-step by k-step,
+// 16 pairs x 16 lanes of (dim 2i, dim 2i+1). Each score is the unit's fixed-order dot product of one
+// key row and one query column, whatever the other rows and columns hold (as the packed linear's).
+// A tile whose keys lie in one cache block (block_size a multiple of 16) is read from the pool in
+// place; otherwise its keys in [lo, hi] are staged, the rest zero.
+AMX void amx_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
+                    int64_t hi, const uint32_t* qb, float* sc, uint16_t* stage) {
+    const int64_t d = s.head_dim, row = s.kv_heads * d, bs = s.block_size, base = lo / 16 * 16;
+    for (int64_t t = base; t <= hi; t += 16) {
+        const uint16_t* a = stage;
+        int64_t stride = d * 2;
+        if (bs % 16 == 0) {
+            a = kpool + (table[t / bs] * bs + t % bs) * row + kvh * d;
+            stride = row * 2;
+        } else {
+            for (int64_t j = 0; j < 16; ++j) {
+                const int64_t key = t + j;
+                if (key < lo || key > hi)
+                    std::memset(stage + j * d, 0, d * 2);
+                else
+                    std::memcpy(stage + j * d, kpool + (table[key / bs] * bs + key % bs) * row + kvh * d, d * 2);
+            }
+        }
+        _tile_zero(0);
+        for (int64_t ks = 0; ks < d / 32; ++ks) {
+            _tile_loadd(1, a + ks * 32, stride);
+            _tile_loadd(2, qb + ks * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sc + (t - base) * 16, 64);
+    }
+}
+
+// amx_scores' result from vdpbf16ps (AVX512-BF16, no tile unit): lanes = the 16 query vectors of qb,
+// each key's (dim 2i, dim 2i+1) pair broadcast against the lanes' pairs, one chain over the pairs
+// in order per score (so a score's bits depend on its query and key alone, as the tile unit's).
+// Sixteen keys at a time keep sixteen chains in flight (eight leave the dot-product unit idle between
+// dependent steps); keys of the 16-key tiles
+// outside [lo, hi] score zero, as amx_scores' staged zeros. Read in place, whatever the block size.
+DPBF16 void dp_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
+                      int64_t hi, const uint32_t* qb, float* sc) {
+    const __m512 scale = _mm512_set1_ps(s.scale);
+    const int64_t d = s.head_dim, row = s.kv_heads * d, bs = s.block_size, base = lo / 16 * 16;
+    const int64_t end = (hi / 16 + 1) * 16;
+    for (int64_t key = base; key < lo; ++key) _mm512_storeu_ps(sc + (key - base) * 16, _mm512_setzero_ps());
+    for (int64_t key = hi + 1; key < end; ++key) _mm512_storeu_ps(sc + (key - base) * 16, _mm512_setzero_ps());
+    constexpr int KEYS = 16;
+    for (int64_t k0 = lo; k0 <= hi; k0 += KEYS) {
+        const int nk = static_cast<int>(std::min<int64_t>(KEYS, hi - k0 + 1));
+        const uint16_t* kr[KEYS];
+        for (int j = 0; j < KEYS; ++j) {
+            const int64_t key = k0 + std::min(j, nk - 1);  // past hi: a repeat of the last key, not stored
+            kr[j] = kpool + (table[key / bs] * bs + key % bs) * row + kvh * d;
+        }
+        __m512 acc[KEYS];
+        for (auto& a : acc) a = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d / 2; ++i) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + i * 16);
+#pragma GCC unroll 16
+            for (int j = 0; j < KEYS; ++j) {
+                int32_t pair;
+                std::memcpy(&pair, kr[j] + 2 * i, 4);
+                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(pair), qv);
+            }
+        }
+        for (int j = 0; j < nk; ++j) _mm512_storeu_ps(sc + (k0 + j - base) * 16, _mm512_mul_ps(acc[j], scale));
+    }
+}
+
+// dp_scores for the few query vectors of a decode block, with the keys in the lanes instead: a
+// 16-key tile's K rows are transposed to (dim 2i, dim 2i+1) pairs x 16 keys (`stage`), and each
+// vector's pair i is broadcast against them. Every lane runs the chain dp_scores runs for that
+// (query, key), acc += q(2i) k(2i) + q(2i+1) k(2i+1) over the pairs in order from zero (the two
+// products are exact in float32, so which operand holds the query does not change a bit), without
+// dp_scores' 16 - N idle lanes (a decode row of SmolLM2 has 3 query vectors per KV head, and scoring
+// is most of decode attention). T tiles at a time keep T x N chains in flight.
+// sc[v * span + key - base] = score x scale for every key of the tiles; keys outside [lo, hi] hold a
+// repeated key's score, which the softmax masks out as it does every key outside a row's range.
+template <int N>
+DPBF16 void dp_key_scores(const uint16_t* kpool, const int64_t* offsets, int64_t lo, int64_t hi, int64_t kvh, int64_t d,
+                          const uint16_t* const* qp, float scale, float* sc, int64_t span, uint32_t* stage) {
+    constexpr int T = N == 1 ? 8 : N == 2 ? 6 : N == 3 ? 4 : N <= 5 ? 3 : 2;
+    const int64_t base = lo / 16 * 16, pairs = d / 2;
+    for (int64_t t0 = base; t0 <= hi; t0 += 16 * T) {
+        const int nt = static_cast<int>(std::min<int64_t>(T, (hi - t0) / 16 + 1));
+        for (int u = 0; u < nt; ++u) {
+            const uint16_t* kr[16];
+            for (int j = 0; j < 16; ++j) {
+                const int64_t key = std::clamp<int64_t>(t0 + 16 * u + j, lo, hi);
+                kr[j] = kpool + offsets[key - lo] + kvh * d;
+            }
+            for (int64_t c = 0; c < pairs; c += 16) {  // head_dim a multiple of 16: 8 or 16 pairs at a time
+                const int take = static_cast<int>(std::min<int64_t>(16, pairs - c));
+                const __mmask16 in_row = static_cast<__mmask16>((1u << take) - 1);
+                __m512i r[16];
+                for (int j = 0; j < 16; ++j) r[j] = _mm512_maskz_loadu_epi32(in_row, kr[j] + 2 * c);
+                transpose16(r);
+                for (int i = 0; i < take; ++i) _mm512_storeu_si512(stage + (u * pairs + c + i) * 16, r[i]);
+            }
+        }
+        __m512 acc[T][N];
+        for (auto& a : acc)
+            for (auto& x : a) x = _mm512_setzero_ps();
+        for (int64_t i = 0; i < pairs; ++i) {
+            __m512bh qb[N];
+            for (int v = 0; v < N; ++v) {
+                int32_t pair;
+                std::memcpy(&pair, qp[v] + 2 * i, 4);
+                qb[v] = (__m512bh)_mm512_set1_epi32(pair);
+            }
+            for (int u = 0; u < T; ++u) {
+                if (u >= nt) break;
+                const __m512bh kt = (__m512bh)_mm512_loadu_si512(stage + (u * pairs + i) * 16);
+                for (int v = 0; v < N; ++v) acc[u][v] = _mm512_dpbf16_ps(acc[u][v], kt, qb[v]);
+            }
+        }
+        const __m512 sv = _mm512_set1_ps(scale);
+        for (int u = 0; u < nt; ++u)
+            for (int v = 0; v < N; ++v)
+                _mm512_storeu_ps(sc + v * span + t0 + 16 * u - base, _mm512_mul_ps(acc[u][v], sv));
+    }
+}
+
+using KeyScores = void (*)(const uint16_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, const uint16_t* const*,
+                           float, float*, int64_t, uint32_t*);
+
+// The decode blocks' vector counts (rows x heads of the group below LANES_FROM).
+KeyScores key_scores_for(int64_t vectors) {
+    switch (vectors) {
+        case 1:
+            return dp_key_scores<1>;
+        case 2:
+            return dp_key_scores<2>;
+        case 3:
+            return dp_key_scores<3>;
+        case 4:
+            return dp_key_scores<4>;
+        case 5:
+            return dp_key_scores<5>;
+        case 6:
+            return dp_key_scores<6>;
+        default:
+            return dp_key_scores<7>;
+    }
+}
+
+// Few query vectors (decode rows) on the tile unit or vdpbf16ps: their scores from amx_scores or
+// dp_key_scores, then attend_vectors' softmax and V sum on them, one vector at a time ([vector][span]).
+AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* kpool,
+                                const uint16_t* vpool, const int64_t* table, const int64_t* pos, int64_t kvh,
+                                uint16_t* out, const AttnShape& s, const BlockKeys& b, int scorer, AttnScratch& w) {
+    const int64_t g = s.heads / s.kv_heads, n = rows * g;
+    const int64_t base = b.lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base;
+    if (scorer == SCORE_DP) {
+        const uint16_t* qp[LANES_FROM];
+        for (int64_t l = 0; l < n; ++l) qp[l] = q + l / g * q_stride + (kvh * g + l % g) * s.head_dim;
+        w.scores.resize(static_cast<size_t>(n * span));
+        w.vpair.resize(static_cast<size_t>(16 * 8 * s.head_dim));  // up to 8 tiles of pairs x 16 keys
+        key_scores_for(n)(kpool, w.offsets.data(), b.lo, b.hi, kvh, s.head_dim, qp, s.scale, w.scores.data(), span,
+                          w.vpair.data());
+        if (s.softcap > 0.0f)
+            for (int64_t l = 0; l < n; ++l)
+                for (int64_t key = b.first[l / g]; key <= pos[l / g]; ++key) {
+                    float& v = w.scores[l * span + key - base];
+                    v = s.softcap * std::tanh(v / s.softcap);
+                }
+        return softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w, true);
+    }
+    w.q.resize(static_cast<size_t>(s.head_dim * 16));
+    w.kf.resize(static_cast<size_t>(span * 16));
+    w.stage.resize(static_cast<size_t>(16 * s.head_dim));
+    auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
+    pack_query_pairs(q, q_stride, 0, n, kvh, s, qb);
+    amx_scores(kpool, table, s, kvh, b.lo, b.hi, qb, w.kf.data(), w.stage.data());  // kf[key - base][lane]
+    w.scores.assign(static_cast<size_t>(n * span), 0.0f);
+    for (int64_t l = 0; l < n; ++l)
+        for (int64_t key = b.first[l / g]; key <= pos[l / g]; ++key) {
+            float v = w.kf[(key - base) * 16 + l] * s.scale;
+            if (s.softcap > 0.0f) v = s.softcap * std::tanh(v / s.softcap);
+            w.scores[l * span + key - base] = v;
+        }
+    softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w);
+}
+
+}  // namespace minisgl::cpu::attn
