@@ -17,7 +17,7 @@ from minisgl_backend.errors import RequestFailedError
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.iteration import IterationInputs, IterationOutput
 from minisgl_backend.sampling.penalties import apply_penalties
-from minisgl_backend.sampling.reduce import Candidates, draw_reduced, reduce_for_draw, reducible
+from minisgl_backend.sampling.reduce import Candidates, draw_reduced, int_bits, reduce_for_draw, reducible
 from minisgl_backend.sampling.sampler import SampleRow, apply_processors, sample, token_logprobs
 from minisgl_backend.types import TokenLogprob
 
@@ -84,20 +84,40 @@ class ReducedLogits:
         return np.stack([self.full[r] for r in rows])
 
 
+def full_rows(inp: IterationInputs) -> list[int]:
+    """The logits rows the host needs in full whatever the candidates say: the samples whose draw
+    is not reducible (sampling/reduce.py), and every scored prompt row."""
+    return sorted(
+        {s.logits_row for s in inp.samples if not reducible(SampleRow(s.params, s.seed, s.position, ()))}
+        | {s.logits_row for s in inp.scores}
+    )
+
+
+def draw_keys(inp: IterationInputs) -> list[torch.Tensor]:
+    """Host tensors of what reduce_iteration reads: each sample's logits row, seed (the uint64's
+    bits as int64), position and temperature (0 for greedy), then full_rows(inp). An executor
+    uploads them with the iteration's inputs, so the reduction never copies from pageable memory."""
+    specs = inp.samples
+    temps = [0.0 if s.params.greedy else float(s.params.temperature) for s in specs]
+    return [
+        torch.tensor([s.logits_row for s in specs], dtype=torch.int64),
+        torch.tensor([int_bits(s.seed) for s in specs], dtype=torch.int64),
+        torch.tensor([s.position for s in specs], dtype=torch.int64),
+        torch.tensor(temps, dtype=torch.float64),
+        torch.tensor(full_rows(inp), dtype=torch.int64),
+    ]
+
+
 def reduce_iteration(
-    inp: IterationInputs, logits: torch.Tensor, k: int = 8
+    inp: IterationInputs, logits: torch.Tensor, k: int = 8, keys: list[torch.Tensor] | None = None
 ) -> tuple[Candidates, list[int], torch.Tensor]:
     """On the logits' device: (each sample's draw candidates, the logits rows needed in full, those
-    rows) for ReducedLogits. logits [rows, vocab] float32."""
-    specs = inp.samples
-    rows = logits[[s.logits_row for s in specs]]
-    temps = [0.0 if s.params.greedy else float(s.params.temperature) for s in specs]
-    cand = reduce_for_draw(rows, [s.seed for s in specs], [s.position for s in specs], temps, k)
-    keys = [SampleRow(s.params, s.seed, s.position, ()) for s in specs]
-    full = sorted(
-        {s.logits_row for s, r in zip(specs, keys) if not reducible(r)} | {s.logits_row for s in inp.scores}
-    )
-    return cand, full, logits[full]
+    rows) for ReducedLogits. logits [rows, vocab] float32; keys: draw_keys(inp) on that device (made
+    here from the host when None)."""
+    dev = logits.device
+    rows, seeds, positions, temps, full = (t.to(dev) for t in (keys or draw_keys(inp)))
+    cand = reduce_for_draw(logits.index_select(0, rows), seeds, positions, temps, k)
+    return cand, full_rows(inp), logits.index_select(0, full)
 
 
 def sample_iteration(
