@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl_backend.executor.sample_stage import sample_iteration
+from minisgl_backend.executor.sample_stage import ReducedLogits, sample_iteration
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.executor.tracker import InflightTracker
 from minisgl_backend.iteration import IterationInputs, IterationOutput, PrefillChunk
@@ -111,7 +111,7 @@ class DualWorkerExecutor:
         """Compute thread: run the forward of `inp` and hand its logits to the copy side."""
         raise NotImplementedError
 
-    def _copy_items(self) -> Iterator[tuple[IterationInputs, np.ndarray]]:
+    def _copy_items(self) -> Iterator[tuple[IterationInputs, np.ndarray | ReducedLogits]]:
         """Copy thread: (inputs, float32 host logits) in iteration order, until _stop_copy."""
         raise NotImplementedError
 

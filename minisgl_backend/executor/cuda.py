@@ -21,10 +21,17 @@ out again before the reading stream is done with it.
 
 Sampled tokens stay in the host token table, so a decode batch waits (on the compute worker) for
 the previous iteration's sampling before it stages its input ids. Prompt-only batches do not wait.
+
+With MINISGL_REDUCE_LOGITS=1 the full logits do not cross to the host: the compute stream reduces
+each sampled row to its draw candidates (sample_stage.reduce_iteration; the draw keys travel with
+the inputs), and the D2H copies those and only the rows needed in full; a row whose candidates cannot
+prove its draw is fetched from the device logits, which are kept until the iteration is sampled.
+Off by default until it has run on a GPU.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -32,6 +39,7 @@ import numpy as np
 import torch
 
 from minisgl_backend.executor.base import DualWorkerExecutor, forward_batch, index_tensors
+from minisgl_backend.executor.sample_stage import ReducedLogits, draw_keys, reduce_iteration
 from minisgl_backend.executor.staging import StagingRing, StagingSlot
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.executor.tracker import InflightTracker
@@ -39,6 +47,7 @@ from minisgl_backend.iteration import IterationInputs
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.metrics import Metrics, Tracer
 from minisgl_backend.model.llama import CausalLM
+from minisgl_backend.sampling.reduce import Candidates
 
 
 class CUDAExecutor(DualWorkerExecutor):
@@ -61,9 +70,10 @@ class CUDAExecutor(DualWorkerExecutor):
         # Slots are held from launch to completion and at most max_inflight iterations are in flight,
         # so this many slots never make the compute worker wait in steady state.
         self._ring = StagingRing(tracker.max_inflight, pin=True)
-        self._pending: dict[
-            int, tuple[IterationInputs, torch.Tensor, torch.cuda.Event, torch.cuda.Event]
-        ] = {}
+        # iteration -> (inputs, host logits or reduced ones, start, end, device logits kept for
+        # fetching rows the reduction could not settle, or None)
+        self._pending: dict[int, tuple] = {}
+        self._reduce = os.environ.get("MINISGL_REDUCE_LOGITS", "0") == "1"
         self._stopping = False
         self._clock: tuple[torch.cuda.Event, float] | None = None
         super().__init__(tracker, metrics, tracer, debug_delay_ms=debug_delay_ms)
@@ -83,26 +93,51 @@ class CUDAExecutor(DualWorkerExecutor):
         slot = self._acquire_slot(inp.iteration)
         if slot is None:
             return  # a worker failed while we waited; the error is already reported
+        keys = draw_keys(inp) if self._reduce else []
         with torch.cuda.stream(self._copy):
-            tensors = slot.upload(index_tensors(inp, input_ids), self.device)
+            uploaded = slot.upload([*index_tensors(inp, input_ids), *keys], self.device)
             h2d = torch.cuda.Event()
             h2d.record(self._copy)
+        split = len(uploaded) - len(keys)
+        tensors = uploaded[:split]
+        keys = [
+            t for t in uploaded[split:] if t is not None
+        ]  # keys are never absent inputs
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._compute):
             self._compute.wait_event(h2d)
             start.record(self._compute)
             logits = self.model(forward_batch(inp, tensors), self.kv).float()  # fp32: sampled on the host
+            reduced = reduce_iteration(inp, logits, keys=keys) if self._reduce else None
             end.record(self._compute)
-        for t in tensors:  # allocated on the copy stream, read on the compute stream
+        for t in [*tensors, *keys]:  # allocated on the copy stream, read on the compute stream
             if t is not None:
                 t.record_stream(self._compute)
         with torch.cuda.stream(self._copy):
             self._copy.wait_event(end)
-            host_logits = slot.download(logits)
-        logits.record_stream(self._copy)  # allocated on the compute stream, read by the D2H
-        self._pending[inp.iteration] = (inp, host_logits, start, end)
+            if reduced is None:
+                host: object = slot.download(logits)
+                outs = [logits]
+            else:
+                cand, rows, full = reduced
+                names = ("cand_ids", "cand_logits", "cand_bound")
+                host = (
+                    Candidates(*(slot.download(t, n) for t, n in zip(cand, names))),
+                    rows,
+                    slot.download(full, "full"),
+                )
+                outs = [logits, *cand, full]
+        for t in outs:  # allocated on the compute stream, read by the D2H
+            t.record_stream(self._copy)
+        self._pending[inp.iteration] = (inp, host, start, end, None if reduced is None else logits)
         self._copied.begin()
         self._copied.cuda_host_complete(self._copy.cuda_stream, inp.iteration)
+
+    def _fetch(self, logits: torch.Tensor, rows: list[int]) -> np.ndarray:
+        """Full logits rows from the device, on the copy stream (rarely: rows whose candidates could
+        not prove their draw); the forward that made them is done by then."""
+        with torch.cuda.stream(self._copy):
+            return logits[rows].cpu().numpy()
 
     def _acquire_slot(self, iteration: int) -> StagingSlot | None:
         """A staging slot for `iteration`, waiting (rarely) until the oldest held slot's fence passed."""
@@ -113,12 +148,18 @@ class CUDAExecutor(DualWorkerExecutor):
                 return None
         return slot
 
-    def _copy_items(self) -> Iterator[tuple[IterationInputs, np.ndarray]]:
+    def _copy_items(self) -> Iterator[tuple[IterationInputs, np.ndarray | ReducedLogits]]:
         while not (self._stopping and not self._pending) and self.error is None:
             for it in self._copied.wait(1.0):  # host callbacks of one stream fire in order
-                inp, host_logits, start, end = self._pending.pop(it)
+                inp, host, start, end, device_logits = self._pending.pop(it)
                 self._record_forward(inp.iteration, start, end)
-                yield inp, host_logits.numpy()
+                if device_logits is None:
+                    yield inp, host.numpy()
+                    continue
+                cand, rows, full = host
+                full_rows = dict(zip(rows, full.numpy()))
+                fetch = lambda missing, lg=device_logits: self._fetch(lg, missing)
+                yield inp, ReducedLogits(Candidates(*(t.numpy() for t in cand)), full_rows, fetch)
 
     def _record_forward(self, iteration: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         """GPU time of the forward (both events passed: the D2H after them is done)."""

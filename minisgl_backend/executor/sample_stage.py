@@ -11,11 +11,13 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import numpy as np
+import torch
 
 from minisgl_backend.errors import RequestFailedError
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.iteration import IterationInputs, IterationOutput
 from minisgl_backend.sampling.penalties import apply_penalties
+from minisgl_backend.sampling.reduce import Candidates, draw_reduced, int_bits, reduce_for_draw, reducible
 from minisgl_backend.sampling.sampler import SampleRow, apply_processors, sample, token_logprobs
 from minisgl_backend.types import TokenLogprob
 
@@ -56,7 +58,71 @@ def _scored(
     return out
 
 
-def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable) -> IterationOutput:
+class ReducedLogits:
+    """One iteration's logits as the host gets them when the device reduced them (reduce_iteration):
+    each sample's draw candidates (sampling/reduce.py), the full rows known to be needed (rows
+    whose draw is not reducible, logprobs and prompt scores), and `fetch`, which copies further full
+    rows from the device (a row whose candidates could not prove its draw). Indexed by a list of
+    logits rows, it gives those full rows, as the full numpy logits would."""
+
+    def __init__(
+        self,
+        candidates: Candidates,
+        full: dict[int, np.ndarray],
+        fetch: Callable[[list[int]], np.ndarray],
+    ) -> None:
+        self.candidates = candidates  # numpy, one row per IterationInputs.samples entry
+        self.full = full
+        self.fetch = fetch
+        self.fetched = 0  # rows fetched after the fact (their draws were not provable)
+
+    def __getitem__(self, rows: list[int]) -> np.ndarray:
+        missing = sorted({r for r in rows if r not in self.full})
+        if missing:
+            self.full.update(zip(missing, self.fetch(missing)))
+            self.fetched += len(missing)
+        return np.stack([self.full[r] for r in rows])
+
+
+def full_rows(inp: IterationInputs) -> list[int]:
+    """The logits rows the host needs in full whatever the candidates say: the samples whose draw
+    is not reducible (sampling/reduce.py), and every scored prompt row."""
+    return sorted(
+        {s.logits_row for s in inp.samples if not reducible(SampleRow(s.params, s.seed, s.position, ()))}
+        | {s.logits_row for s in inp.scores}
+    )
+
+
+def draw_keys(inp: IterationInputs) -> list[torch.Tensor]:
+    """Host tensors of what reduce_iteration reads: each sample's logits row, seed (the uint64's
+    bits as int64), position and temperature (0 for greedy), then full_rows(inp). An executor
+    uploads them with the iteration's inputs, so the reduction never copies from pageable memory."""
+    specs = inp.samples
+    temps = [0.0 if s.params.greedy else float(s.params.temperature) for s in specs]
+    return [
+        torch.tensor([s.logits_row for s in specs], dtype=torch.int64),
+        torch.tensor([int_bits(s.seed) for s in specs], dtype=torch.int64),
+        torch.tensor([s.position for s in specs], dtype=torch.int64),
+        torch.tensor(temps, dtype=torch.float64),
+        torch.tensor(full_rows(inp), dtype=torch.int64),
+    ]
+
+
+def reduce_iteration(
+    inp: IterationInputs, logits: torch.Tensor, k: int = 8, keys: list[torch.Tensor] | None = None
+) -> tuple[Candidates, list[int], torch.Tensor]:
+    """On the logits' device: (each sample's draw candidates, the logits rows needed in full, those
+    rows) for ReducedLogits. logits [rows, vocab] float32; keys: draw_keys(inp) on that device (made
+    here from the host when None)."""
+    dev = logits.device
+    rows, seeds, positions, temps, full = (t.to(dev) for t in (keys or draw_keys(inp)))
+    cand = reduce_for_draw(logits.index_select(0, rows), seeds, positions, temps, k)
+    return cand, full_rows(inp), logits.index_select(0, full)
+
+
+def sample_iteration(
+    inp: IterationInputs, logits: np.ndarray | ReducedLogits, table: TokenTable
+) -> IterationOutput:
     """Draw the tokens of one iteration from float32 logits [rows, vocab], write them into the token
     table (where the next iteration reads them) and score prompt logprobs.
 
@@ -82,17 +148,30 @@ def sample_iteration(inp: IterationInputs, logits: np.ndarray, table: TokenTable
             )
             for s in specs
         ]
-        processed, failed = apply_processors(logits[[s.logits_row for s in specs]], rows)
-        processed = apply_penalties(processed, rows, failed)
-        tokens = sample(processed, rows, failed)
+        # Rows whose candidates prove their draw take it; the rest are drawn from their full rows
+        # (every step below is row by row, so drawing a subset gives each row the same token).
+        tokens: list[int | None] = [None] * len(specs)
+        if isinstance(logits, ReducedLogits):
+            tokens = draw_reduced(logits.candidates, rows)
+        todo = [i for i, t in enumerate(tokens) if t is None]
+        failed: dict[int, Exception] = {}
+        if todo:
+            sub = [rows[i] for i in todo]
+            processed, sub_failed = apply_processors(logits[[specs[i].logits_row for i in todo]], sub)
+            processed = apply_penalties(processed, sub, sub_failed)
+            for i, t in zip(todo, sample(processed, sub, sub_failed)):
+                tokens[i] = t
+            failed = {todo[j]: e for j, e in sub_failed.items()}
         errors = {specs[i].req_key: e for i, e in failed.items()}
-        table.write_drawn([s.table_row for s in specs], [s.position for s in specs], tokens)
-        for s, tok in zip(specs, tokens):
+        drawn = [t for t in tokens if t is not None]
+        assert len(drawn) == len(tokens), "every row drew a token: from its candidates or its full row"
+        table.write_drawn([s.table_row for s in specs], [s.position for s in specs], drawn)
+        for s, tok in zip(specs, drawn):
             if s.req_key not in errors:
                 sampled[s.req_key] = tok
         want = [
             (s, tok)
-            for s, tok in zip(specs, tokens)
+            for s, tok in zip(specs, drawn)
             if s.params.logprobs is not None and s.req_key not in errors
         ]
         scored = _scored(

@@ -64,10 +64,11 @@ class StagingSlot:
             out.append(on_device[t.dtype][start : start + t.numel()].view(t.shape))
         return out
 
-    def download(self, logits: torch.Tensor) -> torch.Tensor:
-        """Start a non-blocking copy of float32 `logits` into this slot on the current stream; the
-        result may be read only after that stream passed the copy."""
-        host = self.buffer("logits", torch.float32, logits.numel()).view(logits.shape)
+    def download(self, logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
+        """Start a non-blocking copy of `logits` (float32 logits, or another output named `name`)
+        into this slot on the current stream; the result may be read only after that stream passed
+        the copy."""
+        host = self.buffer(name, logits.dtype, logits.numel()).view(logits.shape)
         host.copy_(logits, non_blocking=True)
         return host
 

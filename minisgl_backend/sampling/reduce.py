@@ -34,8 +34,8 @@ def margin(bound: float) -> float:
     return MARGIN + 4 * float(np.spacing(abs(bound)))
 
 
-def _i64(c: int) -> int:
-    """The int64 whose bits are the uint64 `c`."""
+def int_bits(c: int) -> int:
+    """The int64 whose bits are the uint64 `c` (how a device tensor holds a seed)."""
     c &= (1 << 64) - 1
     return c - (1 << 64) if c >= 1 << 63 else c
 
@@ -46,16 +46,16 @@ def _shr(h: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _mix64(h: torch.Tensor) -> torch.Tensor:
-    h = (h ^ _shr(h, 30)) * _i64(0xBF58476D1CE4E5B9)
-    h = (h ^ _shr(h, 27)) * _i64(0x94D049BB133111EB)
+    h = (h ^ _shr(h, 30)) * int_bits(0xBF58476D1CE4E5B9)
+    h = (h ^ _shr(h, 27)) * int_bits(0x94D049BB133111EB)
     return h ^ _shr(h, 31)
 
 
 def hash_uniform_torch(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """sampler.hash_uniform in torch on any device, the same bits: seeds [R] (int64 holding the
     bits of each uint64 sampling key), positions [R], token_ids [R, C] -> float64 [R, C]."""
-    row = _mix64(_mix64(seeds ^ _i64(0x9E3779B97F4A7C15)) + positions * _i64(0xD1B54A32D192ED03))
-    h = _mix64(row[:, None] ^ (token_ids * _i64(0xA24BAED4963EE407)))
+    row = _mix64(_mix64(seeds ^ int_bits(0x9E3779B97F4A7C15)) + positions * int_bits(0xD1B54A32D192ED03))
+    h = _mix64(row[:, None] ^ (token_ids * int_bits(0xA24BAED4963EE407)))
     return (_shr(h, 11).double() + 0.5) / float(1 << 53)
 
 
@@ -73,26 +73,28 @@ class Candidates(NamedTuple):
 
 def reduce_for_draw(
     logits: torch.Tensor,
-    seeds: Sequence[int],
-    positions: Sequence[int],
-    temperatures: Sequence[float],
+    seeds: torch.Tensor | Sequence[int],
+    positions: torch.Tensor | Sequence[int],
+    temperatures: torch.Tensor | Sequence[float],
     k: int,
 ) -> Candidates:
     """On the logits' device: each row's `k` best tokens by the score its draw maximises (logits
-    for temperature 0, logits / T + G(seed, position, token) otherwise). logits [R, V] float."""
+    for temperature 0, logits / T + G(seed, position, token) otherwise). logits [R, V] float; the
+    keys as tensors on that device (seeds holding the uint64 bits as int64), or as host values.
+    Nothing here waits for the device: greedy and random rows are scored alike, and the greedy
+    ones then keep their logits."""
     dev = logits.device
     x = logits.double()
-    temps = torch.tensor(temperatures, dtype=torch.float64, device=dev)
+    if not isinstance(seeds, torch.Tensor):
+        seeds = torch.tensor([int_bits(s) for s in seeds], dtype=torch.int64)
+    seeds = seeds.to(dev)
+    positions = torch.as_tensor(positions, dtype=torch.int64).to(dev)
+    temps = torch.as_tensor(temperatures, dtype=torch.float64).to(dev)
     noisy = temps > 0
-    if bool(noisy.any()):
-        vocab = torch.arange(x.shape[1], device=dev).expand(x.shape[0], -1)
-        u = hash_uniform_torch(
-            torch.tensor([_i64(s) for s in seeds], device=dev),
-            torch.tensor(list(positions), device=dev),
-            vocab,
-        )
-        scored = x / torch.where(noisy, temps, 1.0)[:, None] - torch.log(-torch.log(u))
-        x = torch.where(noisy[:, None], scored, x)
+    vocab = torch.arange(x.shape[1], device=dev).expand(x.shape[0], -1)
+    u = hash_uniform_torch(seeds, positions, vocab)
+    scored = x / torch.where(noisy, temps, 1.0)[:, None] - torch.log(-torch.log(u))
+    x = torch.where(noisy[:, None], scored, x)
     top = x.topk(min(k + 1, x.shape[1]), dim=1)
     ids = top.indices[:, :k]
     # With the whole vocabulary kept there is nothing left out to bound.

@@ -98,3 +98,23 @@ def test_cuda_trace_has_gpu_forward_spans(tiny_model_dir):
     assert forwards and all(b >= a for _, _, a, b in forwards)
     for _, name, _, end in forwards:  # a forward's logits are sampled after the forward ended
         assert samples[name.split()[1]][2] >= end - 1e-3
+
+
+def test_reduced_logits_give_the_full_copys_tokens(tiny_model_dir, monkeypatch):
+    """MINISGL_REDUCE_LOGITS=1: the host gets each sampled row's draw candidates instead of the full
+    logits; greedy, seeded and logprob-scored requests give the same tokens and logprobs as with
+    the full copy, and every block is free afterwards."""
+    prompts = token_prompts(8)
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.2, seed=2**63 + 1, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True, logprobs=2),
+    ] * 2
+    monkeypatch.setenv("MINISGL_REDUCE_LOGITS", "0")
+    full, _ = _run(_config(tiny_model_dir, device="cuda"), prompts, params)
+    monkeypatch.setenv("MINISGL_REDUCE_LOGITS", "1")
+    reduced, eng = _run(_config(tiny_model_dir, device="cuda"), prompts, params)
+    assert eng._executor._reduce
+    assert [o.token_ids for o in reduced] == [o.token_ids for o in full]
+    assert [o.logprobs for o in reduced] == [o.logprobs for o in full]
