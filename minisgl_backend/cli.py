@@ -308,31 +308,48 @@ def _cmd_determinism(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from minisgl_backend.engine import Engine
-    from minisgl_backend.serve.server import _require_extra, run_server
+    from minisgl_backend.serve.server import _require_extra, bind, run_server
 
     _require_extra()  # before loading a model
     if args.replicas < 1:
         raise MiniSGLError(f"--replicas must be >= 1, got {args.replicas}")
     limits = _serve_limits(args)  # a bad limit fails before the model loads
+    if not args.shutdown_timeout >= 0:
+        raise MiniSGLError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         raise MiniSGLError(
             "the API key is empty (--api-key or MINISGL_API_KEY): the server would accept any client; "
             "give a key, or unset MINISGL_API_KEY to serve without one"
         )
     _check_tool_call_parser(args)
+    _check_generation_config(args)
+    _check_reasoning_parser(args)
     if args.chat_template:
         _chat_template(args.chat_template)  # a bad reference fails before the model loads
     if args.replicas > 1 or args.ray_address:
         if args.chat_template:
             raise MiniSGLError("--chat-template is not supported with --replicas / --ray-address yet")
+        if args.reasoning_parser:
+            raise MiniSGLError("--reasoning-parser is not supported with --replicas / --ray-address yet")
+        if args.shutdown_timeout:
+            raise MiniSGLError(
+                "--shutdown-timeout is not supported with --replicas / --ray-address yet: "
+                "their requests are aborted at once on SIGINT / SIGTERM"
+            )
         return _serve_on_ray(args)
+    sock = bind(args.host, args.port)  # a port in use is told now, not after the model has loaded
     try:
         engine = Engine(_engine_config(args))
     except KeyboardInterrupt:  # stopped while loading the model
+        sock.close()
         return 130
+    except BaseException:
+        sock.close()
+        raise
     _set_chat_template(engine, args)
     run_server(
         engine,
+        sock=sock,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -340,8 +357,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         limits=limits,
         access_log=args.access_log,
+        extra_hosts=_extra_hosts(args),
+        shutdown_timeout=args.shutdown_timeout,
+        reasoning_parser=args.reasoning_parser,
     )
     return 0
+
+
+def _extra_hosts(args: argparse.Namespace) -> list[str]:
+    """--allowed-hosts, repeatable and comma-separated."""
+    return [h.strip() for item in args.allowed_hosts for h in item.split(",") if h.strip()]
 
 
 def _serve_limits(args: argparse.Namespace) -> Any:
@@ -357,6 +382,8 @@ def _serve_limits(args: argparse.Namespace) -> Any:
         stream_idle_timeout_s=args.stream_idle_timeout,
         stream_buffer_events=args.stream_buffer,
         cpu_workers=args.cpu_workers,
+        max_request_chars=args.max_request_chars,
+        max_buffered_bytes=args.max_buffered_bytes,
     )
     limits.check()
     return limits
@@ -378,6 +405,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             model_name=args.served_model_name,
             ray_address=args.ray_address,
             limits=_serve_limits(args),
+            extra_hosts=_extra_hosts(args),
         )
         serve_until_signalled(server, str(config.model), args.served_model_name)
     except KeyboardInterrupt:  # stopped while Ray started or the replicas loaded
@@ -395,12 +423,34 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 TOOL_CALL_PARSERS = ("hermes",)
 
 
+def _check_generation_config(args: argparse.Namespace) -> None:
+    """vLLM's --generation-config: 'auto' (its default) or a folder takes the model's sampling
+    defaults; 'vllm' ignores them, which is what minisgl always does."""
+    if args.generation_config not in (None, "vllm"):
+        raise MiniSGLError(
+            f"--generation-config {args.generation_config!r}: minisgl takes no sampling defaults from "
+            "generation_config.json (it reads only eos_token_id there); a request's temperature, "
+            "top_p, top_k, ... are its own, else OpenAI's defaults (temperature 1, top_p 1): send "
+            "them per request, or pass --generation-config vllm, which is what minisgl does"
+        )
+
+
 def _check_tool_call_parser(args: argparse.Namespace) -> None:
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
         raise MiniSGLError(
             f"--tool-call-parser {args.tool_call_parser!r}: minisgl parses one format, hermes "
             '(<tool_call>{"name": ..., "arguments": {...}}</tool_call>, also Qwen\'s), which is '
             "what it asks of models whose chat template cannot render tools"
+        )
+
+
+def _check_reasoning_parser(args: argparse.Namespace) -> None:
+    from minisgl_backend.chat.reasoning import REASONING_PARSERS
+
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        raise MiniSGLError(
+            f"--reasoning-parser {args.reasoning_parser!r}: minisgl splits reasoning traces written as "
+            f"<think>...</think> at the start of a reply: {', '.join(REASONING_PARSERS)}"
         )
 
 
@@ -419,9 +469,26 @@ def _vllm_serve_args(sv: argparse.ArgumentParser) -> None:
         help="accepted for vLLM compatibility: tool_choice auto is always on (calls parsed from the reply)",
     )
     g.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        help="deepseek_r1 or qwen3: a chat reply's leading <think>...</think> goes to the message's "
+        "`reasoning` field (streamed as `reasoning` deltas) instead of its content",
+    )
+    g.add_argument(
         "--tool-call-parser",
         metavar="NAME",
         help=f"accepted for vLLM compatibility: {', '.join(TOOL_CALL_PARSERS)} (the one format parsed)",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM compatibility: requests are not logged unless --access-log",
+    )
+    g.add_argument(
+        "--generation-config",
+        metavar="SOURCE",
+        help="only 'vllm' (the requests' own fields or OpenAI's defaults): the model's "
+        "generation_config.json gives no sampling defaults here",
     )
 
 
@@ -543,9 +610,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=[],
+        metavar="NAME[,NAME...]",
+        help="Host header names answered besides the loopback names and --host (others get a 421; "
+        "repeatable; '*' answers any). Bound to 0.0.0.0 or :: the Host is checked only if given",
+    )
+    sv.add_argument(
         "--api-key",
         default=os.environ.get("MINISGL_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health (env MINISGL_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every endpoint but the probes, /metrics and the "
+        "docs (env MINISGL_API_KEY)",
     )
     sv.add_argument(
         "--served-model-name", help="the model id clients send and /v1/models lists (default: --model)"
@@ -565,9 +641,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--log-level",
+        "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level, and the server's own (the start banner is INFO)",
+    )
+    sv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="on SIGINT / SIGTERM, new requests get a 503 (and /health) while the requests in flight get "
+        "up to S seconds to finish; then the rest are aborted (default 0: at once; a second signal "
+        "stops at once)",
     )
     sv.add_argument(
         "--access-log",
@@ -577,6 +663,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lim = sv.add_argument_group("limits (per request and per client; docs/serving.md, 'Limits')")
     lim.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="request body cap (413)")
+    lim.add_argument(
+        "--max-buffered-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="request body bytes held at once over all requests; past it a request gets a 503",
+    )
     lim.add_argument("--max-prompts", type=int, default=1024, help="prompts in one completions request")
     lim.add_argument("--max-sequences", type=int, default=1024, help="n x prompts in one request")
     lim.add_argument("--header-timeout", type=float, default=10.0, help="seconds to send request headers")
@@ -602,6 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="undelivered stream events per sequence before a slow reader's requests are aborted",
     )
     lim.add_argument("--cpu-workers", type=int, default=2, help="threads for tokenising and templates")
+    lim.add_argument(
+        "--max-request-chars",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="characters one request may have tokenised in all (prompts, messages, tool calls, /tokenize)",
+    )
     _engine_args(sv, seed=True)
     _vllm_serve_args(sv)
     sv.set_defaults(fn=_cmd_serve)
@@ -642,6 +740,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--check", action="store_true", help="compare every completed response with a solo run of its prompt"
     )
     bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument(
+        "--offline-baseline",
+        action="store_true",
+        help="without --url: then run the same requests in-process on the same engine (no HTTP, no "
+        "server threads) and print served / offline: what the server's own threads cost",
+    )
     bs.add_argument("--json", help="also write the results to this JSON file")
     _engine_args(bs)
     bs.set_defaults(fn=_cmd_bench_serve)

@@ -108,6 +108,13 @@ class EngineConfig:
                 f"({mem:.1f} GiB), got {self.kv_cache_memory_gb}"
             )
 
+        if device_type == "cuda" and self.deterministic:
+            raise ConfigError(
+                "deterministic: true is proven for the CPU kernels only (batch-invariant linears and "
+                "attention, tested on the CPU); on CUDA it is not, so it is refused rather than promised: "
+                "set deterministic: false (the keyed sampler still keeps the output distribution "
+                "independent of batching)"
+            )
         if self.weight_dtype == "int8" and (
             device_type != "cpu" or self.dtype != "bfloat16" or self.deterministic
         ):

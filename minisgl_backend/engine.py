@@ -91,7 +91,7 @@ class Engine:
         self.config = config
         install_logging()
         if torch.device(config.device).type == "cpu":
-            threads = cpu_threads.plan(config.num_threads, config.dtype)
+            threads = cpu_threads.plan(config.num_threads, config.dtype, config.deterministic)
             if cpu_threads.apply(threads):
                 log.info("CPU threads: %s", threads.describe())
         elif config.num_threads:

@@ -29,7 +29,7 @@ class Metrics:
         *,
         exact: bool = False,
         interval_s: float = 1.0,
-        stats_line: Callable[[dict[str, float], dict[str, float], float], str] | None = None,
+        stats_line: Callable[[dict[str, float], dict[str, float], float], str | None] | None = None,
         stats_every_s: float = 0.0,
     ) -> None:
         self.exact = exact
@@ -91,7 +91,9 @@ class Metrics:
             now = time.monotonic()
             if self._stats_line and self._stats_every > 0 and now - last_line >= self._stats_every:
                 cur = self.snapshot()
-                log.info(self._stats_line(cur, prev, now - last_line))
+                line = self._stats_line(cur, prev, now - last_line)
+                if line:  # None: nothing happened since the last one
+                    log.info(line)
                 prev, last_line = cur, now
 
     def close(self) -> None:

@@ -47,16 +47,11 @@ from langchain_minisgl._tools import ToolCallStreamSplitter, parse_tool_calls
 from minisgl_backend import Engine, InvalidRequestError, RequestOutput, SamplingParams
 from minisgl_backend.chat import ChatPrompt, forced_tools, render_chat
 from minisgl_backend.chat.logprobs import TokenText, chat_logprobs
+from minisgl_backend.chat.reasoning import ReasoningStreamSplitter, split_reasoning
 
 _CALL_OPTIONS = ("tools", "tool_choice", "response_format", "stream", "logprobs", "top_logprobs")
 # Content parts the model cannot read: an error names them instead of dropping them silently.
 _MEDIA_PARTS = {"image", "image_url", "input_image", "audio", "input_audio", "video", "file"}
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def _forced_tools(tool_choice: Any, tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """Tools one of which MUST be called (decoding is then constrained), or None when calling is optional."""
-    return forced_tools(tool_choice, tools)
 
 
 def _text(message: BaseMessage) -> str:
@@ -69,61 +64,6 @@ def _text(message: BaseMessage) -> str:
             "send text parts (the model has no image or audio input)"
         )
     return message.text
-
-
-def split_reasoning(text: str) -> tuple[str, str | None]:
-    """(answer, reasoning): a reply that opens with <think>...</think> has that part moved out."""
-    stripped = text.lstrip()
-    if not stripped.startswith(THINK_OPEN):
-        return text, None
-    body, sep, answer = stripped[len(THINK_OPEN) :].partition(THINK_CLOSE)
-    if not sep:  # cut before the reasoning ended (max_tokens): all of it is reasoning
-        return "", body.strip()
-    return answer.lstrip(), body.strip()
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `tag` (it may still grow into it)."""
-    return max((k for k in range(1, len(tag)) if text.endswith(tag[:k])), default=0)
-
-
-class ReasoningStreamSplitter:
-    """Streamed text -> (answer delta, reasoning delta), holding back what may still be a tag."""
-
-    def __init__(self) -> None:
-        self._buf = ""
-        self._state = "start"  # start -> (thinking -> answer) | answer
-
-    def feed(self, delta: str) -> tuple[str, str]:
-        self._buf += delta
-        answer = reasoning = ""
-        while self._buf:
-            if self._state == "start":
-                head = self._buf.lstrip()
-                if len(head) < len(THINK_OPEN) and THINK_OPEN.startswith(head):
-                    break  # may still become <think>
-                if head.startswith(THINK_OPEN):
-                    self._buf, self._state = head[len(THINK_OPEN) :], "thinking"
-                else:
-                    self._state = "answer"
-            elif self._state == "thinking":
-                i = self._buf.find(THINK_CLOSE)
-                if i >= 0:
-                    reasoning += self._buf[:i]
-                    self._buf, self._state = self._buf[i + len(THINK_CLOSE) :].lstrip(), "answer"
-                    continue
-                keep = _partial_tag(self._buf, THINK_CLOSE)
-                reasoning += self._buf[: len(self._buf) - keep]
-                self._buf = self._buf[len(self._buf) - keep :]
-                break
-            else:
-                answer, self._buf = answer + self._buf, ""
-        return answer, reasoning
-
-    def finish(self) -> tuple[str, str]:
-        """Whatever is held back: reasoning if the reply is still thinking, else answer text."""
-        rest, self._buf = self._buf, ""
-        return ("", rest) if self._state == "thinking" else (rest, "")
 
 
 def _to_openai(message: BaseMessage) -> dict[str, Any]:
@@ -212,7 +152,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
         formatted = [convert_to_openai_tool(t) for t in tools]
-        _forced_tools(tool_choice, formatted)  # an unknown tool name fails here, not at the first call
+        forced_tools(tool_choice, formatted)  # an unknown tool name fails here, not at the first call
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
     def with_structured_output(

@@ -194,13 +194,14 @@ class MiniSGLLM(TemplateLM):
                 args["config"] = config
             if "device" not in engine_args and (dev := _resolve_device(device)) is not None:
                 args["device"] = dev
-            if "deterministic" not in args and (config is None or "deterministic" not in load_preset(config)):
+            preset = load_preset(config) if config is not None else {}
+            on_cpu = str(args.get("device", preset.get("device", "cpu"))).startswith("cpu")
+            if "deterministic" not in args and "deterministic" not in preset and on_cpu:
                 # Reproducible by default: a score must not depend on batch size, the prefix cache or
-                # what else runs (bitwise logits); deterministic=false trades that for speed.
+                # what else runs (bitwise logits); deterministic=false trades that for speed. On the
+                # CPU only: the mode is proven there and refused on CUDA.
                 args["deterministic"] = True
-            if "stats_interval_s" not in args and (
-                config is None or "stats_interval_s" not in load_preset(config)
-            ):
+            if "stats_interval_s" not in args and "stats_interval_s" not in preset:
                 args["stats_interval_s"] = 0  # a scoring run reports through lm-eval, not a 10 s log line
             cfg = build_engine_config(args)
             if "seed" not in engine_args and cfg.seed is None:

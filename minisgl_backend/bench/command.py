@@ -176,6 +176,11 @@ def run_bench_serve(args: argparse.Namespace, config: ConfigFromFlags) -> int:
     from minisgl_backend.serve.server import _require_extra
 
     _require_extra()
+    if args.offline_baseline and (args.url or args.request_rate != float("inf") or args.disconnect_prob):
+        raise MiniSGLError(
+            "--offline-baseline runs the same closed loop in-process on this server's engine: it takes "
+            "no --url, --request-rate or --disconnect-prob"
+        )
     kw = dict(
         api_key=args.api_key,
         model=args.served_model_name,
@@ -204,7 +209,15 @@ def run_bench_serve(args: argparse.Namespace, config: ConfigFromFlags) -> int:
         try:
             srv = start_in_thread(engine, api_key=args.api_key, model_name=args.served_model_name)
             try:
+                if args.offline_baseline:  # warm: the served run pays no first-use cost the offline one skips
+                    from minisgl_backend.bench.configs import run_closed_loop
+
+                    run_closed_loop(engine, [[101, 102, 103]] * args.concurrency, 4, args.concurrency)
                 row = bench_serve(srv.url, vocab=engine.vocab_size, **kw)
+                if args.offline_baseline:
+                    from minisgl_backend.bench.serve import offline_baseline
+
+                    offline_baseline(engine, row, args.num_prompts, args.input_len, args.seed)
                 counts = engine.drain(timeout=120, flush_cache=True)
                 srv.state.collect()
                 finished = {r.user: r for r in list(srv.state.finished)}

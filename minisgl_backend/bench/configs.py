@@ -58,10 +58,15 @@ def shared_prefix_prompts(
 
 
 def run_closed_loop(
-    engine: Engine, prompts: list[list[int]], output_len: int, concurrency: int
+    engine: Engine,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, float]:
-    """`concurrency` clients, each sending its next request when the previous one finished."""
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    """`concurrency` clients, each sending its next request when the previous one finished; greedy,
+    or with the SamplingParams fields `sampling` (e.g. a temperature and a seed)."""
+    params = SamplingParams(**{"temperature": 0, **(sampling or {})}, max_tokens=output_len, ignore_eos=True)
     queue_ = list(reversed(prompts))
     lock = threading.Lock()
     outs: list[RequestOutput] = []
@@ -93,10 +98,12 @@ def bench_configs(
     concurrency: int,
     trace_events: list[dict] | None = None,
     workload: Callable[[int, int], list[list[int]]] = mixed_prompts,
+    sampling: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The same workload (`workload(num_requests, vocab)`) under each config variant, one engine at
-    a time. With `trace_events`, every run's timeline is appended (one trace process per variant) and
-    each row reports how much of the scheduler thread's busy time overlapped a running forward pass."""
+    a time, drawn as run_closed_loop's `sampling` says. With `trace_events`, every run's timeline is
+    appended (one trace process per variant) and each row reports how much of the scheduler
+    thread's busy time overlapped a running forward pass."""
     rows: dict[str, dict[str, Any]] = {}
     for i, (name, overrides) in enumerate(variants.items()):
         cfg = base.replace(
@@ -108,7 +115,7 @@ def bench_configs(
             engine.generate(warm, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
             engine.tracer.spans.clear()
             before = engine.metrics()
-            rows[name] = run_closed_loop(engine, prompts, output_len, concurrency)
+            rows[name] = run_closed_loop(engine, prompts, output_len, concurrency, sampling)
             engine.drain()
             rows[name].update(_prefill_stats(before, engine.metrics()))
             if trace_events is not None:

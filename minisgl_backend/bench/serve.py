@@ -198,6 +198,41 @@ def _scrape(url: str, api_key: str | None) -> str:
     return r.text if r.status_code == 200 else ""
 
 
+def workload(
+    num_requests: int,
+    num_prompts: int,
+    input_len: int,
+    disconnect_prob: float,
+    seed: int,
+    vocab: int,
+    random_lengths: bool = True,
+) -> tuple[list[list[int]], list[tuple[int, bool]]]:
+    """(the prompt pool, the plan: per request, which prompt and whether its client hangs up), seeded."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        n = rng.randrange(max(1, input_len // 2), input_len * 3 // 2 + 1) if random_lengths else input_len
+        prompts.append([rng.randrange(3, vocab) for _ in range(n)])
+    plan = [(rng.randrange(num_prompts), rng.random() < disconnect_prob) for _ in range(num_requests)]
+    return prompts, plan
+
+
+def offline_baseline(engine: Any, row: dict[str, Any], num_prompts: int, input_len: int, seed: int) -> None:
+    """The same requests (every one completed: no hang-ups), the same closed loop of
+    `row["concurrency"]` clients, on the same engine called in-process (Engine.submit from client
+    threads, no HTTP, no server threads): its req/s and output tok/s go into `row` beside the
+    served run's, with their ratio, which is what the server's own threads (event loop, tokenizer
+    pool, detokenising, SSE framing) cost the engine."""
+    from minisgl_backend.bench.configs import run_closed_loop
+
+    prompts, plan = workload(row["requests"], num_prompts, input_len, 0.0, seed, engine.vocab_size)
+    output_len = row["output_len"]
+    offline = run_closed_loop(engine, [prompts[i] for i, _ in plan], output_len, row["concurrency"])
+    row["offline_req_per_s"] = offline["req_per_s"]
+    row["offline_output_tok_per_s"] = offline["output_tok_per_s"]
+    row["served_over_offline"] = row["output_tok_per_s"] / offline["output_tok_per_s"]
+
+
 def bench_serve(
     url: str,
     *,
@@ -216,12 +251,8 @@ def bench_serve(
     random_lengths: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark against `url` (the server's root, e.g. http://127.0.0.1:8000)."""
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(num_prompts):
-        n = rng.randrange(max(1, input_len // 2), input_len * 3 // 2 + 1) if random_lengths else input_len
-        prompts.append([rng.randrange(3, vocab) for _ in range(n)])
-    plan = [(rng.randrange(num_prompts), rng.random() < disconnect_prob) for _ in range(num_requests)]
+    spec = (num_requests, num_prompts, input_len, disconnect_prob, seed, vocab, random_lengths)
+    prompts, plan = workload(*spec)
     before = _scrape(url, api_key)
     results, wall = asyncio.run(
         _run(url, api_key, model, prompts, plan, output_len, concurrency, request_rate, seed)
@@ -238,6 +269,7 @@ def bench_serve(
         "output_tok_per_s": sum(r.output_tokens for r in done) / wall,
         "concurrency": concurrency,
         "request_rate": request_rate,
+        "output_len": output_len,
     }
     row.update(_stats("ttft", [r.ttft for r in done if r.ttft is not None]))
     row.update(
@@ -297,6 +329,12 @@ def format_row(row: dict[str, Any]) -> str:
             "reference"
         )
         lines += [f"  mismatch: {ex}" for ex in row["mismatch_examples"]]
+    if "served_over_offline" in row:
+        lines.append(
+            f"offline (same requests, in-process): {row['offline_req_per_s']:.2f} req/s, "
+            f"{row['offline_output_tok_per_s']:.1f} output tok/s; served / offline "
+            f"{row['served_over_offline']:.2f}"
+        )
     if "kv_after_drain" in row:
         lines.append(f"KV after drain: {row['kv_after_drain']} (all FREE: {row['kv_all_free']})")
     lines += [f"  error: {e}" for e in row["error_examples"]]

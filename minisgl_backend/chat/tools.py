@@ -4,8 +4,9 @@ The protocol is the Hermes/Qwen one (`<tool_call>{"name": ..., "arguments": {...
 which chat templates with native tool support already use; for templates that ignore `tools=`
 (SmolLM2's ChatML) the prompt states it in a system message itself.
 
-Parsed calls are plain dicts: `{"name", "args", "id"}` for a call, `{"name", "args", "id", "error"}`
-(args: the raw text) for one that does not parse. The LangChain adapter wraps them into its
+Parsed calls are plain dicts: `{"name", "args", "id"}` for a call, `{"name", "args", "id", "error",
+"text"}` (args: the raw text inside the tags; text: the whole block as written, tags included) for
+one that does not parse. The LangChain adapter wraps them into its
 ToolCall / InvalidToolCall; the server into OpenAI `tool_calls`.
 """
 
@@ -55,7 +56,9 @@ def call_text(name: str, args: Any) -> str:
     return f"{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"
 
 
-def _parse_one(body: str, calls: list[ParsedCall], invalid: list[ParsedCall]) -> None:
+def _parse_one(
+    body: str, calls: list[ParsedCall], invalid: list[ParsedCall], text: str | None = None
+) -> None:
     try:
         obj = json.loads(body)
         name = obj["name"]
@@ -66,7 +69,13 @@ def _parse_one(body: str, calls: list[ParsedCall], invalid: list[ParsedCall]) ->
             raise TypeError("'name' must be a string and 'arguments' an object")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         invalid.append(
-            {"name": None, "args": body, "id": new_call_id(), "error": f"unparseable tool call: {e}"}
+            {
+                "name": None,
+                "args": body,
+                "id": new_call_id(),
+                "error": f"unparseable tool call: {e}",
+                "text": body if text is None else text,
+            }
         )
         return
     calls.append({"name": name, "args": args, "id": new_call_id()})
@@ -168,7 +177,7 @@ def parse_tool_calls(
     for m in _BLOCK.finditer(text):
         pieces.append(text[pos : m.start()])
         pos = m.end()
-        _parse_one(m.group(1), calls, invalid)
+        _parse_one(m.group(1), calls, invalid, m.group(0))
     pieces.append(text[pos:])
     content = "".join(pieces)
     if not calls and not invalid and content.strip().startswith("{"):

@@ -104,24 +104,32 @@ class ThreadPlan:
     torch_threads: int  # torch's intra-op threads
     openmp: bool  # kernels on torch's OpenMP team rather than their own pool
     why: str  # for the start-up line
+    # On OpenMP, drop to one thread while the machine is busy (adapt). Off in the deterministic mode:
+    # torch's float32 matmuls pick their kernels by thread count too, so the row tiles that mode
+    # probed at start-up hold only at the count they were probed at.
+    adaptive: bool = True
 
     def describe(self) -> str:
-        where = (
-            "torch's OpenMP team, one thread while the machine is busy" if self.openmp else "their own pool"
-        )
+        if not self.openmp:
+            where = "their own pool"
+        elif self.adaptive:
+            where = "torch's OpenMP team, one thread while the machine is busy"
+        else:
+            where = "torch's OpenMP team, at this count even on a busy machine (deterministic mode)"
         threads = _count(self.threads, "thread")
         return f"{threads} ({self.why}); kernels on {where}; torch intra-op {self.torch_threads}"
 
 
-def plan(num_threads: int | None, dtype: str) -> ThreadPlan:
-    """The threads a forward in `dtype` runs on under this process's kernel family."""
+def plan(num_threads: int | None, dtype: str, deterministic: bool = False) -> ThreadPlan:
+    """The threads a forward in `dtype` runs on under this process's kernel family (`deterministic`:
+    at a fixed count, see ThreadPlan.adaptive)."""
     if num_threads:
         threads, why = num_threads, "num_threads"
     else:
         threads, why = usable_cpus()
     family = cpu_kernels.family()
     own = dtype == "bfloat16" and family in _OWN_LINEARS  # without the native build the family is torch
-    return ThreadPlan(threads, 1 if own else threads, openmp=not own, why=why)
+    return ThreadPlan(threads, 1 if own else threads, openmp=not own, why=why, adaptive=not deterministic)
 
 
 _ACTIVE: ThreadPlan | None = None
@@ -147,7 +155,7 @@ def adapt() -> None:
     """Before a forward (on the thread that runs it): under a plan whose threads are OpenMP's, one
     thread while the kernels' threads are kept waiting for cores, the planned count otherwise."""
     p = _ACTIVE
-    if p is None or not p.openmp or p.threads == 1:
+    if p is None or not p.openmp or not p.adaptive or p.threads == 1:
         return
     global _held_until
     now = time.monotonic()

@@ -167,6 +167,14 @@ def eager_attention(
     return torch.matmul(probs, v)
 
 
+# backend(q, k_pool, v_pool, batch, scale, window, softcap) -> attention output [N, h, d] of every row
+# of the batch (q [N, h, d]; the batch's K/V already in the pool): an attention back-end other than
+# the paths Attention.forward picks itself, given to the model once at load (model/triton_attention.py).
+AttentionBackend = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch, float, int | None, float | None], torch.Tensor
+]
+
+
 def take_rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """The rows `keep` of x (all of x for None)."""
     return x if keep is None else x[keep]
@@ -213,22 +221,29 @@ class Attention(nn.Module):
         decode: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
         rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         keep: torch.Tensor | None = None,
+        backend: AttentionBackend | None = None,
     ) -> torch.Tensor:
         """masks: chunk_mask(chunk, self.window) per prefill chunk; decode: decode_window(batch,
         self.window, block_size) (None: the batch's decode block tables and mask); rows:
         row_tables(batch), where the native paged attention runs for this model and pool (it then
         serves every row: no prefill chunk's context is gathered); keep: the rows whose output is
-        returned (None: all), see DecoderLayer.forward. K/V are written for every row."""
+        returned (None: all), see DecoderLayer.forward; backend: the attention back-end the model
+        was given at load (LayerLoop.attention), which then serves every row. K/V are written for
+        every row."""
         n = x.shape[0]
         q, k, v = self.qkv(x, rope, n)
         kv.write(self.layer_id, batch.slot_mapping, k, v)
+        if backend is not None:
+            kpool, vpool = kv.k[self.layer_id], kv.v[self.layer_id]
+            o = backend(q, kpool, vpool, batch, self.scale, self.window, self.softcap)
+            return self.o_proj(take_rows(o.view(n, self.h * self.d), keep))
         if rows is not None:
             kpool, vpool = kv.k[self.layer_id], kv.v[self.layer_id]
             if keep is not None:  # a row's output depends only on its own query and keys
                 q, rows = q[keep], (rows[0], rows[1][keep], rows[2][keep])
-            o = cpu_kernels.paged_attention(q, kpool, vpool, *rows, self.scale, self.window, self.softcap)
-            assert o is not None, "rows are given only where the native paged attention runs"
-            return self.o_proj(o.view(q.shape[0], self.h * self.d))
+            att = cpu_kernels.paged_attention(q, kpool, vpool, *rows, self.scale, self.window, self.softcap)
+            assert att is not None, "rows are given only where the native paged attention runs"
+            return self.o_proj(att.view(q.shape[0], self.h * self.d))
 
         b = batch.num_decode
         out = None if b == n else torch.empty_like(q)

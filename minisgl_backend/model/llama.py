@@ -27,6 +27,7 @@ from minisgl_backend.model.batch import ForwardBatch, chunk_mask, decode_window,
 from minisgl_backend.model.checkpoint import Checkpoint
 from minisgl_backend.model.layers import (
     Attention,
+    AttentionBackend,
     DecoderLayer,
     DecoderLayers,
     Linear,
@@ -58,7 +59,13 @@ class Forward(Protocol):
 
 
 class LayerLoop:
-    """The default forward: every layer in turn from Python, RoPE from the model's Rotary modules."""
+    """The default forward: every layer in turn from Python, RoPE from the model's Rotary modules.
+    attention: the attention back-end chosen at load (model/loader.py, attention_backend), which then
+    serves every row of every layer; None: Attention.forward's own paths (the native paged kernels on
+    the CPU, torch elsewhere)."""
+
+    def __init__(self, attention: AttentionBackend | None = None) -> None:
+        self.attention = attention
 
     def ropes(self, model: CausalLM, positions: torch.Tensor, dtype: torch.dtype) -> Ropes:
         return [rotary(positions, dtype) for rotary in model.model.rotary]
@@ -67,6 +74,15 @@ class LayerLoop:
         self, model: CausalLM, x: torch.Tensor, ropes: Ropes, batch: ForwardBatch, kv: KVCache
     ) -> torch.Tensor:
         layers = model.model.layers
+        if self.attention is not None:
+            backend = self.attention
+
+            def attend_with(attn: Attention, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+                return attn(h, ropes[attn.rope_index], batch, kv, [], None, keep=keep, backend=backend)
+
+            for layer in layers[:-1]:
+                x = layer(x, attend_with)
+            return layers[-1](x, attend_with, batch.logits_index)
         # The native paged attention reads every row's keys in place (prefill chunks included: it
         # saves SDPA's gather of the whole context into a fresh tensor per layer); otherwise masks
         # are built once per window size and shared by every layer with that window.

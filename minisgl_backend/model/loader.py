@@ -22,6 +22,7 @@ from minisgl_backend.errors import ConfigError, MiniSGLError, ModelLoadError, Mo
 from minisgl_backend.model import batch_invariant, cpu_kernels
 from minisgl_backend.model.checkpoint import Checkpoint
 from minisgl_backend.model.decode_stack import DecodeStackForward
+from minisgl_backend.model.layers import AttentionBackend
 from minisgl_backend.model.llama import CausalLM, Forward, LayerLoop, build_rotary
 from minisgl_backend.model.spec import ModelSpec
 
@@ -184,8 +185,39 @@ def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> N
 def forward_strategy(model: CausalLM, deterministic: bool) -> Forward:
     """The forward `model` runs: the batch-invariant one for `deterministic` (batch_invariant.enable,
     which keeps packed linears as they are) or the default layer loop, either under the native decode
-    stack for the decode-only batches it runs (with the same bits, tests/kernels/test_decode_stack.py)."""
+    stack for the decode-only batches it runs (with the same bits, tests/kernels/test_decode_stack.py).
+    Where attention_backend gives an attention back-end (the Triton kernels on a GPU), the layer loop
+    over it alone: the decode stack is a CPU path that would bypass it."""
+    attention = None if deterministic else attention_backend(model)
+    if attention is not None:
+        return LayerLoop(attention)
     return DecodeStackForward(batch_invariant.enable(model) if deterministic else LayerLoop())
+
+
+ATTENTION_CHOICES = ("auto", "triton", "torch")
+
+
+def attention_backend(model: CausalLM) -> AttentionBackend | None:
+    """The attention back-end the layer loop gives every layer, chosen once here from the device and
+    MINISGL_ATTENTION: `auto` (the default) takes the Triton kernels (model/triton_attention.py) on a
+    GPU where triton is installed, and None (Attention.forward's own paths) elsewhere; `torch` always
+    None (the torch path on a GPU, to compare against); `triton` always the kernels, also on the CPU
+    where they run under Triton's interpreter (TRITON_INTERPRET=1; slow, for tests and the small
+    check). The CPU paths are never replaced unless asked for."""
+    choice = os.environ.get("MINISGL_ATTENTION", "auto")
+    if choice not in ATTENTION_CHOICES:
+        raise ConfigError(f"MINISGL_ATTENTION must be one of {', '.join(ATTENTION_CHOICES)} (got {choice!r})")
+    has_triton = importlib.util.find_spec("triton") is not None
+    if choice == "torch" or (choice == "auto" and model.device.type != "cuda"):
+        return None
+    if not has_triton:
+        if choice == "triton":
+            raise ConfigError("MINISGL_ATTENTION=triton needs the triton package (pip install triton)")
+        log.warning("triton is not installed: attention on %s runs the torch path", model.device)
+        return None
+    from minisgl_backend.model.triton_attention import TritonAttention
+
+    return TritonAttention()
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

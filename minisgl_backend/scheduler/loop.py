@@ -88,18 +88,29 @@ class StatsLine:
         self.prefix_cache = prefix_cache
         self.num_blocks = 0  # known once the KV cache is sized
 
-    def __call__(self, cur: dict[str, float], prev: dict[str, float], dt: float) -> str:
+    def __call__(self, cur: dict[str, float], prev: dict[str, float], dt: float) -> str | None:
+        """The line, or None when the engine was idle all along (a server waiting for clients would
+        otherwise repeat the same line of zeros forever)."""
+
         def rate(key: str) -> float:
             return (cur.get(key, 0.0) - prev.get(key, 0.0)) / dt
 
+        if not (cur.get("running") or cur.get("waiting") or rate("iterations")):
+            return None
+        # Blocks that only the prefix cache holds are free to evict: not counted as in use, as in
+        # the server's kv_cache_usage_perc.
+        blocks = max(1, self.num_blocks)
+        cached = cur.get("prefix_cache_idle_blocks", 0.0)
+        held = max(0.0, cur.get("kv_used_blocks", 0.0) - cached)
         line = (
             f"running={cur.get('running', 0):.0f} waiting={cur.get('waiting', 0):.0f} "
-            f"kv={cur.get('kv_used_blocks', 0) / max(1, self.num_blocks):.0%} "
+            f"kv={held / blocks:.0%} "
             f"gen={rate('generated_tokens'):.1f} tok/s prefill={rate('prefill_tokens'):.1f} tok/s "
             f"iterations={rate('iterations'):.1f}/s"
         )
         if self.prefix_cache:
             line += f" prefix_hit={rate('prefix_hit_tokens') / max(rate('prefix_query_tokens'), 1e-9):.0%}"
+            line += f" cached={cached / blocks:.0%}"
         return line
 
 

@@ -26,7 +26,7 @@ The prefix cache's part (longest-prefix admission, claims, deferred inserts) is
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from typing import NamedTuple
 
 from minisgl_backend.arith import cdiv
@@ -83,6 +83,8 @@ class Scheduler:
         self.metrics = metrics
         self.prefix = PrefixAdmission(config.prefix_cache, pool, config.block_size, self.metrics)
         self.progress = 0  # grows with committed tokens, finishes and first-time prompt positions
+        self._admissions = 0  # admissions so far: the fair policy's clock
+        self._owner_admitted: dict[str, int] = {}  # waiting owners -> when one of theirs was last admitted
 
     @property
     def newest_submitted(self) -> int:
@@ -263,11 +265,12 @@ class Scheduler:
 
     def _admission_order(self) -> list[Request]:
         """The waiting requests in the order admission considers them. fcfs: arrival order. fair:
-        owners take turns, one request each per round, the owner with the fewest running requests
-        first (ties: whose request waits longest), each owner's requests in arrival order; so one
-        submission of many prompts or n samples cannot hold every free slot against a request that
-        arrives after it. Under both, preempted requests come first (they went back to the head
-        of the queue with their committed tokens, and the oldest must finish)."""
+        owners take turns, one request each per round, the owner admitted least recently first
+        (never: first; ties: whose request waits longest), each owner's requests in arrival order;
+        so one submission of many prompts or n samples cannot hold every free slot against a
+        request that arrives after it, however few slots there are. Under both, preempted requests
+        come first (they went back to the head of the queue with their committed tokens, and the
+        oldest must finish)."""
         if self.cfg.scheduling_policy == "fcfs":
             return list(self.waiting)
         first = [r for r in self.waiting if r.num_preemptions]
@@ -275,10 +278,11 @@ class Scheduler:
         for req in self.waiting:
             if not req.num_preemptions:
                 queues.setdefault(req.owner, []).append(req)
+        last = self._owner_admitted
+        self._owner_admitted = {o: last[o] for o in queues if o in last}  # only owners that still wait
         if len(queues) <= 1:
             return list(self.waiting)
-        running = Counter(r.owner for r in self.running)
-        owners = sorted(queues.values(), key=lambda q: running[q[0].owner])  # stable: deque order on ties
+        owners = sorted(queues.values(), key=lambda q: last.get(q[0].owner, -1))  # stable on ties
         longest = max(map(len, owners))
         return first + [q[i] for i in range(longest) for q in owners if i < len(q)]
 
@@ -288,6 +292,8 @@ class Scheduler:
             self._admitted.append((req.table_row, req.prompt_ids))
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
+        self._admissions += 1
+        self._owner_admitted[req.owner] = self._admissions  # its next request waits for the others
         if req.scheduled_time is None:
             req.scheduled_time = time.perf_counter()
         self.running.append(req)

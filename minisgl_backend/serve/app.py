@@ -20,9 +20,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from minisgl_backend.chat.reasoning import REASONING_PARSERS
 from minisgl_backend.serve.backend import Backend
 from minisgl_backend.serve.errors import APIError, SlowClientError, add_error_handlers, api_error
-from minisgl_backend.serve.guard import BodyGuard, ServeLimits
+from minisgl_backend.serve.guard import BodyGuard, Buffered, Drain, DrainGuard, HostGuard, ServeLimits
 from minisgl_backend.serve.routes import chat, completions, health, metrics, models, tokenizer
 from minisgl_backend.serve.state import ServerState
 from minisgl_backend.serve.streams import Merged as _Merged
@@ -39,12 +40,23 @@ def build_app(
     owns_backend: bool = False,
     enable_metrics: bool = True,
     limits: ServeLimits | None = None,
+    allowed_hosts: frozenset[str] | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The API over `backend`. `owns_backend`: close it when the app shuts down (the CLI's case).
-    `limits`: the per-request bounds (ServeLimits' defaults unless given).
+    `limits`: the per-request bounds (ServeLimits' defaults unless given). `allowed_hosts`: the
+    `Host` names answered (guard.allowed_hosts), others get a 421; None answers any.
+    `reasoning_parser` (REASONING_PARSERS): chat replies' reasoning traces go to `reasoning`.
     `app.state.minisgl` is the backend (tests and the runner reach the engine side through it)."""
     limits = limits or ServeLimits()
-    state = ServerState.for_backend(backend, model_name, api_key, owns_backend, limits)
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"reasoning parser {reasoning_parser!r}: minisgl splits <think>...</think> traces, which "
+            f"{', '.join(REASONING_PARSERS)} write"
+        )
+    state = ServerState.for_backend(
+        backend, model_name, api_key, owns_backend, limits, reasoning=reasoning_parser is not None
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -53,11 +65,17 @@ def build_app(
         if state.owns_backend:  # uvicorn has stopped accepting and finished (or cancelled) the requests
             await asyncio.to_thread(backend.close)
 
-    app = FastAPI(title="minisgl", version=health.VERSION, lifespan=lifespan)
+    # No redirect from /health/ to /health: Starlette builds the Location from the request's Host
+    # header, which would send a client wherever that header says; an unknown path is a 404.
+    app = FastAPI(title="minisgl", version=health.VERSION, lifespan=lifespan, redirect_slashes=False)
     app.state.server = state
     app.state.minisgl = backend
     app.state.limits = limits
-    app.add_middleware(BodyGuard, limits=limits)
+    app.state.drain = Drain()  # the server's stop (serve/server.py) waits on the requests it counts
+    app.add_middleware(DrainGuard, drain=app.state.drain)
+    app.add_middleware(HostGuard, allowed=allowed_hosts)  # inside BodyGuard (the last added is outermost)
+    app.state.buffered = Buffered()  # request body bytes held, over all requests
+    app.add_middleware(BodyGuard, limits=limits, buffered=app.state.buffered)
     add_error_handlers(app)
     for router in (health, models, tokenizer, completions, chat):
         app.include_router(router.router)

@@ -4,9 +4,10 @@ The routes (`serve/routes/`) never touch an Engine directly, so the same handler
 in-process engine (`EngineBackend`, `minisgl serve`) or engine replicas on Ray Serve
 (`serve/ray_app.py`, `minisgl serve --replicas N`, whose replicas each run an `EngineBackend`).
 
-An `EngineBackend` keeps the server's books on its engine: the live requests (aborted on shutdown),
-the newest finished ones (`finished`, by `user` tag) and the Prometheus metrics, all folded from a
-queue that a done-callback on the scheduler thread fills (one put, no lock).
+An `EngineBackend` keeps the server's books on its engine: the live requests (aborted on shutdown)
+and the Prometheus metrics, folded on the event loop as soon as each request finishes from a queue
+that a done-callback on the scheduler thread fills (one put, no lock). Nothing of a request is kept
+once it has ended (tests and debugging can ask for a log of finished ones: `keep_finished`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def public_model_ref(ref: str) -> str:
     if os.path.isabs(ref) or ref.startswith((".", "~")) or os.path.exists(ref):
         return os.path.basename(os.path.normpath(ref)) or ref
     return ref
+
+
+# Token ids in one request up to which it is handed to the engine on the event loop (a few ms of
+# checks); more go through a worker thread.
+SUBMIT_ON_LOOP_IDS = 8192
 
 
 class ServerShuttingDownError(MiniSGLError, RuntimeError):
@@ -75,6 +81,7 @@ class Backend(ABC):
     model_dir: str
     max_model_len: int
     vocab_size: int
+    max_logprobs: int  # the engine's max_logprobs: the most alternatives a request may ask for
     tokenizer: Any  # the app deep-copies it: the event loop encodes with its own copy
 
     @abstractmethod
@@ -160,14 +167,19 @@ class EngineBackend(Backend):
         self.model_dir = str(engine.model_dir)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.max_logprobs = engine.config.max_logprobs
         self.tokenizer = engine.tokenizer
-        # The newest finished requests (tests and debugging: which were aborted, by `user` tag).
-        self.finished: collections.deque[FinishedRecord] = collections.deque(maxlen=100_000)
+        # The newest finished requests, by `user` tag: none (maxlen 0) unless `keep_finished` asks.
+        self.finished: collections.deque[FinishedRecord] = collections.deque(maxlen=0)
         # Finished handles, posted by a done-callback on the scheduler thread and folded by whoever
         # reads them: the event loop after each request, /metrics.
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, RequestHandle] = {}  # request_id -> handle of every unfinished request
         self.shutting_down = False
+
+    def keep_finished(self, n: int) -> None:
+        """Keep records of the newest `n` finished requests in `finished` (tests, debugging)."""
+        self.finished = collections.deque(self.finished, maxlen=n)
 
     def submit_now(
         self,
@@ -175,17 +187,26 @@ class EngineBackend(Backend):
         params: Sequence[SamplingParams],
         request_ids: Sequence[str],
         user: str | None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> list[LocalStream]:
-        """`submit` without the await (Engine.submit never blocks)."""
+        """`submit` without the await (Engine.submit never blocks). `loop`: where finished requests
+        are folded (the running one unless given; without one, at the next request or scrape)."""
         if self.shutting_down:
             raise ServerShuttingDownError("the server is shutting down")
-        self.collect()  # what finished since the last request: the queue stays short between scrapes
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+        self.collect()
         streams: list[LocalStream] = []
-        post, live = self.done.put, self.live
+        post, live, fold = self.done.put, self.live, self.collect
 
         def finished(h: RequestHandle, u: str | None) -> None:  # on the scheduler thread: keep it tiny
             live.pop(h.request_id, None)
             post((h, u))
+            if loop is not None:  # folded at once: an idle server holds no output of ended requests
+                call_soon(loop, fold)
 
         try:
             # One HTTP request's prompts take one share of admission between them (scheduling_policy).
@@ -202,6 +223,11 @@ class EngineBackend(Backend):
         return streams
 
     async def submit(self, prompts, params, request_ids, user, stream) -> list[Stream]:
+        if sum(len(p) for p in prompts) > SUBMIT_ON_LOOP_IDS:
+            # The engine checks every token id as it takes a prompt: for many long prompts that is
+            # seconds of work, which on the event loop would stall every stream and /health.
+            loop = asyncio.get_running_loop()
+            return list(await asyncio.to_thread(self.submit_now, prompts, params, request_ids, user, loop))
         return list(self.submit_now(prompts, params, request_ids, user))
 
     def begin_shutdown(self) -> None:

@@ -79,10 +79,28 @@ def parse_body(raw: bytes, model: type[M]) -> M:
         raise validation_error(e) from None
 
 
+def check_json_type(content_type: str | None) -> None:
+    """A 415 unless the body says it is JSON (`application/json`, parameters such as a charset
+    allowed). A web page can POST `text/plain`, a form or a typeless blob to this server without
+    the browser asking first (no CORS preflight), which would let any site a user visits run
+    generations on a local server; it cannot send `application/json` that way. A missing type is
+    refused too: a browser's `fetch` of a bare blob sends none, and every OpenAI client sends one."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        raise APIError(
+            415,
+            f"the request body must be JSON sent with 'Content-Type: application/json' (got {got})",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
+
+
 def json_body(model: type[M]) -> Callable[[Request, AppState], Awaitable[M]]:
-    """A dependency that hands a route its body as `model`."""
+    """A dependency that hands a route its body as `model` (a 415 unless it is sent as JSON)."""
 
     async def read(request: Request, state: AppState) -> M:
+        check_json_type(request.headers.get("content-type"))
         raw = await request.body()
         if len(raw) <= SMALL_BODY:
             return parse_body(raw, model)

@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 from jinja2 import TemplateError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from minisgl_backend.chat import ChatTemplateError, GrammarError
 from minisgl_backend.errors import (
@@ -106,6 +107,9 @@ def api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, BodyRejected):
+        if exc.status == 503:
+            headers = {"Connection": "close", "Retry-After": str(RETRY_AFTER_S)}
+            return APIError(503, exc.message, "server_overloaded", code=exc.code, headers=headers)
         return APIError(exc.status, exc.message, code=exc.code, headers={"Connection": "close"})
     if isinstance(exc, RequestFailedError) and isinstance(exc.__cause__, GrammarError):
         exc = exc.__cause__  # the output left its grammar, or the parser hit its limits mid-way
@@ -183,6 +187,15 @@ class MappedRoute(APIRoute):
         return mapped
 
 
+def _methods(req: Request) -> list[str]:
+    """Every method some route of the app takes at the request's path."""
+    return [
+        m
+        for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+        if any(r.matches({**req.scope, "method": m})[0] == Match.FULL for r in req.app.router.routes)
+    ]
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Every error a client sees is OpenAI's error object."""
 
@@ -199,9 +212,12 @@ def add_error_handlers(app: FastAPI) -> None:
         return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type_, headers=exc.headers).response()
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette names the methods of one route; a path may have several
+            headers = {**(headers or {}), "Allow": ", ".join(_methods(req))}
+        return APIError(exc.status_code, str(exc.detail), type_, headers=headers).response()
 
     @app.exception_handler(Exception)
     async def internal(_req: Request, exc: Exception) -> JSONResponse:
@@ -210,5 +226,5 @@ def add_error_handlers(app: FastAPI) -> None:
 
 # What /openapi.json shows for the failures every route may answer.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 431, 500, 503)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 415, 421, 431, 500, 503)
 }

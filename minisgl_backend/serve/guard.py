@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -56,6 +56,12 @@ class ServeLimits:
     stream_idle_timeout_s: float = 60.0  # a stream whose client reads nothing this long is aborted
     stream_buffer_events: int = 256  # per sequence: undelivered deltas before the stream is aborted
     cpu_workers: int = 2  # threads that tokenise, render templates, parse large bodies, compile grammars
+    # characters one request may have tokenised, over all its prompts or messages (tool calls and
+    # tools included) and on /tokenize: a bound on the CPU time and memory a request can take
+    max_request_chars: int = 4 * 1024 * 1024
+    # request body bytes held at once over all requests (each is held until its request ends): past
+    # it a request is answered 503, so many slow uploads cannot fill the memory together
+    max_buffered_bytes: int = 256 * 1024 * 1024
 
     def connections(self) -> int:
         return self.max_connections if self.max_connections is not None else default_max_connections()
@@ -114,13 +120,20 @@ async def _drain(receive: Callable, limit: int) -> None:
 
 
 class BodyRejected(Exception):
-    """The request body is too long (413) or too slow (408); the app answers it with OpenAI's error
-    object and `Connection: close` (a 413 after reading and dropping the rest of the body, within
-    LINGER_S; a 408 without)."""
+    """The request body is too long (413), too slow (408) or more than the server can hold beside
+    the others (503); the app answers it with OpenAI's error object and `Connection: close` (after
+    reading and dropping the rest of the body, within LINGER_S; a 408 without)."""
 
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+
+
+class Buffered:
+    """Request body bytes the server holds, over all requests in progress."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
 
 
 class BodyGuard:
@@ -132,8 +145,9 @@ class BodyGuard:
     through untouched (the routes wait on it for a disconnect). A response sent before its body was
     read (a 413, a 401, ...; not a 408) closes the connection after a lingering drain (`_drain`)."""
 
-    def __init__(self, app: Any, limits: ServeLimits) -> None:
+    def __init__(self, app: Any, limits: ServeLimits, buffered: Buffered | None = None) -> None:
         self.app, self.limits = app, limits
+        self.buffered = buffered if buffered is not None else Buffered()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -151,6 +165,7 @@ class BodyGuard:
             return
         limit, timeout = self.limits.max_body_bytes, self.limits.body_timeout_s
         too_long = f"the request body is longer than {limit} bytes (--max-body-bytes)"
+        busy = "the server holds as many request bodies as it can (--max-buffered-bytes); retry later"
         for k, v in headers:
             if k == b"content-length" and v.isdigit() and int(v) > limit:
                 body = _json_error(413, too_long, "invalid_request_error", "body_too_large")
@@ -174,9 +189,13 @@ class BodyGuard:
                 why = f"the request body did not arrive within {timeout:g} s (--body-timeout)"
                 raise BodyRejected(408, why, "request_timeout") from None
             if msg["type"] == "http.request":
-                read += len(msg.get("body", b""))
+                n = len(msg.get("body", b""))
+                read += n
+                self.buffered.bytes += n
                 if read > limit:
                     raise BodyRejected(413, too_long, "body_too_large")
+                if self.buffered.bytes > self.limits.max_buffered_bytes:
+                    raise BodyRejected(503, busy, "server_busy")
                 done = not msg.get("more_body", False)
             else:
                 done = True
@@ -196,7 +215,130 @@ class BodyGuard:
                 msg = {"type": "http.response.body", "body": b"", "more_body": False}
             await send(msg)
 
-        await self.app(scope, guarded_receive, lingering_send)
+        try:
+            await self.app(scope, guarded_receive, lingering_send)
+        finally:  # the body is held until its request ends (the app keeps it)
+            self.buffered.bytes -= read
+
+
+# ---------------------------------------------------------------------------------------------- Host
+# A web page can make its own host name resolve to 127.0.0.1 after it has loaded ("DNS rebinding");
+# its requests then reach a loopback server as same-origin ones, and it can read the answers. They
+# still carry the page's name in `Host`, so a server that answers only to its own names is safe.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def host_name(value: str) -> str:
+    """The name in a `Host` header (or an --allowed-hosts entry): lower case, without its port or a
+    trailing dot; an IPv6 address in brackets."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        end = v.find("]")
+        v = v[: end + 1] if end > 0 else v
+    elif v.count(":") == 1:
+        v = v.split(":", 1)[0]
+    elif v.count(":") > 1:  # a bare IPv6 address, as --host takes it
+        v = f"[{v}]"
+    return v.rstrip(".")
+
+
+def allowed_hosts(bind_host: str, extra: Iterable[str] | None = None) -> frozenset[str] | None:
+    """The `Host` names a server bound to `bind_host` answers to: the loopback names, `bind_host`
+    itself and `extra` (--allowed-hosts); None (any name) for `*` in `extra`, or when bound to every
+    interface (0.0.0.0, ::) with no `extra`: such a server is reached by names it cannot know."""
+    names = {host_name(h) for h in extra or () if h.strip()}
+    if "*" in names or (bind_host in WILDCARD_HOSTS and not names):
+        return None
+    if bind_host not in WILDCARD_HOSTS:
+        names.add(host_name(bind_host))
+    return frozenset(names.union(LOOPBACK_HOSTS))
+
+
+class HostGuard:
+    """ASGI middleware: a request whose `Host` is not one of `allowed` is answered 421 with OpenAI's
+    error object (a request without `Host`, which only HTTP/1.0 allows and no browser sends, passes).
+    Inside BodyGuard, which drops an unread body and closes the connection after the answer."""
+
+    def __init__(self, app: Any, allowed: frozenset[str] | None) -> None:
+        self.app, self.allowed = app, allowed
+        self._warned = False
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and self.allowed is not None:
+            for k, v in scope["headers"]:
+                if k == b"host" and host_name(v.decode("latin-1")) not in self.allowed:
+                    shown = v.decode("latin-1")[:100]
+                    if not self._warned:  # once: a page retrying in a loop must not flood the log
+                        self._warned = True
+                        log.warning("refused a request for host %r (--allowed-hosts adds names)", shown)
+                    msg = (
+                        f"this server does not answer to the host {shown!r}; "
+                        "start it with --allowed-hosts NAME to allow a name"
+                    )
+                    body = _json_error(421, msg, "invalid_request_error", "host_not_allowed")
+                    await _respond(send, 421, body, [])
+                    return
+        await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------------------------------------- drain
+class Drain:
+    """A server's stop in two steps: while `draining`, requests that arrive get a 503 and the ones
+    already in (`inflight`: counted from their headers to the end of their response, streams
+    included) are let finish; `wait_idle` returns when none is left. Used on the event loop only."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight = 0
+        self._idle: asyncio.Event | None = None
+
+    def enter(self) -> None:
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> int:
+        """Start draining; wait until no request is in flight or `timeout` seconds passed. Returns
+        how many requests are still in flight."""
+        self.draining = True
+        if self.inflight:
+            self._idle = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except TimeoutError:
+                pass
+        return self.inflight
+
+
+_DRAINING = _json_error(
+    503, "the server is shutting down; retry on another server", "service_unavailable", "shutting_down"
+)
+
+
+class DrainGuard:
+    """ASGI middleware: counts the requests in flight for `drain`, and answers each request that
+    arrives while it drains 503 (`shutting_down`, `Retry-After: 1`), /health included, so that a load
+    balancer sends no more. Inside BodyGuard, which drops an unread body and closes the connection."""
+
+    def __init__(self, app: Any, drain: Drain) -> None:
+        self.app, self.drain = app, drain
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining:
+            await _respond(send, 503, _DRAINING, [(b"retry-after", b"1"), (b"connection", b"close")])
+            return
+        self.drain.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.leave()
 
 
 # ---------------------------------------------------------------------------------------------- HTTP/1.1
@@ -261,8 +403,35 @@ def guarded_protocol(limits: ServeLimits) -> type[asyncio.Protocol]:
             if self._timer is not None and self.cycle is not self._timer_cycle:
                 self._disarm()  # the request's headers are complete
 
+        _write_timer: asyncio.TimerHandle | None = None
+
+        def pause_writing(self) -> None:
+            # The answer no longer fits the socket's buffers: the client is not reading. One that
+            # reads nothing for stream_idle_timeout_s is cut off, so that the rest of its answer
+            # is not held in memory for ever (a stream's own timer usually ends it first).
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(limits.stream_idle_timeout_s, self._write_timeout)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_timeout(self) -> None:
+            self._write_timer = None
+            log.warning(
+                "a client read nothing of its answer for %g s (--stream-idle-timeout): disconnected",
+                limits.stream_idle_timeout_s,
+            )
+            self.transport.abort()  # the buffered rest of the answer is dropped; the request ends
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
             super().connection_lost(exc)
 
     return GuardedH11Protocol

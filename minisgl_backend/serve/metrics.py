@@ -93,20 +93,21 @@ class _EngineCollector:
     def collect(self) -> Iterator[Any]:
         m = self._engine.metrics()
         blocks = max(1, self._engine.num_blocks)
-        yield self._gauge(
-            "minisgl:num_requests_running",
-            "Requests holding KV (prefilling or decoding).",
-            m.get("running", 0.0),
-        )
-        yield self._gauge(
-            "minisgl:num_requests_waiting", "Requests waiting for admission.", m.get("waiting", 0.0)
-        )
         cached = m.get("prefix_cache_idle_blocks", 0.0)
-        yield self._gauge(
-            "minisgl:kv_cache_usage_perc",
-            "Fraction of KV blocks held by requests (1 = full); cached blocks that none holds are apart.",
-            max(0.0, m.get("kv_used_blocks", 0.0) - cached) / blocks,
-        )
+        load = [
+            ("num_requests_running", "Requests holding KV (prefilling or decoding).", m.get("running", 0.0)),
+            ("num_requests_waiting", "Requests waiting for admission.", m.get("waiting", 0.0)),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV blocks held by requests (1 = full); cached blocks that none holds are apart.",
+                max(0.0, m.get("kv_used_blocks", 0.0) - cached) / blocks,
+            ),
+        ]
+        # Under vLLM's names too: load-aware routers (the Gateway API inference extension, llm-d)
+        # scrape these three by name to pick a server.
+        for prefix in ("minisgl", "vllm"):
+            for name, doc, value in load:
+                yield self._gauge(f"{prefix}:{name}", doc, value)
         yield self._gauge(
             "minisgl:kv_cache_cached_perc",
             "Fraction of KV blocks held only by the prefix cache (evicted when requests need them).",

@@ -15,11 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from minisgl_backend.types import SamplingParams
 
-MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key longer than this is no token id (and int() of 5,000 digits fails)
 
@@ -31,6 +30,24 @@ def _finite(default: float | None, **kw: Any) -> Any:
 
 
 Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+
+# What /openapi.json says of `stop` and `logit_bias`: the same rules as the checks in
+# `_SamplingFields._check_stop`, so that a client built from the schema sends nothing they refuse.
+MAX_STOPS = 16
+_STOP_TEXT = {"type": "string", "minLength": 1}
+_STOP_SCHEMA = {
+    "anyOf": [_STOP_TEXT, {"type": "array", "items": _STOP_TEXT, "maxItems": MAX_STOPS}, {"type": "null"}]
+}
+_BIAS_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "propertyNames": {"pattern": f"^(0|[1-9][0-9]{{0,{MAX_TOKEN_ID_DIGITS - 1}}})$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+        {"type": "null"},
+    ]
+}
 
 
 class StreamOptions(BaseModel):
@@ -116,14 +133,16 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = _finite(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # OpenAI's own limit; it also bounds what one HTTP request can queue
     n: int = Field(1, ge=1, le=MAX_N, description="parallel samples of each prompt")
     presence_penalty: float = _finite(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = _finite(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Bias] | None = Field(None, description="token id (a string) -> bias in [-100, 100]")
+    logit_bias: Annotated[dict[str, Bias] | None, WithJsonSchema(_BIAS_SCHEMA)] = Field(
+        None, description="token id (a string) -> bias in [-100, 100]"
+    )
     user: str | None = None
     # vLLM extensions
     repetition_penalty: float | None = _finite(None, gt=0.0)
@@ -169,8 +188,8 @@ class _SamplingFields(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop strings")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
         bad = [
             k[:20]
             for k in self.logit_bias or {}
@@ -178,6 +197,10 @@ class _SamplingFields(BaseModel):
         ]
         if bad:
             raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {bad[:5]}")
+        # "00005" and "5" would name one token with two biases, one silently lost: one spelling only
+        padded = [k[:20] for k in self.logit_bias or {} if len(k) > 1 and k.startswith("0")]
+        if padded:
+            raise ValueError(f"logit_bias keys must be token ids without leading zeros, got {padded[:5]}")
         return self
 
     @property
@@ -237,7 +260,8 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # At most the engine's max_logprobs (EngineConfig, the one limit): checked at submit, a 400 naming it.
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
     suffix: str | None = Field(None, max_length=0, description="not supported")
@@ -308,6 +332,12 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             return "".join(p["text"] for p in self.content)
         return self.content or ""
+
+    def chars(self) -> int:
+        """The characters the chat template renders from this message: its text and the names and
+        arguments of its tool calls."""
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
+        return len(self.text()) + calls
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it (a developer message is a system one to them)."""
@@ -393,7 +423,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_logprobs, as logprobs
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

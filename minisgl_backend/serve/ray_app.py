@@ -102,15 +102,18 @@ def deploy(
     model_name: str | None = None,
     ray_address: str | None = None,
     limits: Any = None,
+    extra_hosts: Any = None,
 ) -> RayServer:
     """Deploy the `minisgl` application (N engine replicas + the ingress) and wait until it serves.
     Connects to Ray first (`cluster.connect`: the session already initialised, `ray_address` /
     RAY_ADDRESS, or a new local cluster). Serve is started with `host:port` unless it already runs on
-    the cluster, in which case its proxies' address applies."""
+    the cluster, in which case its proxies' address applies. `extra_hosts`: `Host` names answered
+    besides the loopback names and the address served on (--allowed-hosts)."""
     check_count(replicas, "--replicas")
     ray = import_ray(FEATURE)
     serve = import_serve(FEATURE)
     from minisgl_backend.model.loader import resolve_model_dir
+    from minisgl_backend.serve.guard import allowed_hosts
 
     resolve_model_dir(config.model)  # a GGUF is converted once here, not by every replica at once
     # Serve's driver-side INFO lines ("Connecting to existing Serve app ... will not be applied")
@@ -163,7 +166,14 @@ def deploy(
         ]
         try:
             ingress = serve.run(
-                ingress_cls.bind(cfg_dict, model_name, api_key, *engines, limits=limits),
+                ingress_cls.bind(
+                    cfg_dict,
+                    model_name,
+                    api_key,
+                    *engines,
+                    limits=limits,
+                    allowed_hosts=allowed_hosts(host, extra_hosts),
+                ),
                 name=APP_NAME,
                 route_prefix="/",
             )

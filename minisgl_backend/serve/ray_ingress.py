@@ -114,6 +114,7 @@ class RayBackend(Backend):
         self.model_dir = infos[0]["model_dir"]
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = infos[0]["vocab_size"]
+        self.max_logprobs = config.max_logprobs
         # Resolved on this node (the replicas' model_dir is a path on theirs).
         self.tokenizer = load_tokenizer(resolve_model_dir(config.model))
         # Up to max_num_seqs requests beyond the idlest replica, the one holding a prompt's prefix
@@ -240,6 +241,7 @@ class Ingress:
         api_key: str | None,
         *handles: Any,
         limits: Any = None,
+        allowed_hosts: frozenset[str] | None = None,
     ) -> None:
         from minisgl_backend.serve.app import build_app
 
@@ -247,7 +249,7 @@ class Ingress:
         cfg = EngineConfig.from_dict(config)
         infos = await asyncio.gather(*(_await(h.info.remote()) for h in handles))
         self.backend = RayBackend(handles, infos, cfg, model_name)
-        self._app = build_app(self.backend, model_name, api_key, limits=limits)
+        self._app = build_app(self.backend, model_name, api_key, limits=limits, allowed_hosts=allowed_hosts)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app

@@ -96,8 +96,12 @@ class ServeReplica(EngineReplica):
         counts = await asyncio.to_thread(self.engine.drain, timeout, flush_cache)
         return {**counts, "num_blocks": self.engine.num_blocks}
 
+    def keep_finished(self, n: int) -> None:
+        """Keep records of the newest `n` finished requests (tests; none are kept otherwise)."""
+        self.backend.keep_finished(n)
+
     def finished(self) -> list[Any]:
-        """The newest finished requests' records (FinishedRecord), oldest first."""
+        """The newest finished requests' records (FinishedRecord), oldest first (see keep_finished)."""
         self.backend.collect()
         return list(self.backend.finished)
 

@@ -120,6 +120,7 @@ class DeltaToolCall(AssistantToolCall):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = Omitted()  # the reply's reasoning trace, with --reasoning-parser
     tool_calls: list[AssistantToolCall] | None = Omitted()
 
 
@@ -140,6 +141,7 @@ class ChatCompletionResponse(_Head):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = Omitted()
     content: str | None = Omitted()
+    reasoning: str | None = Omitted()
     tool_calls: list[DeltaToolCall] | None = Omitted()
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Depends, Request
 
 from minisgl_backend.chat.logprobs import TokenText
-from minisgl_backend.serve.backend import Backend, public_model_ref
+from minisgl_backend.serve.backend import Backend, ServerShuttingDownError, public_model_ref
 from minisgl_backend.serve.errors import ERROR_RESPONSES, APIError, MappedRoute
 from minisgl_backend.serve.guard import ServeLimits
 
@@ -34,6 +34,7 @@ class CPUPool:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="minisgl-serve-cpu")
+        self._stop: asyncio.Event | None = None  # made on the event loop, at first use
 
     def tokenizer(self) -> Any:
         """This worker's tokenizer (call it on a worker thread)."""
@@ -44,7 +45,34 @@ class CPUPool:
         return tok
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """`fn(*args)` on a worker. Once `stop()` was called the caller gets ServerShuttingDownError
+        at once (a 503) instead of waiting on work queued behind a long job: the server's stop would
+        otherwise cancel the request and its client would get no error object."""
+        if self._stop is None:
+            self._stop = asyncio.Event()
+        if self._stop.is_set():
+            raise ServerShuttingDownError("the server is shutting down")
+        job = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait((job, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not job.done():
+            job.cancel()  # dropped unstarted; one already running finishes and is discarded
+            raise ServerShuttingDownError("the server is shutting down")
+        return job.result()
+
+    async def answer(self, fn: Callable[..., str]) -> str:
+        """`fn()` on a worker, whether or not `stop()` was called: it builds the answer to work that
+        is done (a result the engine already gave), which a stopping server still sends."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    def stop(self) -> None:
+        """Callers waiting in `run`, and later ones, get ServerShuttingDownError (on the event loop)."""
+        if self._stop is None:
+            self._stop = asyncio.Event()
+        self._stop.set()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -65,6 +93,8 @@ class ServerState:
     api_key: str | None = None
     owns_backend: bool = False
     limits: ServeLimits = field(default_factory=ServeLimits)
+    # --reasoning-parser: a chat reply's leading <think>...</think> goes to the message's `reasoning`
+    reasoning: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -75,6 +105,7 @@ class ServerState:
         api_key: str | None,
         owns_backend: bool,
         limits: ServeLimits,
+        reasoning: bool = False,
     ) -> ServerState:
         if api_key is not None and not api_key.strip():
             raise ValueError("the API key is empty: the server would accept any client; pass None for no key")
@@ -89,6 +120,7 @@ class ServerState:
             api_key=api_key,
             owns_backend=owns_backend,
             limits=limits,
+            reasoning=reasoning,
         )
 
     # ------------------------------------------------------------------ checks of a request
@@ -99,6 +131,18 @@ class ServerState:
                 f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                 param="model",
                 code="model_not_found",
+            )
+
+    def check_logprobs(self, k: int | None, param: str) -> None:
+        """A 400 naming `param` when a request asks for more alternatives than the engine's
+        max_logprobs (the one limit: vLLM's --max-logprobs)."""
+        cap = self.backend.max_logprobs
+        if k is not None and k > cap:
+            raise APIError(
+                400,
+                f"{param} must be at most {cap} (the server's max_logprobs, --max-logprobs), got {k}",
+                param=param,
+                code="invalid_sampling_params",
             )
 
     def check_sequences(self, prompts: int, n: int) -> None:
@@ -128,6 +172,20 @@ class ServerState:
                 f"{what} has {chars} characters, more than max_model_len ({limit}) "
                 f"tokens can hold (at most {self.max_token_chars} characters each)",
                 param,
+            )
+
+    def check_request_chars(self, chars: int, what: str, param: str) -> None:
+        """The bound on what one request may have tokenised in all (--max-request-chars), checked
+        before any of it is: many prompts each within the context, or a long /tokenize text, would
+        otherwise hold the tokenizer threads that every other request waits for."""
+        limit = self.limits.max_request_chars
+        if chars > limit:
+            raise APIError(
+                400,
+                f"{what} has {chars} characters in all; this server tokenises at most {limit} per "
+                "request (--max-request-chars)",
+                param=param,
+                code="request_too_long",
             )
 
     def room(self, prompt_len: int, requested: int | None, what: str) -> int:

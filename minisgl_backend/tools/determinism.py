@@ -11,8 +11,13 @@ Grid YAML (`configs/determinism/default.yaml`): `base` (EngineConfig overrides a
 `compare_within` (fields whose values legitimately change the numbers, e.g. dtype: outputs are
 compared only between points that agree on them), `axes` (scheduling fields; the grid is their
 cartesian product), `max_points`, `fillers`, `seed`, `prefill_check`. Any EngineConfig field may be
-an axis. Prompts YAML (`configs/determinism/prompts.yaml`): `prompts`, `sampling` (mode name ->
-SamplingParams fields), `max_tokens`, `logprobs`.
+an axis, and so may `replicas`: a point with `replicas: N` splits the requests (fillers included)
+over N engines as lm-eval's `data_parallel_size=N` splits a batch (`cluster/routing.py`, route),
+each engine with its share of the threads and serving its share alone, one engine after another; the
+outputs are then compared with the other points' like any other.
+
+Prompts YAML (`configs/determinism/prompts.yaml`): `prompts`, `sampling` (mode name -> SamplingParams
+fields), `max_tokens`, `logprobs`.
 """
 
 from __future__ import annotations
@@ -62,13 +67,16 @@ def _check_keys(data: dict[str, Any], valid: Sequence[str], where: str) -> None:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(valid)}")
 
 
-def _engine_fields(values: Any, where: str, lists: bool) -> dict[str, Any]:
-    """A mapping of EngineConfig fields (to lists of values when `lists`), checked."""
+REPLICAS = "replicas"  # the one axis that is not an EngineConfig field
+
+
+def _engine_fields(values: Any, where: str, lists: bool, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """A mapping of EngineConfig fields (and `extra` keys; to lists of values when `lists`), checked."""
     if values is None:
         return {}
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: expected a mapping of EngineConfig fields, got {type(values).__name__}")
-    _check_keys(values, EngineConfig.field_names(), where)
+    _check_keys(values, [*EngineConfig.field_names(), *extra], where)
     if lists:
         for key, vals in values.items():
             if not isinstance(vals, list) or not vals:
@@ -94,7 +102,7 @@ class Grid:
         grid = cls(
             base=_engine_fields(data.get("base"), f"{where}.base", lists=False),
             compare_within=_engine_fields(data.get("compare_within"), f"{where}.compare_within", lists=True),
-            axes=_engine_fields(data.get("axes"), f"{where}.axes", lists=True),
+            axes=_engine_fields(data.get("axes"), f"{where}.axes", lists=True, extra=[REPLICAS]),
             **{k: data[k] for k in ("max_points", "fillers", "seed", "prefill_check") if k in data},
         )
         overlap = sorted(set(grid.axes) & set(grid.compare_within))
@@ -102,6 +110,9 @@ class Grid:
             raise ConfigError(f"{where}: {overlap} appear in both axes and compare_within")
         if grid.max_points is not None and (not isinstance(grid.max_points, int) or grid.max_points < 1):
             raise ConfigError(f"{where}.max_points must be a positive int or null, got {grid.max_points!r}")
+        bad = [n for n in grid.axes.get(REPLICAS, []) if type(n) is not int or n < 1]
+        if bad:
+            raise ConfigError(f"{where}.axes.{REPLICAS}: expected replica counts (ints >= 1), got {bad}")
         if not isinstance(grid.fillers, int) or grid.fillers < 0:
             raise ConfigError(f"{where}.fillers must be an int >= 0, got {grid.fillers!r}")
         return grid
@@ -124,8 +135,10 @@ class Grid:
         return points
 
     def config(self, group: dict[str, Any], point: dict[str, Any], overrides: dict[str, Any]) -> EngineConfig:
-        """The engine config of one grid point: base, then `overrides` (e.g. --set), group, point."""
-        return EngineConfig.from_dict({**self.base, **overrides, **group, **point})
+        """The engine config of one grid point: base, then `overrides` (e.g. --set), group, point
+        (without its replica count)."""
+        fields = {k: v for k, v in point.items() if k != REPLICAS}
+        return EngineConfig.from_dict({**self.base, **overrides, **group, **fields})
 
 
 @dataclass(frozen=True)
@@ -293,18 +306,51 @@ def _fillers(
     ]
 
 
+Item = tuple[str | None, Prompt, SamplingParams]  # (name in the set, or None for a filler; prompt; params)
+
+
+def _items(workload: Workload, rng: random.Random, num_fillers: int, vocab: int, max_len: int) -> list[Item]:
+    max_tokens = max(r.params.max_tokens for r in workload.requests)
+    items: list[Item] = [(r.name, r.prompt, r.params) for r in workload.requests]
+    items += [(None, p, sp) for p, sp in _fillers(rng, num_fillers, vocab, max_tokens, max_len)]
+    return items
+
+
 def run_point(
     engine: Engine, workload: Workload, rng: random.Random, num_fillers: int
 ) -> dict[str, RequestOutput]:
     """Submit the set plus fillers in a shuffled order, in random bursts; the set's outputs by name."""
-    max_tokens = max(r.params.max_tokens for r in workload.requests)
-    items: list[tuple[str | None, Prompt, SamplingParams]] = [
-        (r.name, r.prompt, r.params) for r in workload.requests
-    ]
-    items += [
-        (None, p, sp)
-        for p, sp in _fillers(rng, num_fillers, engine.vocab_size, max_tokens, engine.max_model_len)
-    ]
+    return _submit(engine, _items(workload, rng, num_fillers, engine.vocab_size, engine.max_model_len), rng)
+
+
+def run_replicas(
+    cfg: EngineConfig, n: int, workload: Workload, rng: random.Random, num_fillers: int
+) -> dict[str, RequestOutput]:
+    """The set plus fillers split over `n` engines as lm-eval's data-parallel replicas split a batch
+    (route: prompts that share a stem on one replica, balanced by load), each engine with 1/n of the
+    threads (at least one) serving its share alone; the set's outputs by name. The first engine also
+    gives the vocabulary and context limit the fillers are drawn for."""
+    from minisgl_backend.cluster.routing import route
+    from minisgl_backend.model.cpu_threads import usable_cpus
+
+    threads = max(1, (cfg.num_threads or usable_cpus()[0]) // n)  # usable_cpus: (count, why)
+    cfg = cfg.replace(num_threads=threads)
+    outs: dict[str, RequestOutput] = {}
+    shares: list[list[Item]] | None = None
+    for r in range(n):
+        with Engine(cfg) as engine:
+            if shares is None:
+                items = _items(workload, rng, num_fillers, engine.vocab_size, engine.max_model_len)
+                ids = [p if isinstance(p, list) else engine.tokenizer.encode(p) for _, p, _ in items]
+                split = route(ids, [sp for _, _, sp in items], n, cfg.block_size)
+                shares = [[items[i] for i in share] for share in split]
+            if shares[r]:
+                outs.update(_submit(engine, shares[r], rng))
+    return outs
+
+
+def _submit(engine: Engine, items: list[Item], rng: random.Random) -> dict[str, RequestOutput]:
+    items = list(items)
     rng.shuffle(items)
     handles = []
     i = 0
@@ -372,15 +418,20 @@ def run_check(
     for group in groups:
         runs: dict[str, dict[str, Fingerprint]] = {}
         prefill: dict[str, bool] = {}
+        checked = False
         for j, point in enumerate(points):
             cfg = grid.config(group, point, overrides)
             rng = random.Random(f"{grid.seed}/{_label(group)}/{j}")
             t0 = time.perf_counter()
-            with Engine(cfg) as engine:
-                outs = run_point(engine, workload, rng, grid.fillers)
-                runs[f"{j}: {_label(point)}"] = {name: Fingerprint.of(o) for name, o in outs.items()}
-                if grid.prefill_check and j == 0:
-                    prefill = prefill_matches(engine, workload, outs)
+            replicas = point.get(REPLICAS, 1)
+            if replicas > 1:
+                outs = run_replicas(cfg, replicas, workload, rng, grid.fillers)
+            else:
+                with Engine(cfg) as engine:
+                    outs = run_point(engine, workload, rng, grid.fillers)
+                    if grid.prefill_check and not checked:  # once per group, on one engine
+                        prefill, checked = prefill_matches(engine, workload, outs), True
+            runs[f"{j}: {_label(point)}"] = {name: Fingerprint.of(o) for name, o in outs.items()}
             done += 1
             configs.append({**group, **point})
             if progress:

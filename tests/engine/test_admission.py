@@ -52,7 +52,7 @@ def test_a_late_request_takes_the_next_free_slot_under_fair_admission(policy, ex
     assert _admitted(s) == [expected]
 
 
-def test_owners_take_turns_and_the_one_with_fewest_running_goes_first():
+def test_owners_take_turns_and_the_one_admitted_least_recently_goes_first():
     s = _scheduler("fair", max_num_seqs=5)
     for i in range(3):
         s.add(_request(f"a-{i}", owner="a"))
@@ -60,6 +60,13 @@ def test_owners_take_turns_and_the_one_with_fewest_running_goes_first():
         s.add(_request(f"b-{i}", owner="b"))
     s.add(_request("c-0", owner="c"))
     assert _admitted(s) == ["a-0", "b-0", "c-0", "a-1", "b-1"]
+    s.finish(s.running[0], "stop")  # a-0: a slot frees while a, b and c were admitted in that order
+    s.add(_request("d-0", owner="d"))
+    s.retire()
+    assert _admitted(s) == ["d-0"], "never admitted goes first"
+    s.finish(s.running[0], "stop")
+    s.retire()
+    assert _admitted(s) == ["a-2"], "then the owner admitted longest ago: a (b went after it)"
 
 
 def test_samples_of_one_prompt_are_one_owner():

@@ -247,3 +247,37 @@ def test_yaml_presets_load_with_overrides():
     assert serial.chunk_size is None and not serial.mixed_batches and serial.block_size == 8
     assert EngineConfig.from_yaml(root / "default.yaml") == EngineConfig()
     assert EngineConfig.from_yaml(root / "fast-bf16.yaml").dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_waiting_requests_of_different_owners_are_admitted_in_turn(tiny_model_dir, fair):
+    """One client's eight prompts queued ahead of another's one: under scheduling_policy fair the
+    other client's request is admitted second (one slot, so the admission order is the run order),
+    not ninth; under fcfs, first come first served."""
+    cfg = EngineConfig(
+        model=str(tiny_model_dir),
+        max_num_seqs=1,
+        num_threads=1,
+        stats_interval_s=0,
+        scheduling_policy="fair" if fair else "fcfs",
+    )
+    release, entered = threading.Event(), threading.Event()
+
+    def blocker(_ids, logits):
+        entered.set()
+        release.wait(60)
+        return logits
+
+    with Engine(cfg) as eng:
+        gate = eng.submit([1, 2, 3], SamplingParams(max_tokens=1, logits_processors=(blocker,)))
+        try:
+            assert entered.wait(60)  # the one slot is taken: everything below waits
+            params = SamplingParams(temperature=0, max_tokens=2)
+            many = [eng.submit([10 + i, 11, 12], params, owner="many") for i in range(8)]
+            one = eng.submit([50, 51, 52], params, owner="one")
+        finally:
+            release.set()
+        gate.result(60)
+        outs = [h.result(60) for h in many]
+        ahead = sum(o.timings.scheduled < one.result(60).timings.scheduled for o in outs)
+    assert ahead == (1 if fair else 8), ahead

@@ -66,3 +66,26 @@ def test_ring_buffer_drops_oldest_and_flushes():
     assert [r.getMessage() for r in ring.records] == ["m2", "m3", "m4"]
     ring.flush()
     assert got == ["m2", "m3", "m4"] and not ring.records
+
+
+def test_stats_line_is_quiet_while_idle_and_counts_kv_as_the_server_does():
+    from minisgl_backend.scheduler.loop import StatsLine
+
+    stats = StatsLine(prefix_cache=True)
+    stats.num_blocks = 100
+    # idle: nothing runs, waits or ran since the last line; 30 blocks kept by the prefix cache alone
+    idle = {
+        "running": 0,
+        "waiting": 0,
+        "iterations": 50,
+        "kv_used_blocks": 30,
+        "prefix_cache_idle_blocks": 30,
+    }
+    assert stats(idle, dict(idle), 10.0) is None
+    # busy: 10 of the 40 blocks in use belong to the prefix cache alone, so requests hold 30%
+    busy = {**idle, "running": 2, "iterations": 60, "kv_used_blocks": 40, "prefix_cache_idle_blocks": 10}
+    line = stats(busy, idle, 10.0)
+    assert line is not None and "running=2" in line and "kv=30%" in line and "cached=10%" in line, line
+    # the line that covers the end of a burst is still logged (iterations ran since the last one)
+    done = {**busy, "running": 0, "iterations": 70}
+    assert stats(done, busy, 10.0) is not None

@@ -99,6 +99,13 @@ def test_a_forward_on_openmp_drops_to_one_thread_while_busy(monkeypatch):
         busy[0] = True
         cpu_threads.adapt()
         assert cpu_kernels.threads() == 2
+        # the deterministic mode's plan keeps its count: its probed row tiles hold at that count only
+        deterministic = cpu_threads.plan(2, "float32", deterministic=True)
+        assert deterministic.openmp and not deterministic.adaptive
+        cpu_threads.apply(deterministic)
+        clock[0] += 10 * cpu_threads.HOLD_S
+        cpu_threads.adapt()
+        assert (cpu_kernels.threads(), torch.get_num_threads()) == (2, 2)
     finally:
         torch.set_num_threads(saved[0])
         cpu_kernels.set_threads(saved[1])

@@ -243,3 +243,61 @@ def test_cli_exit_codes(tiny_model_dir, tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     r = cli("--set", "chunksize=3")
     assert r.returncode == 2 and "chunksize" in r.stderr
+
+
+REPLICA_GRID = {
+    "fillers": 3,
+    "prefill_check": False,
+    "base": {**_BASE, "num_threads": 2, "prefix_cache": "async"},
+    "compare_within": {"dtype": ["bfloat16"]},
+    "axes": {"replicas": [1, 2]},
+}
+
+
+def _counting_engines(monkeypatch, change_second=None):
+    """Engine, as the determinism tool builds it, recording each one's config and how many requests
+    it was given (and changing the second one's config with `change_second`)."""
+    import minisgl_backend.tools.determinism as det
+
+    built: list[EngineConfig] = []
+    served: list[int] = []
+
+    class Counted(Engine):
+        def __init__(self, config, **kw):
+            if change_second and len(built) == 1:
+                config = config.replace(**change_second)
+            built.append(config)
+            served.append(0)
+            self._slot = len(served) - 1
+            super().__init__(config, **kw)
+
+        def submit(self, *a, **kw):
+            served[self._slot] += 1
+            return super().submit(*a, **kw)
+
+    monkeypatch.setattr(det, "Engine", Counted)
+    return built, served
+
+
+def test_replica_axis_splits_the_requests_over_engines_and_agrees(tiny_model_dir, monkeypatch):
+    """`replicas: 2` serves the set on two engines of one thread each (the split lm-eval's
+    data-parallel replicas use), and every request's output equals the one engine's bit for bit."""
+    built, served = _counting_engines(monkeypatch)
+    report = _check(REPLICA_GRID, str(tiny_model_dir), True)
+    assert report.points_run == 2 and [c["replicas"] for c in report.configs] == [1, 2]
+    assert [c.num_threads for c in built] == [2, 1, 1]
+    assert served[0] == served[1] + served[2] == 8 + 3 and min(served) > 0  # the set and its fillers
+    assert report.ok and all(r.distinct_outputs == 1 and r.points == 2 for r in report.requests)
+
+
+def test_replica_axis_sees_a_replica_that_computes_differently(tiny_model_dir, monkeypatch):
+    """The second replica in float32 while the rest runs bf16: the requests it serves get a second
+    output (so the axis compares what each replica really computed)."""
+    _counting_engines(monkeypatch, change_second={"dtype": "float32"})
+    report = _check(REPLICA_GRID, str(tiny_model_dir), True)
+    assert not report.ok and 0 < report.num_differing < len(report.requests)
+
+
+def test_replica_counts_are_checked():
+    with pytest.raises(ConfigError, match="replica counts"):
+        Grid.from_dict({"axes": {"replicas": [2, 0]}})

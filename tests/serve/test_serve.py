@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 def server(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), **TINY_ENGINE, max_waiting_requests=MAX_WAITING)
     with serving(config, key=KEY, model=MODEL) as srv:
+        srv.state.keep_finished(100_000)  # the tests read which requests finished how
         yield srv
 
 
@@ -576,6 +577,34 @@ def test_openapi_request_bodies_are_what_the_server_accepts(server, client):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("stop", [""]),
+        ("stop", ""),
+        ("stop", [f"s{i}" for i in range(17)]),
+        ("logit_bias", {"00005": 1}),
+        ("logit_bias", {"five": 1}),
+        ("logit_bias", {"12345678901": 1}),
+        ("logit_bias", {"5": 101}),
+    ],
+)
+def test_the_documented_schema_refuses_what_the_server_refuses(server, client, field, value):
+    """A client (or a test generator) built from /openapi.json sends no body the server answers
+    400: the schema is no looser than the checks."""
+    import jsonschema
+
+    doc = _openapi(server)
+    documented = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
+    schema = {**documented["schema"], "components": doc["components"]}
+    body = {"prompt": "x", "max_tokens": 1, field: value}
+    r = client.post("/v1/completions", json={**body, "model": MODEL})
+    assert r.status_code == 400, r.text
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(body, schema)
+    jsonschema.validate({**body, field: {"stop": ["ok"], "logit_bias": {"5": 1}}[field]}, schema)
+
+
 def _conforms(doc: dict, model, raw) -> None:
     """`raw` (a JSON text) is an instance of the response model and of its schema in /openapi.json,
     and the model describes all of it (a round trip through the model gives the same JSON)."""
@@ -826,10 +855,13 @@ def test_bad_request_gets_its_status_and_error_object_and_the_server_keeps_servi
     assert_serves(client, MODEL)
 
 
-def test_health_needs_no_key_and_everything_else_does(server):
+def test_health_and_metrics_need_no_key_and_everything_else_does(server):
+    """/metrics is open as vLLM's is: Prometheus and load-aware routers scrape it without a key."""
     with httpx.Client(base_url=server.url, timeout=10) as c:
         assert c.get("/health").status_code == 200
-        for path in ("/v1/models", "/tokenizer_info", "/metrics"):
+        r = c.get("/metrics")
+        assert r.status_code == 200 and "minisgl:num_requests_running" in r.text
+        for path in ("/v1/models", "/tokenizer_info"):
             r = c.get(path)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
             assert c.get(path, headers=AUTH).status_code == 200
@@ -896,7 +928,7 @@ def _raw_post(server, path: str, body: dict) -> socket.socket:
     s = socket.create_connection((server.host, server.port))
     data = json.dumps(body).encode()
     head = (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
         "Content-Type: application/json\r\n"
         f"Content-Length: {len(data)}\r\n\r\n"
     ).encode()
@@ -1109,7 +1141,122 @@ def test_metrics_scrape_matches_a_known_workload(server, client):
     )
 
 
+def test_metrics_carry_the_load_gauges_under_vllm_names_too(server, client):
+    """What a load-aware router (Gateway API inference extension, llm-d) scrapes by name."""
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+        ours, theirs = families[f"minisgl:{name}"], families[f"vllm:{name}"]
+        assert theirs.type == "gauge" and [s.labels for s in theirs.samples] == [{"model_name": MODEL}]
+        assert [s.value for s in theirs.samples] == [s.value for s in ours.samples]
+
+
+def test_nothing_of_a_request_is_kept_once_it_has_ended(server):
+    """A server of its own, with the default books: after a burst its backend holds no record, no
+    output and no handle of the requests, whether or not another request or a scrape follows."""
+    from minisgl_backend.serve import start_in_thread
+
+    srv = start_in_thread(_engine(server), api_key=KEY, model_name=MODEL)
+    backend = srv.state
+    try:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            for i in range(4):
+                body = {"model": MODEL, "prompt": ["hi", "yo"], "max_tokens": 4, "n": 2, "user": f"user-{i}"}
+                assert c.post("/v1/completions", json={**body, "logprobs": 5}).status_code == 200
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert _sse_events(r.iter_lines())[-1] == "[DONE]"
+        deadline = time.monotonic() + 60
+        while not backend.done.empty():  # the last request's output, until the loop folds it
+            assert time.monotonic() < deadline, "a finished request's output is still held"
+            time.sleep(0.01)
+        assert not backend.live and len(backend.finished) == 0
+    finally:
+        srv.stop()
+
+
 # ------------------------------------------------------------------------------------------- lifecycle
+def test_a_signal_drains_the_requests_in_flight_and_refuses_new_ones(server):
+    """With a shutdown timeout, SIGTERM lets the requests in flight finish in full (a stream and a
+    whole answer), while a request that arrives, /health included, gets a 503 with Retry-After;
+    then the server stops. Its own app over the module's engine: only it stops."""
+    from minisgl_backend.serve import start_in_thread
+
+    srv = start_in_thread(_engine(server), api_key=KEY, model_name=MODEL, shutdown_timeout=120)
+    cmpl = {"model": MODEL, "prompt": "hi", "ignore_eos": True, "temperature": 0}
+    whole: dict = {}
+
+    def post_whole() -> None:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+            whole["r"] = c.post("/v1/completions", json={**cmpl, "max_tokens": 600})
+
+    try:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+            body = {**cmpl, "max_tokens": 200, "stream": True, "stream_options": {"include_usage": True}}
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")  # the stream is under way
+                t = threading.Thread(target=post_whole)
+                t.start()
+                deadline = time.monotonic() + 60
+                while len(srv.state.live) < 2 and t.is_alive():  # the whole answer is being generated
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                srv.server.handle_exit(signal.SIGTERM, None)
+                while not srv.app.state.drain.draining:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                with httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as other:
+                    for method, path in (("POST", "/v1/completions"), ("GET", "/health")):
+                        late = other.request(method, path, json={**cmpl, "max_tokens": 2})
+                        assert late.status_code == 503, late.text
+                        assert late.json()["error"]["code"] == "shutting_down"
+                        assert late.headers["retry-after"] == "1"
+                events = _sse_events(lines)
+            t.join(120)
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 200
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+        assert whole["r"].status_code == 200, whole["r"].text
+        (choice,) = whole["r"].json()["choices"]
+        assert choice["finish_reason"] == "length" and whole["r"].json()["usage"]["completion_tokens"] == 600
+        srv.thread.join(60)  # then it stops by itself
+        assert not srv.thread.is_alive()
+    finally:
+        srv.stop()
+
+
+def test_a_request_still_being_prepared_at_a_signal_gets_a_503_error_object(server):
+    """The CPU workers are busy (held here) when the signal comes: the /tokenize request queued
+    behind them is answered 503 `shutting_down` at once, not cancelled with a bare 500 later."""
+    from minisgl_backend.serve import start_in_thread
+
+    srv = start_in_thread(_engine(server), api_key=KEY, model_name=MODEL)
+    hold = threading.Event()
+    state = srv.app.state.server
+    try:
+        busy = [state.pool._pool.submit(hold.wait, 120) for _ in range(state.limits.cpu_workers)]
+        result: dict = {}
+
+        def tokenize() -> None:
+            with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
+                result["r"] = c.post("/tokenize", json={"model": MODEL, "prompt": "hello"})
+
+        t = threading.Thread(target=tokenize)
+        t.start()
+        deadline = time.monotonic() + 60
+        while srv.app.state.drain.inflight == 0:  # the request waits for a worker
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        srv.server.handle_exit(signal.SIGTERM, None)
+        t.join(120)
+        r = result["r"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        assert r.headers["retry-after"] == "1"
+    finally:
+        hold.set()
+        for f in busy:
+            f.result(60)
+        srv.stop()
+
+
 @pytest.mark.slow
 def test_graceful_shutdown_on_sigint_and_sigterm(tiny_model_dir):
     """`minisgl serve` as subprocesses (both started at once): serves, then SIGINT (one) and SIGTERM
@@ -1200,3 +1347,28 @@ def test_health_is_503_once_the_engine_is_dead(server, client):
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead" and "retry-after" in r.headers
+
+
+def test_the_logprobs_limit_is_the_engines(tiny_model_dir):
+    """logprobs / top_logprobs are capped by the engine's max_logprobs (vLLM's --max-logprobs), the
+    one limit: a server configured for 30 answers 25 alternatives, and past 30 is a 400 naming it."""
+    config = EngineConfig(model=str(tiny_model_dir), **TINY_ENGINE, max_logprobs=30)
+    with (
+        serving(config, key=KEY, model=MODEL) as srv,
+        httpx.Client(base_url=srv.url, headers=AUTH) as c,
+    ):
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "logprobs": 25})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 25
+        chat = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 1,
+            "logprobs": True,
+        }
+        r = c.post("/v1/chat/completions", json=chat | {"top_logprobs": 25})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/chat/completions", json=chat | {"top_logprobs": 31})
+        assert r.status_code == 400 and "max_logprobs" in r.json()["error"]["message"], r.text
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "logprobs": 31})
+        assert r.status_code == 400 and "max_logprobs" in r.json()["error"]["message"], r.text

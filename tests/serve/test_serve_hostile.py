@@ -35,6 +35,7 @@ LIMITS = ServeLimits(
     body_timeout_s=1.0,
     max_connections=12,
     stream_idle_timeout_s=1.0,
+    max_request_chars=200_000,
 )
 
 
@@ -103,6 +104,8 @@ CASES = [
     ("surrogate stop string", _cmpl(stop=[SUR]), 400, "invalid_unicode", "stop.0"),
     ("surrogate /tokenize", ("/tokenize", {"prompt": SUR}), 400, "invalid_unicode", "prompt"),
     ("surrogate logit_bias key", _cmpl(logit_bias={SUR: 1}), 400, "invalid_unicode", "logit_bias"),
+    # two spellings of one token id: one of the biases would be lost without a word
+    ("logit_bias key with leading zeros", _cmpl(logit_bias={"00005": 1, "5": -1}), 400, "value_error", None),
     # oversize, field by field (max_model_len is 1024 tokens: at most 1024 x 81 characters)
     ("oversize completion prompt", _cmpl(prompt="a" * 100_000), 400, "context_length_exceeded", "prompt"),
     (
@@ -257,6 +260,166 @@ def test_a_20_mb_prompt_does_not_hold_up_health(server, client):
     assert_serves(client, MODEL)
 
 
+# Each fits the context on its own or is not checked against it; in all each is past the per-request
+# bound (200,000 characters here), or the context, before a token is made.
+TOO_MUCH_IN_ALL = [
+    ("many prompts", "/v1/completions", {"model": MODEL, "prompt": ["word " * 12_000] * 16, "max_tokens": 1}),
+    (
+        "tool-call arguments",
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "function": {"name": "add", "arguments": "[" * 300_000}}],
+                },
+                {"role": "tool", "tool_call_id": "c", "content": "3"},
+            ],
+        },
+    ),
+    ("/tokenize prompt", "/tokenize", {"prompt": "word " * 60_000}),
+    (
+        "/tokenize tool-call arguments",
+        "/tokenize",
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": "add", "arguments": "1" * 300_000}}],
+                }
+            ]
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("name,path,body", TOO_MUCH_IN_ALL, ids=[c[0] for c in TOO_MUCH_IN_ALL])
+def test_too_many_characters_in_all_are_refused_before_tokenising(
+    server, client, monkeypatch, name, path, body
+):
+    def no_tokenizer():
+        raise AssertionError("tokenised")
+
+    monkeypatch.setattr(server.app.state.server.pool, "tokenizer", no_tokenizer)
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] in ("request_too_long", "context_length_exceeded"), err
+    if err["code"] == "request_too_long":
+        assert "--max-request-chars" in err["message"]
+    monkeypatch.undo()
+    assert_serves(client, MODEL)
+
+
+def test_many_token_ids_and_large_answers_are_handled_off_the_event_loop(server, client, monkeypatch):
+    """The event loop answers every stream and /health: checking thousands of token ids, or building
+    an answer of many choices with logprobs, runs on another thread (the loop's is minisgl-serve)."""
+    from minisgl_backend.serve.routes import chat
+
+    engine = server.state.engine
+    threads: dict[str, set[str]] = {"submit": set(), "logprobs": set()}
+    submit, logprobs = engine.submit, chat._logprobs
+
+    def recording_submit(prompt, *a, **kw):
+        if len(prompt) >= 1000:  # one of the 16 long prompts (the chat request's is short)
+            threads["submit"].add(threading.current_thread().name)
+        return submit(prompt, *a, **kw)
+
+    def recording_logprobs(*a, **kw):
+        threads["logprobs"].add(threading.current_thread().name)
+        return logprobs(*a, **kw)
+
+    monkeypatch.setattr(engine, "submit", recording_submit)
+    monkeypatch.setattr(chat, "_logprobs", recording_logprobs)
+    ids = [[(7 * i + j) % 1000 + 10 for j in range(1000)] for i in range(16)]  # 16,000 token ids
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 16, r.text
+    bad = client.post("/v1/completions", json={"model": MODEL, "prompt": [*ids[:-1], [10**9] * 1000]})
+    assert bad.status_code == 400 and "out of range" in bad.json()["error"]["message"], bad.text
+    req = {**CHAT, "n": 16, "logprobs": True, "top_logprobs": 5}
+    r = client.post("/v1/chat/completions", json=req)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 16, r.text
+    assert threads["submit"] and threads["logprobs"], threads
+    assert "minisgl-serve" not in threads["submit"] | threads["logprobs"], threads
+
+
+def test_request_bodies_held_at_once_are_bounded_over_all_clients(server):
+    """One slow upload holds most of --max-buffered-bytes: a second body that would pass it gets a
+    503 with Retry-After, and is served again once the first one's client leaves."""
+    from dataclasses import replace
+
+    from minisgl_backend.serve import start_in_thread
+
+    limits = replace(LIMITS, body_timeout_s=120.0, max_buffered_bytes=1024 * 1024)
+    srv = start_in_thread(server.state.engine, api_key=KEY, model_name=MODEL, limits=limits)
+    held = srv.app.state.buffered
+    try:
+        slow = socket.create_connection((srv.host, srv.port), timeout=10)
+        slow.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 2000000\r\n\r\n"
+        )
+        slow.sendall(b'{"prompt": "' + b"a" * 900_000)  # and then nothing more
+        deadline = time.monotonic() + 60
+        while held.bytes < 900_000:  # the server has read what was sent
+            assert time.monotonic() < deadline, held.bytes
+            time.sleep(0.01)
+        body = {"model": MODEL, "prompt": "word " * 40_000, "max_tokens": 1}  # 200 KB
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            r = c.post("/v1/completions", json=body)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "server_busy" and r.headers["retry-after"] == "1"
+        slow.close()
+        while held.bytes:  # the slow client left: its bytes are let go
+            assert time.monotonic() < deadline, held.bytes
+            time.sleep(0.01)
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            r = c.post("/v1/completions", json=body)
+        assert r.json()["error"]["code"] == "context_length_exceeded", r.text  # past the cap's check
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_never_reads_its_whole_answer_is_cut_off(server, client):
+    """A non-streamed answer of megabytes to a client that reads none of it: once the socket's
+    buffers are full, the server waits stream_idle_timeout_s (1 s here), then drops the connection
+    and the rest of the answer, instead of holding them as long as the client stays."""
+    try:  # the answer must outgrow what the kernel buffers for the socket
+        send_max = int(open("/proc/sys/net/ipv4/tcp_wmem").read().split()[2])
+    except (OSError, ValueError, IndexError):
+        pytest.skip("the socket buffer sizes are unknown here")
+    if send_max > 6 * 1024 * 1024:
+        pytest.skip(f"the kernel buffers up to {send_max} bytes per socket: more than the answer")
+    connections = server.server.server_state.connections
+    before = len(connections)
+    ids = [j % 1000 + 10 for j in range(1000)]
+    body = json.dumps(
+        {"model": MODEL, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 20, "n": 16}
+    ).encode()  # the answer: 16 choices of 1,000 tokens with 20 alternatives each, about 10 MB
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing, buffers little
+    sock.settimeout(10)
+    sock.connect((server.host, server.port))
+    try:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
+        deadline = time.monotonic() + 120
+        while len(connections) == before:  # accepted
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while len(connections) > before:  # the server lets the connection go by itself
+            assert time.monotonic() < deadline, "the server still holds the unread answer"
+            time.sleep(0.05)
+    finally:
+        sock.close()
+    assert_serves(client, MODEL)
+
+
 def _connect(server) -> socket.socket:
     return socket.create_connection((server.host, server.port), timeout=10)
 
@@ -276,7 +439,7 @@ def _wait_closed(sock: socket.socket, within: float) -> tuple[float, bytes]:
 def test_half_sent_headers_and_slow_bodies_are_cut_off(server, client):
     # headers never finished: closed after header_timeout_s (1 s here), nothing answered
     sock = _connect(server)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: app")
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: app")
     took, data = _wait_closed(sock, 5)
     sock.close()
     assert 0.8 < took < 3 and data == b"", (took, data)
@@ -288,7 +451,7 @@ def test_half_sent_headers_and_slow_bodies_are_cut_off(server, client):
     # a body that stops half way: 408 with the error object after body_timeout_s, then closed
     sock = _connect(server)
     sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
         b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt": '
     )
     took, data = _wait_closed(sock, 5)
@@ -299,7 +462,7 @@ def test_half_sent_headers_and_slow_bodies_are_cut_off(server, client):
     # a header line over max_header_bytes (16 KiB), or 10,000 header fields: refused, closed
     for head in (b"X-Big: " + b"a" * 20_000 + b"\r\n", b"".join(b"X-%d: 1\r\n" % i for i in range(10_000))):
         sock = _connect(server)
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + head + b"\r\n")
         _, data = _wait_closed(sock, 5)
         sock.close()
         assert re.match(rb"HTTP/1.1 4(31|00) ", data), data[:100]
@@ -319,7 +482,7 @@ def test_an_answer_mid_upload_ends_in_a_clean_close_not_a_reset(server, client, 
     # in the socket at close, the kernel would reset the connection, and a client still writing
     # can lose the answer it was sent (CI saw httpx get 0 bytes of a 413). The server reads and
     # drops the rest first, so the client reads the whole answer and then an orderly end of stream.
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     head += b"Authorization: Bearer " + key.encode() + b"\r\n"
     part = b"x" * (4 * 1024 * 1024)
     sock = _connect(server)
@@ -382,6 +545,11 @@ def test_version_and_ping(server):
         v = c.get("/version")
         assert v.status_code == 200 and isinstance(v.json()["version"], str)
         assert c.get("/ping").status_code == 200 and c.post("/ping").status_code == 200
+        for method, path, allowed in (("PUT", "/ping", {"GET", "POST"}), ("DELETE", "/health", {"GET"})):
+            r = c.request(method, path)  # a 405 names every method the path takes
+            assert r.status_code == 405 and allowed <= {m.strip() for m in r.headers["allow"].split(",")}, (
+                r.headers
+            )
 
 
 # ----------------------------------------------------------------------------------------- issue 27
@@ -502,6 +670,29 @@ def test_a_forced_tool_call_cut_by_max_tokens_returns_what_was_generated(server,
         assert isinstance(out, Note), out
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "note"}}])
+def test_a_forced_tool_call_cut_before_its_name_comes_back_as_content(client, choice):
+    # The grammar makes the tiny model write `<tool_call>` `\n` `{"` `name` ... one token each: cut
+    # within those, there is no call to return, so the tokens generated are the content.
+    req = {**CHAT, "tools": [LONG_ARGS], "tool_choice": choice, "temperature": 0, "logprobs": True}
+    for max_tokens in (1, 5, 6, 8):
+        r = client.post("/v1/chat/completions", json={**req, "max_tokens": max_tokens})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        (c,) = body["choices"]
+        written = "".join(t["token"] for t in c["logprobs"]["content"])
+        assert body["usage"]["completion_tokens"] == max_tokens and len(written) > 0
+        assert c["finish_reason"] == "length" and not c["message"].get("tool_calls"), c
+        assert c["message"]["content"] == written, (max_tokens, c["message"], written)
+        with client.stream(
+            "POST", "/v1/chat/completions", json={**req, "max_tokens": max_tokens, "stream": True}
+        ) as s:
+            events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln and ln != "data: [DONE]"]
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == written
+        assert not any(e["choices"][0]["delta"].get("tool_calls") for e in events)
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_kv_usage_counts_blocks_held_by_requests_and_cached_blocks_apart(server, client):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -620,3 +811,133 @@ def test_context_errors_read_as_english(client):
     long_chat = {**CHAT, "messages": [{"role": "user", "content": "word " * 1100}]}
     msg = client.post("/v1/chat/completions", json=long_chat).json()["error"]["message"]
     assert msg.startswith("the conversation has ") and "the the" not in msg, msg
+
+
+# ------------------------------------------------------------------------------ what a web page can send
+# A page on any site can POST these types (or a typeless blob) without the browser asking the server
+# first; each would run a generation on a local server if the body were parsed as JSON regardless.
+NOT_JSON = [
+    "text/plain",
+    "text/plain;charset=UTF-8",
+    "application/x-www-form-urlencoded",  # what `curl -d` sends unless told otherwise
+    "multipart/form-data; boundary=x",
+    None,
+]
+
+
+@pytest.mark.parametrize("ctype", NOT_JSON, ids=[str(c) for c in NOT_JSON])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+        ("/v1/chat/completions", CHAT),
+        ("/tokenize", {"prompt": "Hi"}),
+        ("/detokenize", {"tokens": [5]}),
+    ],
+    ids=["completions", "chat", "tokenize", "detokenize"],
+)
+def test_a_body_not_sent_as_json_is_refused_with_415(server, client, ctype, path, body):
+    headers = {**AUTH, **({"content-type": ctype} if ctype else {})}
+    with httpx.Client(base_url=server.url, timeout=30) as c:  # its own connection: the answer closes it
+        r = c.post(path, content=json.dumps(body).encode(), headers=headers)
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["code"] == "unsupported_media_type" and "application/json" in err["message"], err
+    # JSON with a charset parameter, in any case, is JSON
+    r = client.post(
+        path, content=json.dumps(body).encode(), headers={"content-type": "Application/JSON; charset=utf-8"}
+    )
+    assert r.status_code == 200, r.text
+
+
+# A page that makes its own name resolve to 127.0.0.1 ("DNS rebinding") reaches the server with that
+# name in Host; the server answers only to its own names.
+REBOUND = ["evil.example", "evil.example:8000", "127.0.0.1.nip.io", "localhost.evil.example", "[::2]"]
+OWN = ["127.0.0.1", "127.0.0.1:8000", "localhost", "LocalHost:1", "localhost.", "[::1]", "[::1]:8000"]
+
+
+def test_a_request_for_another_host_name_is_refused_with_421(server, client):
+    for host in REBOUND:
+        for method, path, body in (
+            ("GET", "/health", None),
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+        ):
+            with httpx.Client(base_url=server.url, timeout=30) as c:  # the answer closes the connection
+                r = c.request(method, path, json=body, headers={**AUTH, "Host": host})
+            assert r.status_code == 421, (host, path, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, err
+            assert err["code"] == "host_not_allowed" and "--allowed-hosts" in err["message"], err
+    for host in OWN:
+        r = client.get("/v1/models", headers={"Host": host})
+        assert r.status_code == 200, (host, r.text)
+    assert_serves(client, MODEL)
+
+
+def test_allowed_hosts_adds_names_and_a_server_on_every_interface_checks_only_when_told():
+    from minisgl_backend.cli import _extra_hosts, build_parser
+    from minisgl_backend.serve.guard import allowed_hosts
+
+    loopback = {"127.0.0.1", "localhost", "[::1]"}
+    assert allowed_hosts("127.0.0.1") == loopback
+    assert allowed_hosts("10.0.0.5") == loopback | {"10.0.0.5"}
+    assert allowed_hosts("fd00::5") == loopback | {"[fd00::5]"}
+    assert allowed_hosts("0.0.0.0") is None and allowed_hosts("::") is None  # names it cannot know
+    assert allowed_hosts("0.0.0.0", ["box.lan"]) == loopback | {"box.lan"}
+    assert allowed_hosts("127.0.0.1", ["*"]) is None
+    args = build_parser().parse_args(["serve", "--allowed-hosts", "a.lan, B.lan:80", "--allowed-hosts", "c"])
+    assert allowed_hosts("0.0.0.0", _extra_hosts(args)) == loopback | {"a.lan", "b.lan", "c"}
+
+
+def test_a_name_given_by_allowed_hosts_is_answered(server):
+    from minisgl_backend.serve import start_in_thread
+
+    srv = start_in_thread(server.state.engine, api_key=KEY, model_name=MODEL, extra_hosts=["box.lan"])
+    try:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:
+            assert c.get("/v1/models", headers={"Host": "box.lan:8000"}).status_code == 200
+            assert c.get("/v1/models", headers={"Host": "other.lan"}).status_code == 421
+    finally:
+        srv.stop()
+
+
+def test_the_prompts_of_one_client_request_are_one_owner_for_fair_admission(server, client, monkeypatch):
+    engine = server.state.engine
+    owners: list[str] = []
+    submit = engine.submit
+
+    def recording(prompt, params, request_id=None, owner=None):
+        owners.append(owner)
+        return submit(prompt, params, request_id=request_id, owner=owner)
+
+    monkeypatch.setattr(engine, "submit", recording)
+    for _ in range(2):
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    assert len(owners) == 6 and len(set(owners[:3])) == 1 and len(set(owners[3:])) == 1
+    assert owners[0] is not None and owners[0] != owners[3]
+
+
+def test_a_trailing_slash_is_a_404_not_a_redirect_built_from_host(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=10, follow_redirects=False) as c:
+        for path in ("/health/", "/v1/models/"):
+            r = c.get(path)
+            assert r.status_code == 404 and "location" not in r.headers, (path, r.status_code, r.headers)
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_logprob_bytes_of_tokens_holding_part_of_a_character_join_into_the_text(client):
+    """An emoji is several byte-level tokens, each decoding alone to U+FFFD: their `bytes` are the
+    token's own, so a client joining them gets the emoji back (OpenAI's reason for the field)."""
+    req = {**CHAT, "guided_regex": "😀 é😀", "max_tokens": 12, "logprobs": True, "top_logprobs": 2}
+    r = client.post("/v1/chat/completions", json=req)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["message"]["content"] == "😀 é😀"
+    entries = choice["logprobs"]["content"]
+    assert len(entries) > 3  # several tokens per emoji
+    joined = bytes(b for e in entries for b in e["bytes"]).decode("utf-8")
+    assert joined.startswith("😀 é😀"), joined  # (then the end-of-turn token the grammar let through)
+    assert all(e["bytes"] != [239, 191, 189] for e in entries), entries  # no U+FFFD stand-ins

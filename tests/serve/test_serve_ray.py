@@ -124,6 +124,8 @@ def served(tiny_model_dir):
         assert address.startswith("127.0.0.1:"), address  # the cluster listens on loopback only
         loopback_only(ray)  # joining it: Ray would otherwise swap 127.0.0.1 for a routable address
         ray.init(address=address, log_to_driver=False)
+        for r in range(2):  # the tests read which requests finished how; a server keeps none itself
+            srv.replica(r, "keep_finished", 100_000)
         yield srv
     finally:
         if ray.is_initialized():
@@ -311,7 +313,7 @@ def _raw_stream_post(served, body: dict) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", served.port))
     data = json.dumps(body).encode()
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     ).encode()
     s.sendall(head + data)

@@ -272,3 +272,86 @@ def test_bench_memory_sets_rss_against_the_weights(tiny_model_dir, tmp_path):
     assert "bound 1.15 x weights + KV pool" in r.stdout and "batch-1 decode" in r.stdout
     bad = _minisgl(*args, "--busy", "1", timeout=120)
     assert bad.returncode != 0 and "--scenario memory takes none of" in bad.stderr
+
+
+def test_serve_tells_a_port_in_use_before_loading_the_model(monkeypatch, capsys):
+    import socket
+
+    pytest.importorskip("fastapi")
+
+    def no_engine(config):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr("minisgl_backend.engine.Engine", no_engine)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli_mod.main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{port}" in err and "pick another --port" in err, err
+    assert "Traceback" not in err
+
+
+def test_serve_takes_vllm_logging_flags_and_refuses_generation_config_with_the_way(monkeypatch, capsys):
+    pytest.importorskip("fastapi")
+
+    class Loaded(Exception):
+        pass
+
+    def engine(config):
+        raise Loaded  # the flags were accepted: the model would load now
+
+    monkeypatch.setattr("minisgl_backend.engine.Engine", engine)
+    args = cli_mod.build_parser().parse_args(
+        ["serve", "--uvicorn-log-level", "debug", "--disable-log-requests"]
+    )
+    assert args.log_level == "debug"
+    for extra in (
+        ["--uvicorn-log-level", "warning", "--disable-log-requests"],
+        ["--generation-config", "vllm"],
+    ):
+        with pytest.raises(Loaded):
+            cli_mod.main(["serve", "--port", "0", *extra])
+    for source in ("auto", "/models/llama"):
+        assert cli_mod.main(["serve", "--port", "0", "--generation-config", source]) == 2
+        err = capsys.readouterr().err
+        assert "generation_config.json" in err and "per request" in err, err
+        assert "unrecognized arguments" not in err and "--set KEY=VALUE" not in err
+
+
+def test_the_docs_serve_recipes_wait_for_health_before_the_first_request():
+    """A recipe that starts `minisgl serve &` and then sends a request at once fails silently while
+    the model loads: each one polls /health in between."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    recipes = [
+        ((repo / "README.md").read_text(), "## Quick start 3"),
+        ((repo / "docs" / "serving.md").read_text(), "## lm-eval over HTTP"),
+    ]
+    for page, heading in recipes:
+        block = page[page.index(heading) :].split("```bash\n", 1)[1].split("```", 1)[0]
+        lines = block.splitlines()
+        start = next(i for i, ln in enumerate(lines) if ln.startswith("minisgl serve") and "&" in ln)
+        wait = next(i for i, ln in enumerate(lines) if "/health" in ln)
+        first = next(i for i, ln in enumerate(lines) if "/v1/" in ln or ln.startswith("lm_eval"))
+        assert start < wait < first and lines[wait].startswith("until curl -sf"), block
+
+
+def test_bench_serve_sets_the_served_run_against_the_same_requests_offline(tmp_path):
+    """`minisgl bench-serve --offline-baseline`: the same requests in the same closed loop, on the
+    same engine called in-process, and served / offline (what the server's own threads cost); it
+    is refused where it cannot compare like with like."""
+    pytest.importorskip("fastapi")
+    out = tmp_path / "serve.json"
+    args = ("bench-serve", "--tiny", "--num-requests", "8", "--concurrency", "4", "--output-len", "4")
+    r = _minisgl(*args, "--offline-baseline", "--json", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr
+    row = json.loads(out.read_text())
+    assert row["completed"] == 8 and row["offline_req_per_s"] > 0
+    ratio = row["output_tok_per_s"] / row["offline_output_tok_per_s"]
+    assert row["served_over_offline"] == pytest.approx(ratio)
+    assert "served / offline" in r.stdout
+    bad = _minisgl(*args, "--offline-baseline", "--url", "http://127.0.0.1:9", timeout=120)
+    assert bad.returncode != 0 and "--offline-baseline runs the same closed loop" in bad.stderr

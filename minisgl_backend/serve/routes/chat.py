@@ -21,6 +21,7 @@ from minisgl_backend.chat import (
     render_chat,
 )
 from minisgl_backend.chat.logprobs import chat_logprobs
+from minisgl_backend.chat.reasoning import ReasoningStreamSplitter, split_reasoning
 from minisgl_backend.chat.tools import ParsedCall
 from minisgl_backend.serve.backend import Stream
 from minisgl_backend.serve.bodies import documented_body, json_body
@@ -54,6 +55,8 @@ from minisgl_backend.types import RequestOutput, StreamDelta, TokenLogprob
 
 router = keyed_router()
 
+SMALL_ANSWER = 8  # choices without logprobs up to this are built on the loop, larger answers on a worker
+
 
 @router.post(
     "/v1/chat/completions",
@@ -68,8 +71,10 @@ async def chat_completions(
 ) -> Response:
     state.check_model(body.model)
     state.check_sequences(1, body.n)
-    chars = sum(len(m.text()) for m in body.messages)
+    state.check_logprobs(body.top_logprobs, "top_logprobs")
+    chars = sum(m.chars() for m in body.messages)  # tool calls' arguments too: the template renders them
     state.check_chars(chars, "the conversation", "messages")
+    state.check_request_chars(chars, "the conversation", "messages")
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     choice = (
         body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
@@ -86,6 +91,7 @@ async def chat_completions(
         if tools or fmt:  # the prompt shows them too: bound them before the template runs
             shown = len(json.dumps(tools, ensure_ascii=False)) + len(json.dumps(fmt, ensure_ascii=False))
             state.check_chars(chars + shown, "the conversation with its tools and format", "tools")
+            state.check_request_chars(chars + shown, "the conversation with its tools and format", "tools")
         tok = pool.tokenizer()
         prompt = render_chat(
             tok,
@@ -111,25 +117,35 @@ async def chat_completions(
     if body.stream:
         return sse_response(state, _stream(state, streams[0], body, rid, prompt), streams)
     (out,) = await results_or_disconnect(request, streams)
-    choices = []
-    for s in out.samples:  # one choice per sample (n)
-        content, calls, invalid = (
-            parse_tool_calls(s.text, prompt.tool_names, prompt.reply_tool)
-            if prompt.parses_output
-            else (s.text, [], [])
+
+    def respond() -> str:
+        choices = []
+        for s in out.samples:  # one choice per sample (n)
+            text, thought = split_reasoning(s.text) if state.reasoning else (s.text, None)
+            content, calls, invalid = (
+                parse_tool_calls(text, prompt.tool_names, prompt.reply_tool)
+                if prompt.parses_output
+                else (text, [], [])
+            )
+            tool_calls = _tool_calls(calls)
+            content += _salvage(invalid, prompt.tool_names, tool_calls)
+            finish = "tool_calls" if tool_calls and not invalid else s.finish_reason
+            message = AssistantMessage(
+                content=content if (content or not tool_calls) else None,
+                tool_calls=tool_calls or None,
+                **({"reasoning": thought} if thought is not None else {}),
+            )
+            lps = _logprobs(state, s.logprobs or []) if body.logprobs else None
+            choices.append(ChatChoice(index=s.index, message=message, logprobs=lps, finish_reason=finish))
+        answer = ChatCompletionResponse(
+            id=rid, created=int(time.time()), model=state.model_name, choices=choices, usage=Usage.of([out])
         )
-        tool_calls = _tool_calls(calls)
-        content += _salvage(invalid, prompt.tool_names, tool_calls)
-        finish = "tool_calls" if tool_calls and not invalid else s.finish_reason
-        message = AssistantMessage(
-            content=content if (content or not tool_calls) else None, tool_calls=tool_calls or None
-        )
-        lps = _logprobs(state, s.logprobs or []) if body.logprobs else None
-        choices.append(ChatChoice(index=s.index, message=message, logprobs=lps, finish_reason=finish))
-    answer = ChatCompletionResponse(
-        id=rid, created=int(time.time()), model=state.model_name, choices=choices, usage=Usage.of([out])
-    )
-    return Response(answer.model_dump_json(), media_type="application/json")
+        return answer.model_dump_json()
+
+    # Many choices, or logprobs (top_logprobs entries per token), take long enough to build that
+    # the event loop would hold up every stream: those are built on a worker.
+    small = body.n <= SMALL_ANSWER and not body.logprobs
+    return Response(respond() if small else await pool.answer(respond), media_type="application/json")
 
 
 async def _stream(
@@ -140,6 +156,8 @@ async def _stream(
     splitters = [
         ToolCallStreamSplitter(prompt.reply_tool) if prompt.parses_output else None for _ in range(body.n)
     ]
+    # With --reasoning-parser, a reply's leading trace is split off first; the rest is the answer.
+    thinkers = [ReasoningStreamSplitter() if state.reasoning else None for _ in range(body.n)]
 
     def chunk(
         i: int, delta: ChatDelta, finish: str | None = None, logprobs: ChatLogprobs | None = None
@@ -157,8 +175,13 @@ async def _stream(
                 yield sse_error(item)
                 return
             if isinstance(item, StreamDelta):
+                text, thinker = item.text, thinkers[item.index]
+                if thinker is not None:
+                    text, thought = thinker.feed(text)
+                    if thought:
+                        yield chunk(item.index, ChatDelta(reasoning=thought))
                 splitter = splitters[item.index]
-                text = splitter.feed(item.text) if splitter is not None else item.text
+                text = splitter.feed(text) if splitter is not None else text
                 # Each chunk carries the logprobs of the tokens it came with, as OpenAI streams
                 # them (text held back for a stop string or a tool call still has its logprobs).
                 lps = _logprobs(state, item.logprobs) if body.logprobs and item.logprobs else None
@@ -168,9 +191,16 @@ async def _stream(
             out: RequestOutput = item
             for s in out.samples:
                 finish: str = s.finish_reason
-                splitter = splitters[s.index]
+                splitter, thinker, held = splitters[s.index], thinkers[s.index], ""
+                if thinker is not None:  # what it held back: a partial tag, or the rest of the trace
+                    held, thought = thinker.finish()
+                    if thought:
+                        yield chunk(s.index, ChatDelta(reasoning=thought))
                 if splitter is not None:
+                    if held:
+                        held = splitter.feed(held)
                     tail, calls, invalid = splitter.finish(prompt.tool_names)
+                    tail = held + tail
                     tool_calls = _tool_calls(calls)
                     tail += _salvage(invalid, prompt.tool_names, tool_calls)
                     if tail:
@@ -182,6 +212,8 @@ async def _stream(
                             for j, c in enumerate(tool_calls)
                         ]
                         yield chunk(s.index, ChatDelta(tool_calls=deltas))
+                elif held:
+                    yield chunk(s.index, ChatDelta(content=held))
                 yield chunk(s.index, ChatDelta(), finish)
             break
         if body.include_usage:
@@ -211,13 +243,14 @@ def _tool_calls(calls: list[ParsedCall]) -> list[AssistantToolCall]:
 
 def _salvage(invalid: list[ParsedCall], tool_names: set[str], calls: list[AssistantToolCall]) -> str:
     """What became of tagged calls that do not parse (a forced call cut by max_tokens): one that got
-    as far as its arguments is appended to `calls` with the arguments as written so far (not valid
-    JSON, as OpenAI returns a cut call); the text of any other is returned, to go into the content."""
+    as far as its arguments is appended to `calls` with the partial object written so far (closed
+    into valid JSON); any other is returned as written, tags included, to go into the content: the
+    tokens were generated and billed, so the client gets them rather than an empty reply."""
     text = []
     for bad in invalid:
         part = partial_tool_call(bad["args"], tool_names)
         if part is None:
-            text.append(bad["args"])
+            text.append(bad["text"])
         else:
             calls.append(AssistantToolCall(id=bad["id"], function=ToolCallFunction(**part)))
     return "".join(text)

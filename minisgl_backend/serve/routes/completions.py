@@ -57,12 +57,15 @@ async def completions(
     p = body.prompt
     prompts: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     state.check_sequences(len(prompts), body.n)
+    state.check_logprobs(body.logprobs, "logprobs")
     for i, pr in enumerate(prompts):
         what = "the prompt" if len(prompts) == 1 else f"prompt {i}"
         if isinstance(pr, str):
             state.check_chars(len(pr), what, "prompt")
         elif len(pr) > state.backend.max_model_len:
             state.room(len(pr), None, what)  # raises: longer than the context
+    chars = sum(len(pr) for pr in prompts if isinstance(pr, str))
+    state.check_request_chars(chars, "the request's prompts" if len(prompts) > 1 else "the prompt", "prompt")
     drop = body.max_tokens == 0  # echo-only scoring: the engine draws one token, which is dropped
     k = body.logprobs
     guide = body.guide
@@ -136,7 +139,7 @@ async def completions(
         return answer.model_dump_json()
 
     small = len(outs) * body.n <= SMALL_ANSWER and k is None
-    return Response(respond() if small else await pool.run(respond), media_type="application/json")
+    return Response(respond() if small else await pool.answer(respond), media_type="application/json")
 
 
 async def _stream(

@@ -23,6 +23,10 @@ async def tokenize(
     state: AppState, body: Annotated[TokenizeRequest, Depends(json_body(TokenizeRequest))]
 ) -> Response:
     state.check_model(body.model)
+    if body.messages is not None:
+        state.check_request_chars(sum(m.chars() for m in body.messages), "the conversation", "messages")
+    else:
+        state.check_request_chars(len(body.prompt or ""), "the prompt", "prompt")
     messages = [m.template_dict() for m in body.messages] if body.messages is not None else None
 
     def work() -> str:

@@ -210,7 +210,7 @@ def test_image_parts_are_an_error_not_dropped(chat):
     ],
 )
 def test_reasoning_is_split_whole_and_streamed(text, answer, thought):
-    from langchain_minisgl.chat_models import ReasoningStreamSplitter, split_reasoning
+    from minisgl_backend.chat.reasoning import ReasoningStreamSplitter, split_reasoning
 
     assert split_reasoning(text) == (answer, thought)
     for step in (1, 2, 3, 7):  # any chunking of the stream gives the same split

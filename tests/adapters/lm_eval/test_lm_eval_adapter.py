@@ -528,3 +528,25 @@ def test_default_runs_score_the_same_at_max_num_seqs_4_and_64(tmp_path_factory, 
         runs[seqs] = (res["results"], resps)
     assert sum(len(r) for r in runs[4][1].values()) == 3 * 8
     assert runs[4] == runs[64]
+
+
+@pytest.mark.parametrize("device, deterministic", [("cpu", True), ("cuda", False)])
+def test_the_deterministic_default_is_for_the_cpu(monkeypatch, device, deterministic):
+    """The adapter turns the deterministic mode on by default where it is proven (the CPU); on
+    CUDA, where the engine refuses it, it leaves the mode off rather than fail every run."""
+    import lm_eval_minisgl.model as adapter
+    import torch
+
+    seen = {}
+
+    def fake_engine(cfg, *rest):
+        seen["cfg"] = cfg
+        raise RuntimeError("stop before loading")
+
+    monkeypatch.setattr(adapter, "make_engine", fake_engine)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="stop before loading"):
+        MiniSGLLM(pretrained="x", device=device)
+    assert seen["cfg"].device == device and seen["cfg"].deterministic is deterministic
+    with pytest.raises(ConfigError, match="deterministic: true is proven for the CPU kernels only"):
+        EngineConfig(device="cuda", deterministic=True)

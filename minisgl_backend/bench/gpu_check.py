@@ -1,0 +1,301 @@
+"""The measuring stages of scripts/gpu_check.sh that run Python (`python -m minisgl_backend.bench.gpu_check
+STAGE ...`); on a GPU they measure, and with tiny shapes on the CPU (GPU_CHECK_SMALL=1) they run the
+same code so the script itself is tested:
+
+- `forward`: one decode step of a random-weight model of realistic shape at several batch sizes, and
+  one later prefill chunk, under each attention back-end (the Triton kernels and the torch path):
+  device time per forward, host time to issue it, kernels per forward (from torch's profiler, on a
+  GPU), and how far the two back-ends' logits differ (their agreement is the kernels' check on the
+  device itself).
+- `overlap`: the design's table on one random-weight model directory: the serial loop, overlap with
+  prefill chunks of 128 and 768, one iteration in flight, the Python completion callbacks, and the
+  768 row again with seeded sampling instead of greedy draws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from minisgl_backend.arith import cdiv
+from minisgl_backend.iteration import PrefillChunk
+from minisgl_backend.kvcache.storage import KVCache
+from minisgl_backend.model.batch import ForwardBatch
+from minisgl_backend.model.llama import CausalLM, LayerLoop, build_rotary
+from minisgl_backend.model.spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def random_model(shape: str, dtype: torch.dtype, device: str) -> CausalLM:
+    """A Llama of tools.tiny's `shape` with random weights made on the device (no file: an 8B model
+    is made in seconds where writing it would take minutes)."""
+    from transformers import LlamaConfig
+
+    from minisgl_backend.tools.tiny import SHAPES
+
+    cfg = LlamaConfig(vocab_size=49152, tie_word_embeddings=False, rms_norm_eps=1e-5, **SHAPES[shape])
+    spec = ModelSpec.from_hf_config(cfg)
+    with torch.device("meta"):
+        model = CausalLM(spec).to(dtype)
+    model = model.to_empty(device=device).eval()
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.model.rotary = build_rotary(spec).to(device)
+    return model
+
+
+def _kv(model: CausalLM, blocks: int, block_size: int) -> KVCache:
+    spec, dev = model.spec, model.device
+    dtype = model.lm_head.weight.dtype
+    kv = KVCache(spec.num_layers, blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, dev)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    for t in kv.k + kv.v:  # keys of a real context: attention is not over zeros
+        t.normal_(0.0, 1.0, generator=gen)
+    return kv
+
+
+def decode_batch(batch: int, ctx: int, block_size: int, device: str) -> tuple[ForwardBatch, int]:
+    """`batch` decode rows, each at context `ctx` (its new token included) in its own blocks; and
+    the number of blocks they use."""
+    nb = cdiv(ctx, block_size)
+    tables = torch.arange(batch * nb, device=device).view(batch, nb)
+    pos = torch.full((batch,), ctx - 1, device=device)
+    slots = tables[:, (ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
+    keys = torch.arange(nb * block_size, device=device)
+    fb = ForwardBatch(
+        input_ids=torch.randint(100, 4000, (batch,), device=device),
+        positions=pos,
+        slot_mapping=slots,
+        num_decode=batch,
+        decode_block_tables=tables,
+        decode_mask=(keys[None, :] <= pos[:, None])[:, None, None, :],
+        prefill_chunks=(),
+        logits_index=torch.arange(batch, device=device),
+    )
+    return fb, batch * nb
+
+
+def chunk_batch(prefix: int, length: int, block_size: int, device: str) -> tuple[ForwardBatch, int]:
+    """One later prompt chunk of `length` tokens after a cached prefix of `prefix` tokens."""
+    ctx = prefix + length
+    nb = cdiv(ctx, block_size)
+    table = torch.arange(nb, device=device)
+    pos = torch.arange(prefix, ctx, device=device)
+    fb = ForwardBatch(
+        input_ids=torch.randint(100, 4000, (length,), device=device),
+        positions=pos,
+        slot_mapping=table[pos // block_size] * block_size + pos % block_size,
+        num_decode=0,
+        decode_block_tables=None,
+        decode_mask=None,
+        prefill_chunks=(PrefillChunk(0, length, ctx, table),),
+        logits_index=torch.tensor([length - 1], device=device),
+    )
+    return fb, nb
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _kernels_per_forward(model: CausalLM, fb: ForwardBatch, kv: KVCache) -> int | None:
+    """Device kernels one forward launches (None off a GPU, or where the profiler fails)."""
+    if model.device.type != "cuda":
+        return None
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(fb, kv)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    except Exception:  # noqa: BLE001 - a missing profiler must not cost the stage its numbers
+        return None
+
+
+def time_forward(model: CausalLM, fb: ForwardBatch, kv: KVCache, steps: int) -> dict[str, Any]:
+    device = str(model.device)
+    logits = model(fb, kv)  # warm-up (Triton compiles its kernels on first use)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model(fb, kv)
+    issued = time.perf_counter()
+    _sync(device)
+    done = time.perf_counter()
+    return {
+        "ms": 1000 * (done - t0) / steps,
+        "host_issue_ms": 1000 * (issued - t0) / steps,
+        "kernels": _kernels_per_forward(model, fb, kv),
+        "logits": logits.float(),
+    }
+
+
+def backends(device: str) -> dict[str, LayerLoop]:
+    out = {"torch": LayerLoop()}
+    try:
+        from minisgl_backend.model.triton_attention import TritonAttention
+    except ImportError:
+        return out
+    if device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1":
+        out["triton"] = LayerLoop(TritonAttention())
+    return out
+
+
+def forward_rows(
+    shapes: list[str],
+    batches: list[int],
+    ctx: int,
+    chunk: int,
+    device: str,
+    dtype: str,
+    steps: int,
+    block_size: int = 16,
+) -> list[dict[str, Any]]:
+    rows = []
+    for shape in shapes:
+        model = random_model(shape, DTYPES[dtype], device)
+        cases = [(f"decode B={b} ctx={ctx}", decode_batch(b, ctx, block_size, device)) for b in batches]
+        cases.append((f"chunk {chunk} after {chunk}", chunk_batch(chunk, chunk, block_size, device)))
+        for name, (fb, blocks) in cases:
+            kv = _kv(model, blocks, block_size)
+            ref = None  # the torch path's logits, which the kernels' must match
+            for backend, strategy in backends(device).items():
+                model.forward_strategy = strategy
+                r = time_forward(model, fb, kv, steps)
+                logits = r.pop("logits")
+                row = {"shape": shape, "case": name, "backend": backend, **r}
+                if ref is None:
+                    ref = logits
+                else:
+                    row["max_logit_diff_vs_torch"] = float((logits - ref).abs().max())
+                    row["argmax_agree_vs_torch"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del kv
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def overlap_variants(chunks: list[int]) -> dict[str, dict[str, Any]]:
+    """The design's rows: serial, overlap per chunk size, then at the largest chunk one iteration in
+    flight and the Python completion callbacks."""
+    big = max(chunks)
+    rows: dict[str, dict[str, Any]] = {
+        "serial, no chunking": {
+            "overlap": False,
+            "chunk_size": None,
+            "mixed_batches": False,
+            "max_inflight": 1,
+        }
+    }
+    for c in chunks:
+        rows[f"overlap, chunk {c}"] = {
+            "overlap": True,
+            "chunk_size": c,
+            "mixed_batches": True,
+            "max_inflight": 4,
+        }
+    rows[f"overlap, chunk {big}, max_inflight 1"] = rows[f"overlap, chunk {big}"] | {"max_inflight": 1}
+    rows[f"overlap, chunk {big}, python callbacks"] = rows[f"overlap, chunk {big}"] | {
+        "callback_impl": "python"
+    }
+    return rows
+
+
+def overlap_rows(args: argparse.Namespace) -> dict[str, Any]:
+    from minisgl_backend.bench.configs import bench_configs
+    from minisgl_backend.bench.measure import format_table
+    from minisgl_backend.config import EngineConfig
+
+    chunks = [int(c) for c in args.chunks.split(",")]
+    base = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory_gb=args.kv_gb,
+        max_num_batched_tokens=max(2048, max(chunks)),
+        stats_interval_s=0,
+    )
+    events: list[dict[str, Any]] | None = [] if (args.trace or args.plot) else None
+    variants = overlap_variants(chunks)
+    rows = bench_configs(base, variants, args.num_requests, args.output_len, args.concurrency, events)
+    big = max(chunks)
+    sampled = {f"overlap, chunk {big}, sampled": variants[f"overlap, chunk {big}"]}
+    sampling = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 1234}
+    rows |= bench_configs(
+        base, sampled, args.num_requests, args.output_len, args.concurrency, events, sampling=sampling
+    )
+    print(format_table(rows))
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump({"traceEvents": events}, f)
+    if args.plot and events is not None:
+        try:
+            from minisgl_backend.tools.plot import plot_utilisation
+
+            plot_utilisation(events, args.plot)
+        except ImportError as e:
+            print(f"no plot: {e}")
+    return {"device": args.device, "chunks": chunks, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minisgl_backend.bench.gpu_check")
+    sub = p.add_subparsers(dest="stage", required=True)
+    f = sub.add_parser("forward", help="decode-step and prefill-chunk micro-numbers per attention back-end")
+    f.add_argument("--shapes", default="1b")
+    f.add_argument("--batches", default="1,16,64")
+    f.add_argument("--ctx", type=int, default=512)
+    f.add_argument("--chunk", type=int, default=768)
+    f.add_argument("--steps", type=int, default=10)
+    o = sub.add_parser("overlap", help="the design's overlap table on one model directory")
+    o.add_argument("--model", required=True)
+    o.add_argument("--chunks", default="128,768")
+    o.add_argument("--kv-gb", type=float, default=8.0)
+    o.add_argument("--num-requests", type=int, default=96)
+    o.add_argument("--output-len", type=int, default=64)
+    o.add_argument("--concurrency", type=int, default=16)
+    o.add_argument("--trace")
+    o.add_argument("--plot")
+    for s in (f, o):
+        s.add_argument("--device", default="cuda")
+        s.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+        s.add_argument("--json", required=True)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    if args.stage == "forward":
+        with torch.inference_mode():
+            result: Any = forward_rows(
+                args.shapes.split(","),
+                [int(b) for b in args.batches.split(",")],
+                args.ctx,
+                args.chunk,
+                args.device,
+                args.dtype,
+                args.steps,
+            )
+    else:
+        result = overlap_rows(args)
+    with open(args.json, "w") as fh:
+        json.dump(result, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

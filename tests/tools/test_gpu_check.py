@@ -1,0 +1,92 @@
+"""scripts/gpu_check.sh: stages that never stop each other, one stage run alone, and the small mode
+(every stage on the CPU) that proves the script before a GPU is lent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minisgl_backend.bench.gpu_check import overlap_variants
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def _run(
+    tmp_path: Path, *stages: str, **env: str
+) -> tuple[subprocess.CompletedProcess, list[tuple[str, str]]]:
+    full = os.environ | {
+        "OUT": str(tmp_path / "out"),
+        "SCRATCH": str(tmp_path / "scratch"),
+        "PYTHON": sys.executable,
+        "GPU_CHECK_SMALL": "1",
+    }
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), *stages], env=full | env, capture_output=True, text=True, timeout=600
+    )
+    summary = tmp_path / "out" / "summary.txt"
+    outcome = []  # (stage, outcome without its seconds), in the order they ran
+    if summary.is_file():
+        for line in summary.read_text().splitlines():
+            name, rest = line.split(None, 1)
+            outcome.append((name, rest.rsplit(None, 1)[0]))
+    return proc, outcome
+
+
+def test_a_failed_or_timed_out_stage_does_not_stop_the_next(tmp_path):
+    """A stage past its time limit is stopped and recorded; a failing one is recorded; the stages
+    after both still run, and the script itself exits 0 (its summary says what failed)."""
+    sleeper = tmp_path / "slow_python"
+    sleeper.write_text("#!/usr/bin/env bash\nsleep 30\n")
+    sleeper.chmod(0o755)
+    proc, outcome = _run(
+        tmp_path, "env", "model", "env", PYTHON=str(sleeper), T_ENV="1", MINISGL_TOKENIZER=str(tmp_path)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # no tokenizer files in tmp_path: the model stage fails before it runs Python
+    assert outcome == [("env", "TIMED OUT"), ("model", "FAILED (rc 1)"), ("env", "TIMED OUT")]
+    assert "no tokenizer files" in (tmp_path / "out" / "check.log").read_text()
+
+
+def test_an_unknown_stage_is_refused_before_anything_runs(tmp_path):
+    proc, outcome = _run(tmp_path, "env", "nope")
+    assert proc.returncode == 2 and "unknown stage 'nope'" in proc.stderr
+    assert outcome == []
+
+
+def test_the_overlap_rows_are_the_designs():
+    rows = overlap_variants([128, 768])
+    assert list(rows) == [
+        "serial, no chunking",
+        "overlap, chunk 128",
+        "overlap, chunk 768",
+        "overlap, chunk 768, max_inflight 1",
+        "overlap, chunk 768, python callbacks",
+    ]
+    assert rows["serial, no chunking"]["overlap"] is False
+    assert rows["overlap, chunk 768, max_inflight 1"] | {"max_inflight": 4} == rows["overlap, chunk 768"]
+    assert rows["overlap, chunk 768, python callbacks"]["callback_impl"] == "python"
+
+
+@pytest.mark.slow
+def test_the_small_mode_runs_every_stage_on_the_cpu(tmp_path, tiny_model_dir):
+    """GPU_CHECK_SMALL=1: every stage passes on the CPU, at most 8 small files come back in OUT (big
+    ones stay in the scratch dir), and the Triton kernels' logits agree with the torch path's."""
+    tokenizer = tiny_model_dir  # holds SmolLM2's tokenizer files, as .gpu_carry/tokenizer would
+    proc, outcome = _run(tmp_path, MINISGL_TOKENIZER=str(tokenizer))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stages = ["env", "tracker", "tests", "forward", "model", "overlap"]
+    assert outcome == [(s, "ok") for s in stages], proc.stdout[-3000:]
+    files = [p for p in (tmp_path / "out").iterdir() if p.is_file()]
+    assert len(files) <= 8 and all(p.stat().st_size < 16 * 2**20 for p in files), files
+    assert (tmp_path / "scratch" / "trace.json").is_file()
+    forward = json.loads((tmp_path / "out" / "forward.json").read_text())
+    kernels = [r for r in forward if r["backend"] == "triton"]
+    assert kernels and all(r["argmax_agree_vs_torch"] == 1.0 for r in kernels)
+    overlap = json.loads((tmp_path / "out" / "overlap_table.json").read_text())
+    assert len(overlap["rows"]) == 6 and any("sampled" in name for name in overlap["rows"])
