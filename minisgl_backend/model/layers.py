@@ -235,15 +235,15 @@ class Attention(nn.Module):
         kv.write(self.layer_id, batch.slot_mapping, k, v)
         if backend is not None:
             kpool, vpool = kv.k[self.layer_id], kv.v[self.layer_id]
-            o = backend(q, kpool, vpool, batch, self.scale, self.window, self.softcap)
-            return self.o_proj(take_rows(o.view(n, self.h * self.d), keep))
+            served = backend(q, kpool, vpool, batch, self.scale, self.window, self.softcap)
+            return self.o_proj(take_rows(served.view(n, self.h * self.d), keep))
         if rows is not None:
             kpool, vpool = kv.k[self.layer_id], kv.v[self.layer_id]
             if keep is not None:  # a row's output depends only on its own query and keys
                 q, rows = q[keep], (rows[0], rows[1][keep], rows[2][keep])
-            att = cpu_kernels.paged_attention(q, kpool, vpool, *rows, self.scale, self.window, self.softcap)
-            assert att is not None, "rows are given only where the native paged attention runs"
-            return self.o_proj(att.view(q.shape[0], self.h * self.d))
+            o = cpu_kernels.paged_attention(q, kpool, vpool, *rows, self.scale, self.window, self.softcap)
+            assert o is not None, "rows are given only where the native paged attention runs"
+            return self.o_proj(o.view(q.shape[0], self.h * self.d))
 
         b = batch.num_decode
         out = None if b == n else torch.empty_like(q)

@@ -16,7 +16,7 @@ takes the full row instead (`draw_reduced` answers None for it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -62,20 +62,13 @@ def hash_uniform_torch(seeds: torch.Tensor, positions: torch.Tensor, token_ids: 
 class Candidates(NamedTuple):
     """Per row: the `k` best tokens by draw score, their logits, and the (k+1)-th best score."""
 
-    ids: torch.Tensor  # [R, k] int64
-    logits: torch.Tensor  # [R, k] float32
-    bound: torch.Tensor  # [R] float64: no token outside `ids` scores above it
+    # Tensors on the device, numpy arrays once copied (numpy()).
+    ids: Any  # [R, k] int64
+    logits: Any  # [R, k] float32
+    bound: Any  # [R] float64: no token outside `ids` scores above it
 
-    def numpy(self) -> HostCandidates:
-        return HostCandidates(*(t.cpu().numpy() for t in self))
-
-
-class HostCandidates(NamedTuple):
-    """Candidates as numpy arrays on the host (Candidates.numpy()), what draw_reduced reads."""
-
-    ids: np.ndarray
-    logits: np.ndarray
-    bound: np.ndarray
+    def numpy(self) -> Candidates:
+        return Candidates(*(t.cpu().numpy() for t in self))
 
 
 def reduce_for_draw(
@@ -120,7 +113,7 @@ def reducible(row: SampleRow) -> bool:
     )
 
 
-def draw_reduced(cand: HostCandidates, rows: Sequence[SampleRow]) -> list[int | None]:
+def draw_reduced(cand: Candidates, rows: Sequence[SampleRow]) -> list[int | None]:
     """Each row's token from its candidates (numpy, as Candidates.numpy() gives them), the same as
     sampler.sample over the full row; None where the candidates cannot prove it (the caller draws
     that row from its full logits)."""

@@ -115,8 +115,8 @@ def api_error(exc: BaseException) -> APIError:
         exc = exc.__cause__  # the output left its grammar, or the parser hit its limits mid-way
     for cls, status, type_, code in ERROR_MAP:
         if isinstance(exc, cls):
-            headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-            return APIError(status, first_line(str(exc)), type_, None, code, headers)
+            retry = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+            return APIError(status, first_line(str(exc)), type_, None, code, retry)
     # The detail goes to the log only: a client sees that something failed and the id to quote.
     incident = uuid.uuid4().hex[:16]
     log.error("internal error (request id %s)", incident, exc_info=exc)

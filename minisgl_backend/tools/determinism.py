@@ -333,7 +333,7 @@ def run_replicas(
     from minisgl_backend.cluster.routing import route
     from minisgl_backend.model.cpu_threads import usable_cpus
 
-    threads = max(1, (cfg.num_threads or usable_cpus()[0]) // n)  # usable_cpus: (count, why)
+    threads = max(1, (cfg.num_threads or usable_cpus()[0]) // n)
     cfg = cfg.replace(num_threads=threads)
     outs: dict[str, RequestOutput] = {}
     shares: list[list[Item]] | None = None

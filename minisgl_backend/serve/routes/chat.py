@@ -131,10 +131,10 @@ async def chat_completions(
             content += _salvage(invalid, prompt.tool_names, tool_calls)
             finish = "tool_calls" if tool_calls and not invalid else s.finish_reason
             message = AssistantMessage(
-                content=content if (content or not tool_calls) else None,
-                tool_calls=tool_calls or None,
-                **({"reasoning": thought} if thought is not None else {}),
+                content=content if (content or not tool_calls) else None, tool_calls=tool_calls or None
             )
+            if thought is not None:
+                message = message.model_copy(update={"reasoning": thought})
             lps = _logprobs(state, s.logprobs or []) if body.logprobs else None
             choices.append(ChatChoice(index=s.index, message=message, logprobs=lps, finish_reason=finish))
         answer = ChatCompletionResponse(
