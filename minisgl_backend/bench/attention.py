@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.bench.linear import best_of, kernel_bench_args
 from minisgl_backend.model import cpu_kernels
 
@@ -85,7 +86,7 @@ def main() -> None:
     ]
     for start, rows in [(0, 256), (256, 256), (0, 512)]:
         ctx = start + rows
-        nb = -(-ctx // BLOCK)
+        nb = cdiv(ctx, BLOCK)
         k, v = pool(nb + 4, dtype, g)
         table = torch.randperm(nb + 4, generator=g)[:nb]
         q = torch.randn(rows, HEADS, HEAD_DIM, generator=g).to(dtype)
@@ -95,7 +96,7 @@ def main() -> None:
         ms = {name: round(best_of(fn, clock) * 1e3, 3) for name, fn in fns.items()}
         print(json.dumps({"case": "prefill", "start": start, "rows": rows, "threads": a.threads, "ms": ms}))
     for batch, context in [(1, 160), (8, 160), (32, 160), (32, 512)]:
-        nb = -(-context // BLOCK)
+        nb = cdiv(context, BLOCK)
         k, v = pool(batch * nb + 4, dtype, g)
         tables = torch.randperm(batch * nb + 4, generator=g)[: batch * nb].view(batch, nb)
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)
@@ -107,7 +108,7 @@ def main() -> None:
             json.dumps({"case": "decode", "batch": batch, "context": context, "threads": a.threads, "ms": ms})
         )
     for batch, context in [(8, 160), (32, 160)]:  # a whole step's K/V, which comes from memory
-        nb = -(-context // BLOCK)
+        nb = cdiv(context, BLOCK)
         k, v = pool(LAYERS * batch * nb, dtype, g)
         perm = torch.randperm(LAYERS * batch * nb, generator=g).view(LAYERS, batch, nb)
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
@@ -54,7 +55,7 @@ def main() -> None:
     if a.layer_loop:
         model.forward_strategy = stacked.inner
     s = model.spec
-    per_seq = -(-(a.context + a.steps + 20) // BLOCK)
+    per_seq = cdiv(a.context + a.steps + 20, BLOCK)
     kv = KVCache(
         s.num_layers, per_seq * a.batch, BLOCK, s.num_kv_heads, s.head_dim, model.lm_head.weight.dtype, "cpu"
     )
@@ -67,7 +68,7 @@ def main() -> None:
     for b in range(a.batch):
         pos = torch.arange(a.context)
         slots = tables[b][pos // BLOCK] * BLOCK + pos % BLOCK
-        chunk = PrefillChunk(0, a.context, a.context, tables[b][: -(-a.context // BLOCK)])
+        chunk = PrefillChunk(0, a.context, a.context, tables[b][: cdiv(a.context, BLOCK)])
         model(ForwardBatch(tokens(a.context), pos, slots, 0, None, None, (chunk,), pos[-1:]), kv)
 
     def step(p: int) -> None:

@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
-from minisgl_backend.model.llama import CausalLM, ForwardBatch, LayerLoop, build_rotary
+from minisgl_backend.model.batch import ForwardBatch
+from minisgl_backend.model.llama import CausalLM, LayerLoop, build_rotary
 from minisgl_backend.model.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -66,7 +68,7 @@ def _kv(model: CausalLM, blocks: int, block_size: int) -> KVCache:
 def decode_batch(batch: int, ctx: int, block_size: int, device: str) -> tuple[ForwardBatch, int]:
     """`batch` decode rows, each at context `ctx` (its new token included) in its own blocks; and
     the number of blocks they use."""
-    nb = -(-ctx // block_size)
+    nb = cdiv(ctx, block_size)
     tables = torch.arange(batch * nb, device=device).view(batch, nb)
     pos = torch.full((batch,), ctx - 1, device=device)
     slots = tables[:, (ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
@@ -87,7 +89,7 @@ def decode_batch(batch: int, ctx: int, block_size: int, device: str) -> tuple[Fo
 def chunk_batch(prefix: int, length: int, block_size: int, device: str) -> tuple[ForwardBatch, int]:
     """One later prompt chunk of `length` tokens after a cached prefix of `prefix` tokens."""
     ctx = prefix + length
-    nb = -(-ctx // block_size)
+    nb = cdiv(ctx, block_size)
     table = torch.arange(nb, device=device)
     pos = torch.arange(prefix, ctx, device=device)
     fb = ForwardBatch(

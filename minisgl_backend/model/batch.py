@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.iteration import PrefillChunk
 
 
@@ -67,7 +68,7 @@ def decode_window(
     if window is None or tables is None:
         return tables, batch.decode_mask
     dev = tables.device
-    span = -(-(window - 1) // block_size) + 1  # most blocks that `window` consecutive keys touch
+    span = cdiv(window - 1, block_size) + 1  # most blocks that `window` consecutive keys touch
     pos = batch.positions[: batch.num_decode].to(dev)[:, None]  # [B, 1]
     first = torch.clamp(pos - window + 1, min=0) // block_size
     if span >= tables.shape[1]:  # the whole context is no longer than the window's blocks

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.batch import ForwardBatch, row_tables
@@ -128,9 +129,9 @@ def context(
     W = `length` rounded up to whole splits. Keys past a sequence's own length are masked by
     position in `attend`; they hold whatever finite values their block (or block 0, which pads
     the tables) holds."""
-    width = -(-length // KV_SPLIT) * KV_SPLIT
+    width = cdiv(length, KV_SPLIT) * KV_SPLIT
     bs = kv.block_size
-    nbk = -(-width // bs)
+    nbk = cdiv(width, bs)
     tables = block_tables[:, :nbk]
     if tables.shape[1] < nbk:
         tables = torch.cat([tables, tables.new_zeros(tables.shape[0], nbk - tables.shape[1])], dim=1)

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from minisgl_backend.arith import cdiv
+
 try:  # built by setup.py when a C++ compiler is present (optional, like the in-flight tracker)
     from minisgl_backend.native import _kernels as _native  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on the build
@@ -277,7 +279,7 @@ def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * dtype.itemsize
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
         return torch.empty(numel, dtype=dtype)
-    region = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region = mmap.mmap(-1, cdiv(nbytes, HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(region, dtype=dtype, count=numel)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.iteration import IterationInputs, PrefillChunk, SampleSpec, ScoreSpec
 from minisgl_backend.scheduler.scheduler import Batch, BatchEntry
 
@@ -19,10 +20,6 @@ from minisgl_backend.scheduler.scheduler import Batch, BatchEntry
 def _slots(table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
     pos = np.arange(start, end)
     return np.asarray(table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
-
-
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 def build_inputs(batch: Batch, block_size: int) -> IterationInputs:
@@ -49,10 +46,10 @@ def build_inputs(batch: Batch, block_size: int) -> IterationInputs:
         add_sample(i, entry)
     dec_tables = dec_mask = None
     if batch.decode:
-        nb = _blocks(max(ctx), block_size)
+        nb = cdiv(max(ctx), block_size)
         tables = np.zeros((len(ctx), nb), dtype=np.int64)
         for i, entry in enumerate(batch.decode):
-            t = entry.req.block_table[: _blocks(ctx[i], block_size)]
+            t = entry.req.block_table[: cdiv(ctx[i], block_size)]
             tables[i, : len(t)] = t
         dec_tables = torch.from_numpy(tables)
         dec_mask = (torch.arange(nb * block_size)[None, :] < torch.tensor(ctx)[:, None])[:, None, None, :]
@@ -64,7 +61,7 @@ def build_inputs(batch: Batch, block_size: int) -> IterationInputs:
         table_rows.extend([req.row] * n)
         positions.extend(range(s, end))
         slots.append(_slots(req.block_table, s, end, block_size))
-        chunks.append(PrefillChunk(base, n, end, torch.tensor(req.block_table[: _blocks(end, block_size)])))
+        chunks.append(PrefillChunk(base, n, end, torch.tensor(req.block_table[: cdiv(end, block_size)])))
         for p in range(s, end):
             if req.needs_prompt_logprob(p + 1):
                 k = req.params.prompt_logprobs or 0  # set: the request scores its prompt

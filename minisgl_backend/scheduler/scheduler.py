@@ -29,6 +29,7 @@ import time
 from collections import deque
 from typing import NamedTuple
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.errors import InvariantError
 from minisgl_backend.executor.token_table import RowPool
@@ -57,10 +58,6 @@ class Batch(NamedTuple):
     prefill: list[BatchEntry]
     depends_on: int  # newest earlier iteration that draws a token some entry here reads
     prompt_writes: tuple[tuple[int, list[int]], ...]  # admitted by this batch: (table row, prompt ids)
-
-
-def _blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 class Scheduler:
@@ -159,7 +156,7 @@ class Scheduler:
 
     def _grow(self, req: Request, tokens: int) -> bool:
         """Make the block table cover `tokens` positions; False if the pool is short."""
-        need = _blocks_for(tokens, self.block_size) - len(req.block_table)
+        need = cdiv(tokens, self.block_size) - len(req.block_table)
         if need <= 0:
             return True
         if not self._ensure_free(need):
@@ -224,11 +221,11 @@ class Scheduler:
         chunk, bs = self.cfg.chunk_size, self.block_size
         partial = [r for r in self.running if not r.is_decode]  # admitted, prompt not fully planned
         # Blocks that admitted prompts will still claim: new admissions must leave them free.
-        reserved = sum(_blocks_for(r.planned_len, bs) - len(r.block_table) for r in partial)
+        reserved = sum(cdiv(r.planned_len, bs) - len(r.block_table) for r in partial)
         # The watermark: room for the next decode iteration of every running decode. Without it a
         # preempted request is re-admitted with the blocks its preemptor waits for (a livelock).
         watermark = sum(
-            max(0, _blocks_for(r.planned_len + 1, bs) - len(r.block_table))
+            max(0, cdiv(r.planned_len + 1, bs) - len(r.block_table))
             for r in self.running
             if r.is_decode and self._wants_decode(r)
         )
@@ -251,7 +248,7 @@ class Scheduler:
                 hit = self.prefix.match(req)
                 if hit is None:
                     continue  # its next prefix block is being computed by another request: wait for it
-                need = _blocks_for(req.planned_len, bs) - len(hit)
+                need = cdiv(req.planned_len, bs) - len(hit)
                 if not self._ensure_free(need + reserved + watermark):
                     self.pool.release(hit, fence=self.newest_submitted)  # the tree still holds them
                     break  # later candidates do not overtake the head of the admission order
@@ -260,7 +257,7 @@ class Scheduler:
                 reserved += need
             if not self._grow(req, req.num_computed + n):
                 break
-            reserved -= _blocks_for(req.num_computed + n, bs) - _blocks_for(req.num_computed, bs)
+            reserved -= cdiv(req.num_computed + n, bs) - cdiv(req.num_computed, bs)
             samples = req.num_computed + n == req.planned_len
             entries.append(BatchEntry(req, req.num_computed, n, samples, req.epoch))
             budget -= n

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.rope import apply_rotary
 from tests.helpers import model_spec
@@ -345,7 +346,7 @@ def test_paged_attention_rows_do_not_depend_on_the_call(
     h = kvh * group
     k = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
     v = torch.randn(pool, bs, kvh, d, generator=g).to(dtype)
-    nb = -(-45 // bs)
+    nb = cdiv(45, bs)
     tables = torch.stack([torch.randperm(pool, generator=g)[:nb] for _ in range(3)])
     # 37 rows of a chunk on table 0 at positions 3..39, then decode rows on tables 1 and 2
     row_table = torch.tensor([0] * 37 + [1, 2])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
@@ -78,7 +79,7 @@ def _prefilled(model: CausalLM, rows: int) -> tuple[KVCache, torch.Tensor]:
         n = CONTEXTS[r]
         pos = torch.arange(n)
         slots = tables[r][pos // BLOCK] * BLOCK + pos % BLOCK
-        chunk = PrefillChunk(0, n, n, tables[r][: -(-n // BLOCK)])
+        chunk = PrefillChunk(0, n, n, tables[r][: cdiv(n, BLOCK)])
         ids = torch.randint(0, s.vocab_size, (n,), generator=g)
         model(ForwardBatch(ids, pos, slots, 0, None, None, (chunk,), pos[-1:]), kv)
     return kv, tables

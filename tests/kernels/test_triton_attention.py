@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from minisgl_backend.arith import cdiv
+
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install triton, or `make setup`)", allow_module_level=True)
 
@@ -52,7 +54,7 @@ def _tables(lengths: list[int], bs: int, blocks: int, seed: int) -> list[torch.T
     perm = torch.randperm(blocks, generator=_gen(seed))
     out, used = [], 0
     for n in lengths:
-        nb = -(-n // bs)
+        nb = cdiv(n, bs)
         out.append(perm[used : used + nb])
         used += nb
     assert used <= blocks, "the test's pool is too small for its sequences"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.model.batch_invariant import KV_SPLIT, TiledLinear, attend, tiles_for
 
 # (out, in) of SmolLM2-135M's projections and LM head, and of the tiny test model.
@@ -46,7 +47,7 @@ def test_attention_row_is_the_same_alone_in_a_prefill_tile_and_in_a_decode_batch
     q = torch.randn(1, 40, h, d, generator=g).to(dtype)
     pos = torch.arange(ctx - 40, ctx)[None]
     p = 25  # query index inside the tile
-    width = -(-(int(pos[0, p]) + 1) // KV_SPLIT) * KV_SPLIT
+    width = cdiv(int(pos[0, p]) + 1, KV_SPLIT) * KV_SPLIT
     alone = attend(q[:, p : p + 1], k[:, :, :width], v[:, :, :width], pos[:, p : p + 1], d**-0.5)[0, 0]
     tile = attend(q[:, 3:], k, v, pos[:, 3:], d**-0.5)[0, p - 3]
     batch_q = q[0, p - 2 : p + 3, None]  # 5 decode rows, same K/V, other positions

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
@@ -51,7 +52,7 @@ def _batch(step: int, tables: torch.Tensor, all_rows: bool) -> ForwardBatch:
         dec_mask = (keys[None, :] <= pos[:b, None])[:, None, None, :]
     parts, want, start = [], list(range(b)), b
     for s, a, e in chunks:
-        parts.append(PrefillChunk(start, e - a, e, tables[s][: -(-e // BLOCK)]))
+        parts.append(PrefillChunk(start, e - a, e, tables[s][: cdiv(e, BLOCK)]))
         if e == final[s]:
             want.append(start + e - a - 1)
         start += e - a
@@ -109,7 +110,7 @@ def test_prefill_forward_runs_the_linear_work_the_peers_bench_counts():
         [tables[i][torch.arange(length) // BLOCK] * BLOCK + torch.arange(length) % BLOCK for i in range(n)]
     )
     chunks = tuple(
-        PrefillChunk(i * length, length, length, tables[i][: -(-length // BLOCK)]) for i in range(n)
+        PrefillChunk(i * length, length, length, tables[i][: cdiv(length, BLOCK)]) for i in range(n)
     )
     ids = torch.randint(0, 96, (n * length,), generator=torch.Generator().manual_seed(0))
     model(
