@@ -208,6 +208,9 @@ def run_bench_serve(args: argparse.Namespace, config: ConfigFromFlags) -> int:
         engine = Engine(config(base))
         try:
             srv = start_in_thread(engine, api_key=args.api_key, model_name=args.served_model_name)
+            # A server keeps nothing of a request once it ends; the bench asks for records of them
+            # to tell how each hung-up request ended (aborted, or finished first).
+            srv.state.keep_finished(args.num_requests)
             try:
                 if args.offline_baseline:  # warm: the served run pays no first-use cost the offline one skips
                     from minisgl_backend.bench.configs import run_closed_loop

@@ -355,3 +355,18 @@ def test_bench_serve_sets_the_served_run_against_the_same_requests_offline(tmp_p
     assert "served / offline" in r.stdout
     bad = _minisgl(*args, "--offline-baseline", "--url", "http://127.0.0.1:9", timeout=120)
     assert bad.returncode != 0 and "--offline-baseline runs the same closed loop" in bad.stderr
+
+
+def test_bench_serve_accounts_for_every_hung_up_request_of_its_own_server(tmp_path):
+    """`minisgl bench-serve --disconnect-prob` against its own server: each hung-up request is found
+    aborted (or finished first) on the server, although a server keeps no record of ended requests
+    unless asked, and the run exits 0."""
+    pytest.importorskip("fastapi")
+    out = tmp_path / "serve.json"
+    args = ("bench-serve", "--tiny", "--num-requests", "12", "--concurrency", "4", "--output-len", "32")
+    r = _minisgl(*args, "--disconnect-prob", "0.5", "--seed", "1", "--json", str(out), timeout=300)
+    row = json.loads(out.read_text())
+    assert row["disconnected"] > 0, row
+    assert row["disconnects_unaccounted"] == 0, r.stdout
+    assert row["disconnects_aborted"] + row["disconnects_finished"] == row["disconnected"]
+    assert r.returncode == 0, r.stdout + r.stderr
