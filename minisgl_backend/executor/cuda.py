@@ -100,9 +100,7 @@ class CUDAExecutor(DualWorkerExecutor):
             h2d.record(self._copy)
         split = len(uploaded) - len(keys)
         tensors = uploaded[:split]
-        keys = [
-            t for t in uploaded[split:] if t is not None
-        ]  # keys are never absent inputs
+        keys = [t for t in uploaded[split:] if t is not None]  # keys are never absent inputs
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._compute):
             self._compute.wait_event(h2d)
