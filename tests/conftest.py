@@ -8,6 +8,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when triton.language is first imported, and torch imports it on its
+# own in some tests (whichever runs first): without a GPU, the Triton kernels' tests run under the
+# interpreter only if it is set before any of that, so here, at the start of the session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
