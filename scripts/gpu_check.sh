@@ -83,7 +83,12 @@ stage_tracker() {
   if [[ -n "$dest" ]]; then
     # Only the tracker: one file, one compiler line (the CPU kernels' 15 files are not needed here).
     suffix=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-    inc=$("$PY" -m pybind11 --includes) || return 1
+    # pybind11's headers: from the interpreter's pybind11, else the copy the carry stage made (the
+    # device machine reaches no package index; pybind11 is a build requirement, not a runtime one).
+    if ! inc=$("$PY" -m pybind11 --includes 2>/dev/null); then
+      [[ -d "$ROOT/.gpu_carry/pybind11" ]] || { echo "no pybind11: pip install pybind11, or run the carry stage"; return 1; }
+      inc="-I$ROOT/.gpu_carry/pybind11 $("$PY" -c "import sysconfig; print('-I' + sysconfig.get_paths()['include'])")"
+    fi
     # shellcheck disable=SC2086  # $inc is a list of -I flags
     c++ -O2 -std=c++17 -shared -fPIC -fvisibility=hidden $inc csrc/inflight_tracker.cpp \
       -o "$dest/_native$suffix" -ldl || return 1
@@ -131,6 +136,10 @@ from minisgl_backend.model.loader import resolve_model_dir
 AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct")).save_pretrained(sys.argv[1])
 print("tokenizer files in", sys.argv[1])
 PY
+  # pybind11's headers, for the tracker stage where the device's Python has no pybind11
+  if inc=$("$PY" -c "import pybind11; print(pybind11.get_include())" 2>/dev/null); then
+    rm -rf "$ROOT/.gpu_carry/pybind11" && cp -r "$inc" "$ROOT/.gpu_carry/pybind11"
+  fi
   du -sh "$ROOT/.gpu_carry"
 }
 
