@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # A header larger than this is not a checkpoint's (the format's own reader refuses the same size).
 MAX_HEADER_BYTES = 100 << 20
 # The staging buffer of a tensor whose dtype is converted on the way in, read a block of rows at a time.
@@ -95,6 +97,28 @@ class Checkpoint:
                     flat[r0:r1].copy_(stage.reshape(r1 - r0, -1))
                 else:
                     dest[r0:r1].copy_(stage)
+
+
+def write(
+    path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], tensors: Iterable[torch.Tensor]
+) -> None:
+    """A safetensors file of the tensors named in `specs` (name -> shape, dtype), taken in that order
+    from `tensors` (an iterator: a writer can make each one as it goes, so memory holds one at a
+    time). The header comes first, padded so that the data starts 8-byte aligned."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (shape, dtype) in specs.items():
+        end = offset + math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for (name, (shape, dtype)), t in zip(specs.items(), tensors, strict=True):
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"{name}: got {t.dtype} {list(t.shape)}, declared {dtype} {list(shape)}")
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def _read_exact(f, dest: torch.Tensor, path: Path) -> None:

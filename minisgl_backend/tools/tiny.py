@@ -10,8 +10,8 @@ scripts/gpu_check.sh.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -141,36 +141,21 @@ def llama_tensors(cfg) -> dict[str, tuple[int, ...]]:
 
 def write_streamed(out: Path, cfg, dtype: torch.dtype, seed: int) -> None:
     """A random Llama checkpoint written one tensor at a time (normal(0, initializer_range) weights,
-    norms at 1): memory stays at one tensor whatever the model's size. The safetensors format is an
-    8-byte header length, a JSON header of every tensor's dtype, shape and byte range, then the bytes
-    in that order (the same format model/checkpoint.py reads)."""
-    import json
-    import struct
+    norms at 1): memory stays at one tensor whatever the model's size."""
+    from minisgl_backend.model.checkpoint import write
 
-    tensors = llama_tensors(cfg)
-    names = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in tensors.items():
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {
-            "dtype": names[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    out.mkdir(parents=True, exist_ok=True)
+    shapes = llama_tensors(cfg)
     g = torch.Generator().manual_seed(seed)
-    with open(out / "model.safetensors.tmp", "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for shape in tensors.values():
+
+    def made() -> Iterator[torch.Tensor]:
+        for shape in shapes.values():
             if len(shape) == 1:
-                t = torch.ones(shape, dtype=dtype)
+                yield torch.ones(shape, dtype=dtype)
             else:
-                t = (torch.randn(shape, generator=g) * cfg.initializer_range).to(dtype)
-            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+                yield (torch.randn(shape, generator=g) * cfg.initializer_range).to(dtype)
+
+    out.mkdir(parents=True, exist_ok=True)
+    write(out / "model.safetensors.tmp", {n: (s, dtype) for n, s in shapes.items()}, made())
     cfg.save_pretrained(out)
     (out / "model.safetensors.tmp").rename(out / "model.safetensors")
 

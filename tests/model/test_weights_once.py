@@ -85,21 +85,8 @@ def test_engine_holds_the_weights_once(tiny_model_dir):
         assert len(out.token_ids) == 4
 
 
-def _write(path, tensors: dict[str, torch.Tensor], header_extra: dict | None = None) -> None:
-    names = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
-    header, blobs, offset = {}, [], 0
-    for name, t in tensors.items():
-        raw = t.contiguous().view(torch.uint8).numpy().tobytes()
-        header[name] = {
-            "dtype": names[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + len(raw)],
-        }
-        blobs.append(raw)
-        offset += len(raw)
-    header |= header_extra or {}
-    head = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+def _write(path, tensors: dict[str, torch.Tensor]) -> None:
+    ckpt.write(path, {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}, tensors.values())
 
 
 def test_checkpoint_reads_and_converts_in_bounded_chunks(tmp_path, monkeypatch):
@@ -130,7 +117,14 @@ def test_checkpoint_reads_and_converts_in_bounded_chunks(tmp_path, monkeypatch):
     ],
 )
 def test_checkpoint_entries_that_do_not_fit_are_load_errors(tmp_path, entry):
-    _write(tmp_path / "model.safetensors", {"ok": torch.zeros(4, 4).bfloat16()}, {"bad": entry})
+    # a good file, then its header rewritten with the bad entry beside the good one
+    path = tmp_path / "model.safetensors"
+    _write(path, {"ok": torch.zeros(4, 4).bfloat16()})
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length]) | {"bad": entry}
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
     with pytest.raises(ModelLoadError, match=r"model\.safetensors.*'bad'"):
         ckpt.Checkpoint(tmp_path)
 
