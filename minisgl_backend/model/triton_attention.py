@@ -49,6 +49,22 @@ def _softcap(s, cap):
 
 
 @triton.jit
+def _kv_tile(K, V, Table, n, nmask, dmask, dd, kvh, BS, stride_b, stride_s, stride_h, F32_DOT: tl.constexpr):
+    """The K and V rows of keys `n` (masked by nmask, dims by dmask) of KV head kvh, read in place
+    through one sequence's block table: the block that holds key n, then its slot (the keys of one
+    tile may span several blocks); widened to float32 where the dot runs in it."""
+    blk = tl.load(Table + n // BS, mask=nmask, other=0).to(tl.int64)
+    kmask = nmask[:, None] & dmask[None, :]
+    kv_off = blk[:, None] * stride_b + (n % BS)[:, None] * stride_s + kvh * stride_h + dd[None, :]
+    k = tl.load(K + kv_off, mask=kmask, other=0.0)
+    v = tl.load(V + kv_off, mask=kmask, other=0.0)
+    if F32_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(
     Q,
     K,
@@ -113,16 +129,21 @@ def _decode_kernel(
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         nmask = (n < hi) & (n >= lo)
-        # The block that holds key n, then its slot: keys of one tile may span several blocks.
-        blk = tl.load(Tables + table * stride_t + n // BS, mask=nmask, other=0).to(tl.int64)
-        slot = n % BS
-        kmask = nmask[:, None] & dmask[None, :]
-        kv_off = blk[:, None] * stride_b + slot[:, None] * stride_s + kvh * stride_h + dd[None, :]
-        k = tl.load(K + kv_off, mask=kmask, other=0.0)
-        v = tl.load(V + kv_off, mask=kmask, other=0.0)
-        if F32_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _kv_tile(
+            K,
+            V,
+            Tables + table * stride_t,
+            n,
+            nmask,
+            dmask,
+            dd,
+            kvh,
+            BS,
+            stride_b,
+            stride_s,
+            stride_h,
+            F32_DOT,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
         if USE_CAP:
             s = _softcap(s, cap)
@@ -200,15 +221,7 @@ def _prefill_kernel(
     for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         nmask = n < hi
-        blk = tl.load(Table + n // BS, mask=nmask, other=0).to(tl.int64)
-        slot = n % BS
-        kmask = nmask[:, None] & dmask[None, :]
-        kv_off = blk[:, None] * stride_b + slot[:, None] * stride_s + kvh * stride_h + dd[None, :]
-        k = tl.load(K + kv_off, mask=kmask, other=0.0)
-        v = tl.load(V + kv_off, mask=kmask, other=0.0)
-        if F32_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _kv_tile(K, V, Table, n, nmask, dmask, dd, kvh, BS, stride_b, stride_s, stride_h, F32_DOT)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
         if USE_CAP:
             s = _softcap(s, cap)
