@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl_backend.aio import call_soon, result_future
+from minisgl_backend.aio import Doorbell, call_soon, result_future
 from minisgl_backend.engine import Engine
 from minisgl_backend.errors import EngineDeadError, MiniSGLError
 from minisgl_backend.handle import RequestHandle
@@ -119,15 +119,16 @@ class LocalStream(Stream):
     woken by the scheduler thread (`RequestHandle.set_wakeup`): no thread per stream; a whole result
     through a done-callback."""
 
-    def __init__(self, engine: Engine, handle: RequestHandle) -> None:
+    def __init__(self, engine: Engine, handle: RequestHandle, bell: Doorbell | None = None) -> None:
         self.engine, self.handle, self.request_id = engine, handle, handle.request_id
+        self.bell = bell  # the server's loop's, shared by its streams; else one of this stream's own
 
     async def batches(self) -> AsyncIterator[list[Event]]:
         """The events in lists of whatever arrived together (one hop per list for a remote reader)."""
-        loop = asyncio.get_running_loop()
         ready = asyncio.Event()
+        bell = self.bell or Doorbell(asyncio.get_running_loop())
         handle = self.handle
-        handle.set_wakeup(lambda: call_soon(loop, ready.set))
+        handle.set_wakeup(lambda: bell.ring(ready))
         while True:
             ready.clear()
             items: list[Event] = list(handle.take_ready())  # raises the request's error
@@ -175,6 +176,7 @@ class EngineBackend(Backend):
         # reads them: the event loop after each request, /metrics.
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.live: dict[str, RequestHandle] = {}  # request_id -> handle of every unfinished request
+        self._bell: Doorbell | None = None  # wakes the streams of the loop requests come from
         self.shutting_down = False
 
     def keep_finished(self, n: int) -> None:
@@ -199,6 +201,9 @@ class EngineBackend(Backend):
             except RuntimeError:
                 pass
         self.collect()
+        bell = self._bell
+        if loop is not None and (bell is None or bell.loop is not loop):
+            bell = self._bell = Doorbell(loop)
         streams: list[LocalStream] = []
         post, live, fold = self.done.put, self.live, self.collect
 
@@ -215,7 +220,7 @@ class EngineBackend(Backend):
                 h = self.engine.submit(p, sp, request_id=rid, owner=owner)
                 live[h.request_id] = h
                 h.add_done_callback(lambda h, u=user: finished(h, u))
-                streams.append(LocalStream(self.engine, h))
+                streams.append(LocalStream(self.engine, h, bell if loop is not None else None))
         except BaseException:
             for s in streams:
                 s.abort()
