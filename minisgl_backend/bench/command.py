@@ -200,7 +200,9 @@ def run_bench_serve(args: argparse.Namespace, config: ConfigFromFlags) -> int:
         from minisgl_backend.engine import Engine
         from minisgl_backend.serve.server import start_in_thread
 
-        base: dict[str, Any] = {"stats_interval_s": 0}
+        # Exact engine counters (not folded once a second): the served and offline runs' forward
+        # time is compared.
+        base: dict[str, Any] = {"stats_interval_s": 0, "metrics_exact": bool(args.offline_baseline)}
         if args.tiny:
             from minisgl_backend.tools.tiny import make_tiny_llama
 
@@ -216,11 +218,21 @@ def run_bench_serve(args: argparse.Namespace, config: ConfigFromFlags) -> int:
                     from minisgl_backend.bench.configs import run_closed_loop
 
                     run_closed_loop(engine, [[101, 102, 103]] * args.concurrency, 4, args.concurrency)
-                row = bench_serve(srv.url, vocab=engine.vocab_size, **kw)
-                if args.offline_baseline:
-                    from minisgl_backend.bench.serve import offline_baseline
+                if args.offline_baseline:  # clients apart: their work is not the server's
+                    from minisgl_backend.bench.serve import (
+                        bench_serve_in_child,
+                        engine_counts,
+                        offline_baseline,
+                    )
 
+                    m0 = engine.metrics()
+                    row = bench_serve_in_child(srv.url, vocab=engine.vocab_size, **kw)
+                    m1 = engine.metrics()
                     offline_baseline(engine, row, args.num_prompts, args.input_len, args.seed)
+                    row["served_engine"] = engine_counts(m0, m1)
+                    row["offline_engine"] = engine_counts(m1, engine.metrics())
+                else:
+                    row = bench_serve(srv.url, vocab=engine.vocab_size, **kw)
                 counts = engine.drain(timeout=120, flush_cache=True)
                 srv.state.collect()
                 finished = {r.user: r for r in list(srv.state.finished)}

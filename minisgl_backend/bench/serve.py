@@ -22,7 +22,10 @@ import asyncio
 import json
 import random
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,15 +225,95 @@ def offline_baseline(engine: Any, row: dict[str, Any], num_prompts: int, input_l
     `row["concurrency"]` clients, on the same engine called in-process (Engine.submit from client
     threads, no HTTP, no server threads): its req/s and output tok/s go into `row` beside the
     served run's, with their ratio, which is what the server's own threads (event loop, tokenizer
-    pool, detokenising, SSE framing) cost the engine."""
+    pool, detokenising, SSE framing) cost the engine. Where the served run's CPU split is in the row
+    (`bench_serve_in_child`), the offline run's goes beside it: CPU seconds per 1,000 output tokens,
+    by thread role."""
+    from minisgl_backend.bench import thread_cpu
     from minisgl_backend.bench.configs import run_closed_loop
 
     prompts, plan = workload(row["requests"], num_prompts, input_len, 0.0, seed, engine.vocab_size)
     output_len = row["output_len"]
+    before = thread_cpu.Sample()
     offline = run_closed_loop(engine, [prompts[i] for i, _ in plan], output_len, row["concurrency"])
+    split = thread_cpu.Sample().since(before)
     row["offline_req_per_s"] = offline["req_per_s"]
     row["offline_output_tok_per_s"] = offline["output_tok_per_s"]
     row["served_over_offline"] = row["output_tok_per_s"] / offline["output_tok_per_s"]
+    if "served_cpu_s" in row and split:
+        row["offline_cpu_s"] = split
+        row["offline_cpu_s_per_1k_tokens"] = (
+            1000
+            * thread_cpu.server_seconds(split)
+            / max(offline["output_tok_per_s"] * offline["wall_s"], 1.0)
+        )
+        row["served_cpu_over_offline"] = (
+            row["served_cpu_s_per_1k_tokens"] / row["offline_cpu_s_per_1k_tokens"]
+        )
+
+
+def engine_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the engine did between two `Engine.metrics()` snapshots: iterations and forward time
+    (the same requests should take as many iterations served as offline; a longer forward is CPU
+    taken from it by other work on the machine)."""
+    return {
+        k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in ("iterations", "forward_s", "sample_s")
+    }
+
+
+# The line a client process prints when its timed run has ended (the server samples its CPU then).
+_MEASURED = "measured"
+
+
+def bench_serve_in_child(url: str, **kw: Any) -> dict[str, Any]:
+    """`bench_serve` with its clients in a process of their own, so that their parsing and HTTP work
+    is not counted as the server's, neither in CPU nor in the interpreter lock they would share
+    with the server's threads; this process's CPU seconds per thread role over the timed run go
+    into the row (`served_cpu_s`, and per 1,000 output tokens of the server's own threads)."""
+    from minisgl_backend.bench import thread_cpu
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "minisgl_backend.bench.serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        child.stdin.write(json.dumps({"url": url, **kw}) + "\n")
+        child.stdin.flush()
+        if child.stdout.readline().strip() != "ready":
+            raise RuntimeError("the benchmark's client process did not start (its error is above)")
+        before, client_before = thread_cpu.Sample(), thread_cpu.process_seconds(child.pid)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        line = child.stdout.readline().strip()
+        after, client_after = thread_cpu.Sample(), thread_cpu.process_seconds(child.pid)
+        if line != _MEASURED:
+            raise RuntimeError("the benchmark's client process failed during the run (its error is above)")
+        row: dict[str, Any] = json.loads(child.stdout.readline())
+    finally:
+        child.stdin.close()
+        if child.wait(timeout=60) != 0:
+            raise RuntimeError(f"the benchmark's client process exited with {child.returncode}")
+    split = after.since(before)
+    if split:
+        row["served_cpu_s"] = split
+        tokens = max(row["output_tokens"], 1)
+        row["served_cpu_s_per_1k_tokens"] = 1000 * thread_cpu.server_seconds(split) / tokens
+        # On one machine the clients' CPU is taken from the cores the forward runs on.
+        row["client_cpu_s"] = round(client_after - client_before, 3)
+    return row
+
+
+def _client_main() -> None:
+    """The client process of `bench_serve_in_child`: the arguments as a JSON line on stdin, then
+    `ready`; the run starts at `go` and `measured` is printed when it ends; then the row."""
+    kw = json.loads(sys.stdin.readline())
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    row = bench_serve(**kw, on_measured=lambda: print(_MEASURED, flush=True))
+    print(json.dumps(row), flush=True)
 
 
 def bench_serve(
@@ -249,14 +332,18 @@ def bench_serve(
     seed: int = 0,
     vocab: int = 49152,
     random_lengths: bool = True,
+    on_measured: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark against `url` (the server's root, e.g. http://127.0.0.1:8000)."""
+    """Run the benchmark against `url` (the server's root, e.g. http://127.0.0.1:8000).
+    `on_measured` is called as soon as the timed run ends, before `check`'s solo runs."""
     spec = (num_requests, num_prompts, input_len, disconnect_prob, seed, vocab, random_lengths)
     prompts, plan = workload(*spec)
     before = _scrape(url, api_key)
     results, wall = asyncio.run(
         _run(url, api_key, model, prompts, plan, output_len, concurrency, request_rate, seed)
     )
+    if on_measured is not None:
+        on_measured()
     after = _scrape(url, api_key)
     done = [r for r in results if not r.disconnected and r.error is None]
     row: dict[str, Any] = {
@@ -267,6 +354,7 @@ def bench_serve(
         "wall_s": wall,
         "req_per_s": len(done) / wall,
         "output_tok_per_s": sum(r.output_tokens for r in done) / wall,
+        "output_tokens": sum(r.output_tokens for r in done),
         "concurrency": concurrency,
         "request_rate": request_rate,
         "output_len": output_len,
@@ -335,7 +423,26 @@ def format_row(row: dict[str, Any]) -> str:
             f"{row['offline_output_tok_per_s']:.1f} output tok/s; served / offline "
             f"{row['served_over_offline']:.2f}"
         )
+    if "served_cpu_over_offline" in row:
+        lines.append(
+            f"server CPU per 1,000 output tokens: served {row['served_cpu_s_per_1k_tokens']:.3f} s, "
+            f"offline {row['offline_cpu_s_per_1k_tokens']:.3f} s; served / offline "
+            f"{row['served_cpu_over_offline']:.3f}"
+        )
+        for name, split in (("served", row["served_cpu_s"]), ("offline", row["offline_cpu_s"])):
+            lines.append(f"  {name} CPU s by thread: " + ", ".join(f"{r} {v:.2f}" for r, v in split.items()))
+        lines.append(f"  the client process (on this machine's cores too): {row['client_cpu_s']:.2f} CPU s")
+    if "served_engine" in row:
+        se, oe = row["served_engine"], row["offline_engine"]
+        lines.append(
+            f"engine: served {se['iterations']:.0f} iterations, forward {se['forward_s']:.2f} s; offline "
+            f"{oe['iterations']:.0f} iterations, forward {oe['forward_s']:.2f} s"
+        )
     if "kv_after_drain" in row:
         lines.append(f"KV after drain: {row['kv_after_drain']} (all FREE: {row['kv_all_free']})")
     lines += [f"  error: {e}" for e in row["error_examples"]]
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _client_main()

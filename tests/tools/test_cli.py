@@ -353,6 +353,13 @@ def test_bench_serve_sets_the_served_run_against_the_same_requests_offline(tmp_p
     ratio = row["output_tok_per_s"] / row["offline_output_tok_per_s"]
     assert row["served_over_offline"] == pytest.approx(ratio)
     assert "served / offline" in r.stdout
+    # The clients run in a process of their own: the server's CPU split holds the event loop and
+    # the compute thread but no client thread, and the client process's CPU is told apart.
+    served = row["served_cpu_s"]
+    assert served["event loop"] > 0 and served["compute"] > 0 and served.get("clients", 0.0) < 0.05
+    assert row["client_cpu_s"] > 0 and row["offline_cpu_s"].get("event loop", 0.0) < 0.05
+    assert row["served_engine"]["iterations"] > 0 and row["offline_engine"]["forward_s"] > 0
+    assert "server CPU per 1,000 output tokens" in r.stdout
     bad = _minisgl(*args, "--offline-baseline", "--url", "http://127.0.0.1:9", timeout=120)
     assert bad.returncode != 0 and "--offline-baseline runs the same closed loop" in bad.stderr
 
