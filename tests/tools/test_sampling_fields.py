@@ -1,7 +1,7 @@
 """SamplingParams's field declarations are the one source of the sampling parameters: a field added
 there (here on a subclass) is accepted, with its bounds and doc, by the server's request model,
-LangChain's fields and per-call options, lm-eval's gen_kwargs and the CLI's flags. No model is
-loaded."""
+LangChain's fields and per-call options, lm-eval's gen_kwargs and the CLI's flags, and
+docs/sampling.md's table is the one the declarations render. No model is loaded."""
 
 from __future__ import annotations
 
@@ -122,3 +122,14 @@ def test_every_front_end_offers_exactly_the_declared_fields():
         assert set(surface_fields("langchain")) <= set(cls.model_fields), cls.__name__
     # lm-eval spells stop `until` and max_tokens `max_gen_toks` (or an alias)
     assert set(surface_fields("lm_eval")) - {"stop"} <= accepted_gen_kwargs()
+
+
+def test_the_sampling_page_is_the_rendered_table():
+    from minisgl_backend.tools.sampling_doc import DOC as PAGE
+    from minisgl_backend.tools.sampling_doc import documented_table, render_table
+
+    assert documented_table(PAGE.read_text()) == render_table(), (
+        "docs/sampling.md differs from SamplingParams's fields: "
+        "run python -m minisgl_backend.tools.sampling_doc"
+    )
+    assert "`typical_p`" in render_table(Extended)
