@@ -8,12 +8,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 import yaml
 
 from minisgl_backend.config import EngineConfig, load_preset
 from minisgl_backend.errors import MiniSGLError
+from minisgl_backend.types import SamplingParams, surface_fields
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,6 +52,48 @@ def _scenario(value: str) -> str:
         return value
     print(f"minisgl: --scenario {value} is deprecated; use --scenario {new}", file=sys.stderr)
     return new
+
+
+# `minisgl generate`'s defaults where they differ from the engine's: greedy, and room for a sentence.
+_GENERATE_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
+
+
+def add_sampling_args(
+    p: argparse.ArgumentParser, params_cls: type[SamplingParams] = SamplingParams
+) -> argparse._ArgumentGroup:
+    """A flag for each sampling field the CLI offers (`--top-p` for top_p), with its default, type
+    and help from `params_cls`'s fields: a number takes a value, a bool is --x / --no-x, a list is
+    repeated (`--stop A --stop B`)."""
+    g = p.add_argument_group("sampling (SamplingParams's fields)")
+    for name, f in surface_fields("cli", params_cls).items():
+        flag = "--" + name.replace("_", "-")
+        default = _GENERATE_DEFAULTS.get(name, f.default)
+        help = f"{f.doc} Accepts {f.accepts}".replace("%", "%%")
+        if f.wire is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+        elif f.wire in (int, float, str):
+            metavar = {int: "N", float: "X", str: "TEXT"}[f.wire]
+            g.add_argument(flag, type=f.wire, default=default, metavar=metavar, help=help)
+        elif get_origin(f.wire) is list:
+            (item,) = get_args(f.wire)
+            metavar = {int: "ID", str: "TEXT"}.get(item, "VALUE")
+            g.add_argument(
+                flag, type=item, action="append", default=[], metavar=metavar, help=help + "; repeatable"
+            )
+        else:
+            raise TypeError(f"sampling field {name}: no flag form for {f.wire!r} (narrow its surfaces)")
+    return g
+
+
+def sampling_params_from_args(
+    args: argparse.Namespace, params_cls: type[SamplingParams] = SamplingParams
+) -> SamplingParams:
+    """The SamplingParams the sampling flags describe (SamplingParams checks the values)."""
+    given: dict[str, Any] = {}
+    for k in surface_fields("cli", params_cls):
+        v = getattr(args, k)
+        given[k] = tuple(v) if isinstance(v, list) else v
+    return params_cls(**given)
 
 
 def _engine_args(p: argparse.ArgumentParser, seed: bool = False) -> None:
@@ -188,17 +231,8 @@ def _set_chat_template(engine: Any, args: argparse.Namespace) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from minisgl_backend.engine import Engine
-    from minisgl_backend.types import SamplingParams
 
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        stop=tuple(args.stop),
-    )
+    params = sampling_params_from_args(args)
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if args.chat_template:
         _chat_template(args.chat_template)  # a bad reference fails before the model loads
@@ -508,13 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate completions for prompts (arguments or stdin lines)")
     gen.add_argument("prompts", nargs="*")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[])
+    add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")

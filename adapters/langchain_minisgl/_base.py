@@ -6,9 +6,9 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, create_model, model_validator
 
 from langchain_minisgl._engines import build_config, evict_engine, get_engine
 from minisgl_backend import (
@@ -22,21 +22,13 @@ from minisgl_backend import (
     StreamDelta,
 )
 from minisgl_backend.aio import call_soon, result_future
+from minisgl_backend.types import pydantic_fields, surface_fields
 
-# Per-call keyword arguments (invoke(..., max_tokens=5), .bind(temperature=0)) that map to sampling.
-SAMPLING_FIELDS = (
-    "temperature",
-    "max_tokens",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "n",
-)
+# LangChain's own defaults where they differ from the engine's: a chat model's usual temperature and
+# a budget for a whole answer rather than a completion's few tokens.
+_DEFAULTS = {"temperature": 0.7, "max_tokens": 256}
+# `stop` is declared by hand: the model's stops and a call's `stop` argument are merged.
+_OWN = ("stop",)
 
 
 def reject_unknown_fields(cls: type[BaseModel], values: Any) -> Any:
@@ -52,8 +44,13 @@ def reject_unknown_fields(cls: type[BaseModel], values: Any) -> Any:
     return values
 
 
-class MiniSGLParams(BaseModel):
-    """What both LangChain classes are configured with."""
+class _ParamsBase(BaseModel):
+    """What both LangChain classes are configured with; the sampling fields are added from
+    SamplingParams's by `params_model`."""
+
+    # The SamplingParams class built and the fields taken from it (per-call options too).
+    params_cls: ClassVar[type[SamplingParams]] = SamplingParams
+    sampling_names: ClassVar[tuple[str, ...]] = ()
 
     model: str | None = None
     """Model reference (alias such as 'smollm2-135m-instruct', HF directory or .gguf path).
@@ -62,24 +59,8 @@ class MiniSGLParams(BaseModel):
     """EngineConfig fields (dtype, chunk_size, num_blocks, ...); passed through to the engine unchanged."""
     engine_preset: str | None = None
     """Engine preset: YAML path or name under configs/engine/; engine_config and model override its keys."""
-    temperature: float = 0.7
-    max_tokens: int = 256
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    """vLLM's: > 0, 1 = off; over prompt and output tokens (positive logits / it, others * it)."""
-    presence_penalty: float = 0.0
-    """In [-2, 2], subtracted once from every token already in the output."""
-    frequency_penalty: float = 0.0
-    """In [-2, 2], times each token's count in the output, subtracted."""
-    logit_bias: dict[int, float] | None = None
-    """Token id -> bias in [-100, 100], added to the logit (greedy decoding sees it too)."""
-    n: int = 1
-    """Samples per prompt: n generations (sample i keyed by `seed` and i, so each is reproducible),
-    sharing the prompt's KV blocks. Not with streaming."""
     stop: list[str] | None = None
+    """Stop strings of every call (a call's own `stop` adds to them)."""
     timeout: float | None = None
     """Seconds to wait for one request; on expiry it is aborted in the engine and TimeoutError raised."""
     max_retries: int = 0
@@ -94,7 +75,7 @@ class MiniSGLParams(BaseModel):
         if isinstance(values, dict):
             # The engine's checks on the values as given, before pydantic coerces them ("0.5" -> 0.5,
             # True -> 1): the same rules as per-call kwargs and the Python API.
-            SamplingParams(**{k: values[k] for k in SAMPLING_FIELDS if k in values})
+            cls.params_cls(**{k: values[k] for k in cls.sampling_names if k in values})
         return values
 
     @property
@@ -107,10 +88,10 @@ class MiniSGLParams(BaseModel):
         }
 
     @model_validator(mode="after")
-    def _build_engine_config(self) -> MiniSGLParams:
+    def _build_engine_config(self) -> _ParamsBase:
         # Validated at construction (ConfigError on a bad key/value); the engine itself starts lazily.
         self._config = build_config(self.model, self.engine_config, self.engine_preset)
-        SamplingParams(**self._sampling_dict({}))  # fail now on out-of-range sampling values
+        self.params_cls(**self._sampling_dict({}))  # fail now on out-of-range sampling values
         return self
 
     @property
@@ -136,15 +117,26 @@ class MiniSGLParams(BaseModel):
         close_engine(self._config)
 
     def _sampling_dict(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {k: kwargs.get(k, getattr(self, k)) for k in SAMPLING_FIELDS}
+        return {k: kwargs.get(k, getattr(self, k)) for k in self.sampling_names}
+
+    def sampling_value(self, name: str, kwargs: dict[str, Any]) -> Any:
+        """A sampling field's value for one call: the call's option, else the model's."""
+        return kwargs.get(name, getattr(self, name))
 
     def sampling_params(
         self, stop: Sequence[str] | None, kwargs: dict[str, Any], processors: Sequence[Callable] = ()
     ) -> SamplingParams:
         stops = list(self.stop or []) + [s for s in (stop or []) if s not in (self.stop or [])]
-        return SamplingParams(
+        return self.params_cls(
             **self._sampling_dict(kwargs), stop=tuple(stops), logits_processors=tuple(processors)
         )
+
+    def check_call_kwargs(self, kwargs: dict[str, Any], extra: Sequence[str] = ()) -> None:
+        """Per-call options are sampling fields, `model` and the class's own; anything else is a mistake."""
+        allowed = set(self.sampling_names) | {"model"} | set(extra)
+        unknown = sorted(k for k in kwargs if k not in allowed and not k.startswith("ls_"))
+        if unknown:
+            raise TypeError(f"unknown per-call option(s) {unknown}; accepted: {', '.join(sorted(allowed))}")
 
     # ------------------------------------------------------------------ running requests
     def run_sync(
@@ -249,9 +241,25 @@ def usage_of(outs: Sequence[RequestOutput]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def check_call_kwargs(kwargs: dict[str, Any], extra: Sequence[str] = ()) -> None:
-    """Per-call options are sampling fields, `model` and the class's own; anything else is a mistake."""
-    allowed = set(SAMPLING_FIELDS) | {"model"} | set(extra)
-    unknown = sorted(k for k in kwargs if k not in allowed and not k.startswith("ls_"))
-    if unknown:
-        raise TypeError(f"unknown per-call option(s) {unknown}; accepted: {', '.join(sorted(allowed))}")
+def params_model(params_cls: type[SamplingParams] = SamplingParams) -> type[_ParamsBase]:
+    """The LangChain fields: _ParamsBase's plus a pydantic field for each sampling field LangChain
+    offers (default, bounds and description from `params_cls`), each also a per-call option."""
+    fields = {k: f for k, f in surface_fields("langchain", params_cls).items() if k not in _OWN}
+    model = create_model(
+        "MiniSGLParams",
+        __base__=_ParamsBase,
+        __module__=__name__,
+        __doc__=_ParamsBase.__doc__,
+        **pydantic_fields(fields, _DEFAULTS),
+    )
+    model.params_cls = params_cls
+    model.sampling_names = tuple(fields)
+    return model
+
+
+if TYPE_CHECKING:
+    MiniSGLParams = _ParamsBase
+else:
+    MiniSGLParams = params_model()
+# Per-call keyword arguments (invoke(..., max_tokens=5), .bind(temperature=0)) that map to sampling.
+SAMPLING_FIELDS = MiniSGLParams.sampling_names

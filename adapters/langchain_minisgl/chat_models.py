@@ -38,7 +38,6 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from langchain_minisgl._base import (
     MiniSGLParams,
     await_handle,
-    check_call_kwargs,
     check_streamable,
     stream_async,
     stream_sync,
@@ -136,8 +135,8 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
             ls_provider="minisgl",
             ls_model_name=kwargs.get("model") or self.model_name,
             ls_model_type="chat",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            ls_temperature=self.sampling_value("temperature", kwargs),
+            ls_max_tokens=self.sampling_value("max_tokens", kwargs),
         )
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
@@ -203,7 +202,7 @@ class ChatMiniSGL(MiniSGLParams, BaseChatModel):
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> tuple[Engine, list[int], SamplingParams, ChatPrompt]:
         """(engine, prompt ids, sampling params, the rendered prompt: what to parse out of the reply)."""
-        check_call_kwargs(kwargs, _CALL_OPTIONS)
+        self.check_call_kwargs(kwargs, _CALL_OPTIONS)
         engine = self.engine_for(kwargs)
         tok = engine.tokenizer
         if not getattr(tok, "chat_template", None):

@@ -13,7 +13,6 @@ from pydantic import ConfigDict
 from langchain_minisgl._base import (
     MiniSGLParams,
     await_handle,
-    check_call_kwargs,
     check_streamable,
     stream_async,
     stream_sync,
@@ -45,7 +44,7 @@ class MiniSGL(MiniSGLParams, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         # BaseLLM.batch() lands here once with every prompt: all go into the engine before any is awaited.
-        check_call_kwargs(kwargs)
+        self.check_call_kwargs(kwargs)
         params = self.sampling_params(stop, kwargs)
         outs = self.run_sync(kwargs, lambda eng: [eng.submit(p, params) for p in prompts])
         return self._result(outs, kwargs)
@@ -57,7 +56,7 @@ class MiniSGL(MiniSGLParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        check_call_kwargs(kwargs)
+        self.check_call_kwargs(kwargs)
         params = self.sampling_params(stop, kwargs)
         outs = await self.run_async(kwargs, lambda eng: [eng.submit(p, params) for p in prompts])
         return self._result(outs, kwargs)
@@ -82,7 +81,7 @@ class MiniSGL(MiniSGLParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        check_call_kwargs(kwargs)
+        self.check_call_kwargs(kwargs)
         params = self.sampling_params(stop, kwargs)
         check_streamable(params)
         engine = self.engine_for(kwargs)
@@ -101,7 +100,7 @@ class MiniSGL(MiniSGLParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        check_call_kwargs(kwargs)
+        self.check_call_kwargs(kwargs)
         params = self.sampling_params(stop, kwargs)
         check_streamable(params)
         engine = self.engine_for(kwargs)

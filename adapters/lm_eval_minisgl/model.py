@@ -42,6 +42,7 @@ from minisgl_backend import (
 )
 from minisgl_backend.cluster import ReplicaSet
 from minisgl_backend.config import load_preset
+from minisgl_backend.types import surface_fields
 
 log = logging.getLogger("lm_eval_minisgl")
 
@@ -86,20 +87,54 @@ _GEN_KWARGS_CAST = {
     "max_tokens": "max_tokens",
     "max_completion_tokens": "max_tokens",
 }
-# SamplingParams fields passed through as given (vLLM's / OpenAI's names, like lm-eval's vllm backend;
-# HF's repetition_penalty has the same meaning). None = the engine's neutral default.
-_GEN_KWARGS_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
-_GEN_KWARGS_USED = {
-    "until",
-    "max_gen_toks",
-    "do_sample",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    *_GEN_KWARGS_PENALTIES,
-}
+# lm-eval's own spellings of SamplingParams fields: `do_sample` with `temperature`, `until` (stop) and
+# the max_gen_toks aliases above (max_tokens). Every other sampling field lm-eval is offered is
+# passed through under its own name, as given (vLLM's / OpenAI's names, like lm-eval's vllm backend;
+# HF's repetition_penalty has the same meaning); None is the engine's default.
+_GEN_KWARGS_OWN = ("temperature", "stop", "max_tokens")
+
+
+def passthrough_gen_kwargs(params_cls: type[SamplingParams] = SamplingParams) -> tuple[str, ...]:
+    """The gen_kwargs that go to `params_cls` under their own names."""
+    return tuple(k for k in surface_fields("lm_eval", params_cls) if k not in _GEN_KWARGS_OWN)
+
+
+def accepted_gen_kwargs(params_cls: type[SamplingParams] = SamplingParams) -> set[str]:
+    """Every gen_kwargs key the adapter understands; any other fails the call."""
+    return {"until", "do_sample", *_GEN_KWARGS_CAST, *passthrough_gen_kwargs(params_cls)}
+
+
+def sampling_params_from_gen_kwargs(
+    gen_kwargs: dict[str, Any],
+    eos: str,
+    max_gen_toks: int,
+    params_cls: type[SamplingParams] = SamplingParams,
+) -> tuple[SamplingParams, list[str], int]:
+    """A task's gen_kwargs as engine parameters, the task's stop strings and the token budget."""
+    # lm-eval's normalisation casts with int()/float() (True -> 1, 2.5 -> 2, "hot" -> ValueError):
+    # check the raw values it casts first, so a bad one is a typed error naming the field.
+    for key, field in _GEN_KWARGS_CAST.items():
+        if gen_kwargs.get(key) is not None:
+            params_cls.check_value(field, gen_kwargs[key], f"{field} (gen_kwargs {key!r})")
+    kwargs = normalize_gen_kwargs(dict(gen_kwargs), max_gen_toks)
+    until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+    unsupported = sorted(set(kwargs) - accepted_gen_kwargs(params_cls))
+    if unsupported:  # dropping one would score the task differently from the backend it names
+        raise InvalidSamplingParamsError(
+            f"generation kwargs {unsupported} are not supported by minisgl; "
+            f"supported: {', '.join(sorted(accepted_gen_kwargs(params_cls)))}"
+        )
+    # Values go to SamplingParams as given (no int()/float() casts that would turn True into 1,
+    # 1.7 into 1 or 2**64 into an overflow on the engine): its validation names a bad field.
+    temperature = kwargs.get("temperature", 0.0)
+    greedy = not kwargs.get("do_sample") or (not isinstance(temperature, bool) and temperature == 0)
+    params = params_cls(
+        temperature=0.0 if greedy else temperature,
+        max_tokens=kwargs["max_gen_toks"],
+        stop=tuple(s for s in until if s),
+        **{k: kwargs[k] for k in passthrough_gen_kwargs(params_cls) if kwargs.get(k) is not None},
+    )
+    return params, until, params.max_tokens
 
 
 def _resolve_device(device: str | None) -> str | None:
@@ -411,34 +446,7 @@ class MiniSGLLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, gen_kwargs: dict[str, Any], eos: str) -> tuple[SamplingParams, list[str], int]:
-        # lm-eval's normalisation casts with int()/float() (True -> 1, 2.5 -> 2, "hot" -> ValueError):
-        # check the raw values it casts first, so a bad one is a typed error naming the field.
-        for key, field in _GEN_KWARGS_CAST.items():
-            if gen_kwargs.get(key) is not None:
-                SamplingParams.check_value(field, gen_kwargs[key], f"{field} (gen_kwargs {key!r})")
-        kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
-        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-        unsupported = sorted(set(kwargs) - _GEN_KWARGS_USED)
-        if unsupported:  # dropping one would score the task differently from the backend it names
-            raise InvalidSamplingParamsError(
-                f"generation kwargs {unsupported} are not supported by minisgl; "
-                f"supported: {', '.join(sorted(_GEN_KWARGS_USED | set(_GEN_KWARGS_CAST)))}"
-            )
-        # Values go to SamplingParams as given (no int()/float() casts that would turn True into 1,
-        # 1.7 into 1 or 2**64 into an overflow on the engine): its validation names a bad field.
-        temperature = kwargs.get("temperature", 0.0)
-        greedy = not kwargs.get("do_sample") or (not isinstance(temperature, bool) and temperature == 0)
-        params = SamplingParams(
-            temperature=0.0 if greedy else temperature,
-            top_p=kwargs.get("top_p") or 1.0,
-            top_k=kwargs.get("top_k") or 0,
-            min_p=kwargs.get("min_p") or 0.0,
-            seed=kwargs.get("seed"),
-            max_tokens=kwargs["max_gen_toks"],
-            stop=tuple(s for s in until if s),
-            **{k: kwargs[k] for k in _GEN_KWARGS_PENALTIES if kwargs.get(k) is not None},
-        )
-        return params, until, params.max_tokens
+        return sampling_params_from_gen_kwargs(gen_kwargs, eos, self.max_gen_toks)
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         eos = cast(str, self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False))  # one id: a str

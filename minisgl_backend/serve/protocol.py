@@ -4,20 +4,21 @@ The response models are in serve/responses.py.
 
 Fields OpenAI defines that the engine cannot honour are accepted only at their neutral value
 (`best_of: 1`, ...), so a client that relies on them gets a 400 instead of a silently
-different answer. `presence_penalty`, `frequency_penalty` and `logit_bias` (JSON's string keys are
-token ids) go to the engine, as do vLLM's extensions `repetition_penalty`, `top_k`, `min_p`,
-`ignore_eos`, `stop_token_ids`, `skip_special_tokens`.
+different answer. The sampling fields the API spells as the engine does (`temperature`, `top_p`,
+the penalties, vLLM's `top_k`, `min_p`, `ignore_eos`, ...) are derived from SamplingParams's fields,
+with their bounds and docs (`engine_sampling_model`); the others are declared here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model, model_validator
 
-from minisgl_backend.types import SamplingParams
+from minisgl_backend.types import SamplingParams, pydantic_fields, surface_fields
+from minisgl_backend.validation import LOGIT_BIAS_LIMIT
 
 MAX_N = 128
 MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key longer than this is no token id (and int() of 5,000 digits fails)
@@ -25,11 +26,7 @@ MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key longer than this is no token id (an
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
 
-def _finite(default: float | None, **kw: Any) -> Any:
-    return Field(default, allow_inf_nan=False, **kw)
-
-
-Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT, allow_inf_nan=False)]
 
 # What /openapi.json says of `stop` and `logit_bias`: the same rules as the checks in
 # `_SamplingFields._check_stop`, so that a client built from the schema sends nothing they refuse.
@@ -43,7 +40,11 @@ _BIAS_SCHEMA = {
         {
             "type": "object",
             "propertyNames": {"pattern": f"^(0|[1-9][0-9]{{0,{MAX_TOKEN_ID_DIGITS - 1}}})$"},
-            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "additionalProperties": {
+                "type": "number",
+                "minimum": -LOGIT_BIAS_LIMIT,
+                "maximum": LOGIT_BIAS_LIMIT,
+            },
         },
         {"type": "null"},
     ]
@@ -122,33 +123,45 @@ class StructuredOutputs(BaseModel):
         return Guide("grammar", self.grammar)
 
 
-class _SamplingFields(BaseModel):
+# The request fields the API spells as SamplingParams does, with its bounds and docs; None (JSON null)
+# is the engine's default. The API's own spellings are declared by hand below: `max_tokens` (each
+# endpoint's default and rule), `stop` (a string or a list, at most MAX_STOPS), `logit_bias` (JSON's
+# keys are strings), `n` (at most MAX_N, read by the routes) and `logprobs` (an int in completions,
+# a bool with `top_logprobs` in chat).
+API_SPELLED = ("max_tokens", "stop", "logit_bias", "n", "logprobs")
+# OpenAI's seed is a signed 64-bit integer: its clients send nothing at or above 2**63.
+_API_NARROW = {"seed": {"lt": 2**63}}
+
+
+def engine_sampling_model(params_cls: type[SamplingParams] = SamplingParams) -> type[BaseModel]:
+    """The pydantic model of the request fields derived from `params_cls`'s fields."""
+    fields = {k: f for k, f in surface_fields("server", params_cls).items() if k not in API_SPELLED}
+    defs = pydantic_fields(fields, nullable=True, narrow=_API_NARROW)
+    return create_model("EngineSamplingFields", __config__=_STRICT, **defs)
+
+
+if TYPE_CHECKING:
+    _EngineSampling = BaseModel
+else:
+    _EngineSampling = engine_sampling_model()
+ENGINE_FIELDS = tuple(_EngineSampling.model_fields)
+
+
+class _SamplingFields(_EngineSampling):
     """What /v1/completions and /v1/chat/completions share."""
 
     model_config = _STRICT
 
     model: str | None = None
-    temperature: float | None = _finite(None, ge=0.0)
-    top_p: float | None = _finite(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = _finite(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
     stop: Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # OpenAI's own limit; it also bounds what one HTTP request can queue
     n: int = Field(1, ge=1, le=MAX_N, description="parallel samples of each prompt")
-    presence_penalty: float = _finite(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = _finite(0.0, ge=-2.0, le=2.0)
     logit_bias: Annotated[dict[str, Bias] | None, WithJsonSchema(_BIAS_SCHEMA)] = Field(
         None, description="token id (a string) -> bias in [-100, 100]"
     )
     user: str | None = None
-    # vLLM extensions
-    repetition_penalty: float | None = _finite(None, gt=0.0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
     # vLLM's constrained decoding (llguidance): at most one of these
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -230,23 +243,14 @@ class _SamplingFields(BaseModel):
         """The engine's parameters for this request (the defaults where the client sent none), with
         the `max_tokens` the route settled on against the context; checked against the vocabulary
         now, so a bad token id is a 400 rather than a failed request at its first draw."""
+        given = {k: v for k in ENGINE_FIELDS if (v := getattr(self, k)) is not None}
         params = SamplingParams(
-            temperature=1.0 if self.temperature is None else float(self.temperature),
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            top_k=0 if self.top_k is None else int(self.top_k),
-            min_p=0.0 if self.min_p is None else float(self.min_p),
-            seed=self.seed,
+            **given,
             max_tokens=max_tokens,
             stop=self.stops,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
             logprobs=self.num_logprobs,
             prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
             logits_processors=tuple(processors),
-            repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
-            presence_penalty=float(self.presence_penalty),
-            frequency_penalty=float(self.frequency_penalty),
             logit_bias=self.logit_bias_ids,
             n=self.n,
         )
