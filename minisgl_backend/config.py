@@ -105,6 +105,7 @@ class EngineConfig:
     # --- runtime ---
     num_threads: int | None = None  # torch intra-op threads; None = torch default
     weight_dtype: str | None = None  # None = dtype; int8 = weight-only int8 for decode (bf16, CPU)
+    cuda_graphs: bool = False  # CUDA: decode batches replay CUDA graphs at batch-size buckets
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -144,6 +145,11 @@ class EngineConfig:
                 "attention, tested on the CPU); on CUDA it is not, so it is refused rather than promised: "
                 "set deterministic: false (the keyed sampler still keeps the output distribution "
                 "independent of batching)"
+            )
+        if self.cuda_graphs and device_type != "cuda":
+            raise ConfigError(
+                f"cuda_graphs: true needs device: cuda (got device={self.device!r}); on a CPU the forward "
+                "runs eagerly, so set cuda_graphs: false"
             )
         if self.weight_dtype == "int8" and (
             device_type != "cpu" or self.dtype != "bfloat16" or self.deterministic
@@ -271,4 +277,5 @@ _SPECS: dict[str, Spec] = {
     "max_logprobs": Spec("int", lo=0),
     "num_threads": Spec("int", lo=1, optional=True, note="None = torch default"),
     "weight_dtype": Spec("choice", choices=("int8",), optional=True, note="None = dtype"),
+    "cuda_graphs": Spec("bool"),
 }

@@ -79,7 +79,8 @@ def _load(config: EngineConfig, executor: DualWorkerExecutor) -> tuple[LoadedMod
         dev = torch.device(config.device)
         free, total = executor.run_on_compute(lambda: torch.cuda.mem_get_info(dev))
         num_blocks = kv_blocks_from_device_memory(free, total, config.gpu_memory_utilization, per_block)
-    shape = (spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
+    pool_blocks = num_blocks + executor.reserved_kv_blocks  # the reserved ones last, never handed out
+    shape = (spec.num_layers, pool_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
     kv = executor.run_on_compute(lambda: KVCache(*shape, dtype, config.device))
     return loaded, kv
 
@@ -120,7 +121,7 @@ class Engine:
             metrics.close()
             raise
         spec = loaded.model.spec
-        self.num_blocks = stats.num_blocks = kv.num_blocks
+        self.num_blocks = stats.num_blocks = kv.num_blocks - executor.reserved_kv_blocks
         self.model_dir = loaded.model_dir
         self.tokenizer = loaded.tokenizer
         self.vocab_size = spec.vocab_size

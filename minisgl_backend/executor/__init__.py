@@ -48,7 +48,15 @@ def make_executor(
                 f"got {config.kv_cache_memory_gb}"
             )
         copied = make_tracker(config.callback_impl, tracker.max_inflight)
-        return CUDAExecutor(dev, tracker, copied, metrics, tracer, debug_delay_ms=config.debug_delay_ms)
+        return CUDAExecutor(
+            dev,
+            tracker,
+            copied,
+            metrics,
+            tracer,
+            debug_delay_ms=config.debug_delay_ms,
+            decode_graphs=config.cuda_graphs,
+        )
     from minisgl_backend.executor.cpu import CPUExecutor
 
     return CPUExecutor(tracker, metrics, tracer, debug_delay_ms=config.debug_delay_ms)

@@ -41,8 +41,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.executor.base import DualWorkerExecutor, forward_batch, index_tensors
 from minisgl_backend.executor.device_ops import CudaOps, DeviceOps
+from minisgl_backend.executor.graphs import DecodeGraphs, decode_buckets
 from minisgl_backend.executor.sample_stage import ReducedLogits, draw_keys, reduce_iteration
 from minisgl_backend.executor.staging import StagingRing, StagingSlot
 from minisgl_backend.executor.token_table import TokenTable
@@ -65,10 +67,13 @@ class CUDAExecutor(DualWorkerExecutor):
         *,
         debug_delay_ms: float = 0.0,
         ops: DeviceOps | None = None,
+        decode_graphs: bool = False,
     ) -> None:
         """`copied` is a tracker of its own: the copy stream's host callback reports there that an
         iteration's logits reached the host. It holds at most `tracker.max_inflight` iterations.
-        `ops`: the device operations (CudaOps on `device` when None)."""
+        `ops`: the device operations (CudaOps on `device` when None). `decode_graphs`: decode batches
+        run at batch-size buckets over static buffers (graphs.py), replayed as CUDA graphs; the pool's
+        last block is then the padding rows' (reserved_kv_blocks)."""
         self.device = device
         self._ops: DeviceOps = ops if ops is not None else CudaOps(device)
         self._compute = self._ops.stream("compute")
@@ -83,6 +88,9 @@ class CUDAExecutor(DualWorkerExecutor):
         self._reduce = os.environ.get("MINISGL_REDUCE_LOGITS", "0") == "1"
         self._stopping = False
         self._clock: tuple[object, float] | None = None
+        self._decode_graphs = decode_graphs
+        self.reserved_kv_blocks = 1 if decode_graphs else 0
+        self._graphs: DecodeGraphs | None = None
         super().__init__(tracker, metrics, tracer, debug_delay_ms=debug_delay_ms)
 
     def attach(self, model: CausalLM, kv: KVCache, table: TokenTable) -> None:
@@ -95,6 +103,16 @@ class CUDAExecutor(DualWorkerExecutor):
         ops.event_synchronize(ref)
         self._clock = (ref, time.perf_counter())  # maps GPU event times onto the tracer's host clock
         super().attach(model, kv, table)
+        if self._decode_graphs:
+            max_len = table.ids.shape[1] - 1  # the engine's max_model_len (one spare column)
+            self._graphs = DecodeGraphs(
+                model,
+                kv,
+                decode_buckets(table.ids.shape[0]),  # rows: one per running request
+                cdiv(max_len, kv.block_size),
+                pad_block=kv.num_blocks - 1,
+            )
+            ops.capture(self._graphs, self._compute)
 
     @torch.inference_mode()
     def _launch(self, inp: IterationInputs, input_ids: torch.Tensor) -> None:
@@ -114,7 +132,12 @@ class CUDAExecutor(DualWorkerExecutor):
         with ops.use(self._compute):
             ops.wait(self._compute, h2d)
             ops.record(start, self._compute)
-            logits = self.model(forward_batch(inp, tensors), self.kv).float()  # fp32: sampled on the host
+            batch = forward_batch(inp, tensors)
+            graphs = self._graphs
+            if graphs is not None and graphs.bucket_for(batch) is not None:
+                logits = graphs.run(batch).float()  # a fresh tensor: the next replay may not touch it
+            else:
+                logits = self.model(batch, self.kv).float()  # fp32: sampled on the host
             reduced = reduce_iteration(inp, logits, keys=keys) if self._reduce else None
             ops.record(end, self._compute)
         for t in [*tensors, *keys]:  # allocated on the copy stream, read on the compute stream

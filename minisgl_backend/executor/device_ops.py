@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
+from minisgl_backend.executor.graphs import DecodeGraphs
 from minisgl_backend.executor.tracker import InflightTracker
 
 STREAM_ROLES = ("compute", "copy")
@@ -53,6 +54,7 @@ class DeviceOps(Protocol):
     def keep_for(self, t: torch.Tensor, stream: Any) -> None: ...  # t is read on `stream` too
     def host_callback(self, stream: Any, tracker: InflightTracker, iteration: int) -> None: ...
     def synchronize(self) -> None: ...
+    def capture(self, graphs: DecodeGraphs, stream: Any) -> None: ...  # the buckets' CUDA graphs
 
 
 class CudaOps:
@@ -101,6 +103,9 @@ class CudaOps:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def capture(self, graphs: DecodeGraphs, stream: torch.cuda.Stream) -> None:
+        graphs.capture(stream)
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
@@ -241,6 +246,9 @@ class SimulatedOps:
             ev = SimEvent()
             self.record(ev, s)
             ev.done.wait()
+
+    def capture(self, graphs: DecodeGraphs, stream: SimStream) -> None:
+        """Nothing to capture: the buckets run eagerly over their static buffers."""
 
     def close(self) -> None:
         for s in self.streams:

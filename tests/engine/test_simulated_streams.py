@@ -40,9 +40,11 @@ def cpu_tokens(tiny_model_dir) -> list[list[int]]:
 
 
 @pytest.fixture
-def simulated(monkeypatch) -> list[SimulatedOps]:
-    """Engines built in the test run the CUDA executor over SimulatedOps; returns their ops."""
+def simulated(monkeypatch, request) -> list[SimulatedOps]:
+    """Engines built in the test run the CUDA executor over SimulatedOps; returns their ops. With
+    the parameter True (indirect), its decode batches run at graph buckets (eagerly here)."""
     made: list[SimulatedOps] = []
+    graphs = getattr(request, "param", False)
 
     def make_executor(config, tracker, metrics, tracer):
         ops = SimulatedOps(delay_s=0.002)
@@ -56,6 +58,7 @@ def simulated(monkeypatch) -> list[SimulatedOps]:
             tracer,
             debug_delay_ms=config.debug_delay_ms,
             ops=ops,
+            decode_graphs=graphs,
         )
 
     monkeypatch.setattr(engine_mod, "make_executor", make_executor)
@@ -74,6 +77,23 @@ def test_cuda_executor_on_simulated_streams_matches_the_cpu_executor(
 ) -> None:
     got = _run(tiny_model_dir, **config)
     assert len(simulated) == 1 and not simulated[0].errors
+    assert got == cpu_tokens
+
+
+@pytest.mark.parametrize("simulated", [True], indirect=True, ids=["graphs"])
+def test_decode_at_graph_buckets_on_simulated_streams_matches_the_cpu_executor(
+    tiny_model_dir, cpu_tokens, simulated
+) -> None:
+    """Decode batches run at their bucket over static buffers, the padding rows writing a KV block
+    that the engine keeps out of the block pool."""
+    with Engine(EngineConfig(model=str(tiny_model_dir), **EXACT, max_inflight=4)) as eng:
+        ex = eng._executor
+        assert isinstance(ex, CUDAExecutor) and ex._graphs is not None
+        assert eng.num_blocks == SMALL_POOL["num_blocks"] and ex.kv.num_blocks == eng.num_blocks + 1
+        prompts = token_prompts(6)
+        params = [PARAMS[i % 2] for i in range(len(prompts))]
+        got = [o.token_ids for o in eng.generate(prompts, params, use_tqdm=False)]
+    assert not simulated[0].errors
     assert got == cpu_tokens
 
 
