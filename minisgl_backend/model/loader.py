@@ -168,8 +168,8 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
 
 
 def _checkpoint_dtype(hf_config) -> object:
-    """config.json's `torch_dtype` (spelled `dtype` by newer transformers), or None."""
-    return getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    """config.json's `torch_dtype` (`dtype` in newer transformers, which warns on the old name), or None."""
+    return getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
 
 
 def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> None:
