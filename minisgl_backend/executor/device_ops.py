@@ -14,9 +14,12 @@ early (tests/engine/test_simulated_streams.py):
   when it runs, not when it is issued;
 - a compute stream (`stream("compute")`), and the default stream of any thread, runs each
   operation at once on the issuing thread, as the torch ops of a forward on CPU tensors do; its
-  wait on an event blocks that thread until the event has passed: an event wait really waits. So
-  the simulation cannot catch a copy stream that does not wait for the forward (the forward has
-  always finished when the copy is issued); it catches every hazard of the copies themselves.
+  wait on an event blocks that thread until the event has passed: an event wait really waits;
+- the forward has always finished on CPU tensors when a copy of its output is issued, so values
+  cannot show a copy stream that skips its wait on the forward. The order can: each `use` of the
+  compute stream opens a new span of work, an event records the span it closes, and a copy of a
+  device tensor to the host on another stream raises StreamHazardError unless that stream has
+  waited on an event recorded after the compute stream's latest span.
 """
 
 from __future__ import annotations
@@ -121,6 +124,10 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+class StreamHazardError(RuntimeError):
+    """A simulated copy that a GPU could run before the work that writes its source."""
+
+
 class SimStream:
     """A simulated stream: operations run in issue order, on a thread of this stream (after a random
     delay of up to `delay_s` each), or at once on the issuing thread when `inline`."""
@@ -129,6 +136,9 @@ class SimStream:
         self.name = name
         self._delay_s = delay_s
         self._inline = inline
+        self.inline = inline
+        self.span = 0  # inline streams: how many `use` blocks have issued work on it
+        self.waited: dict[SimStream, int] = {}  # per other stream: the latest span this one waited for
         self.error: BaseException | None = None
         self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         if not inline:
@@ -159,6 +169,8 @@ class SimEvent:
     def __init__(self) -> None:
         self.done = threading.Event()
         self.at = 0.0  # perf_counter when the stream passed it
+        self.stream: SimStream | None = None  # where it was last recorded, and in which span
+        self.span = 0
 
 
 class SimulatedOps:
@@ -189,6 +201,8 @@ class SimulatedOps:
     def use(self, stream: SimStream) -> Iterator[SimStream]:
         before = getattr(self._local, "stream", None)
         self._local.stream = stream
+        if stream.inline:
+            stream.span += 1
         try:
             yield stream
         finally:
@@ -199,6 +213,7 @@ class SimulatedOps:
 
     def record(self, event: SimEvent, stream: SimStream) -> None:
         event.done.clear()
+        event.stream, event.span = stream, stream.span
 
         def passed() -> None:
             event.at = time.perf_counter()
@@ -207,6 +222,9 @@ class SimulatedOps:
         stream.submit(passed)
 
     def wait(self, stream: SimStream, event: SimEvent) -> None:
+        if event.stream is not None:  # issue order is stream order: later work here is after it
+            stream.waited[event.stream] = max(stream.waited.get(event.stream, 0), event.span)
+
         def passed() -> None:
             event.done.wait()
 
@@ -224,6 +242,13 @@ class SimulatedOps:
         return dst
 
     def d2h(self, src: torch.Tensor, host: torch.Tensor) -> None:
+        cur = self._current()
+        for s in self.streams:
+            if s.inline and s is not cur and cur.waited.get(s, 0) < s.span:
+                raise StreamHazardError(
+                    f"a copy to the host on stream {cur.name} is issued without waiting for the work "
+                    f"issued on stream {s.name} (span {s.span}; waited for {cur.waited.get(s, 0)})"
+                )
         poison_(host)
         self._current().submit(lambda: _copy(host, src))
 

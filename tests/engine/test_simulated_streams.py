@@ -1,8 +1,9 @@
 """The CUDA executor's stream logic run on the CPU: the real `CUDAExecutor` code over SimulatedOps
 (executor/device_ops.py), whose copy stream completes late and whose copy destinations hold poison
 until the copy lands. Its tokens must equal the CPU executor's, in and out of overlap, with a slow
-sampling stage: a missing event wait, a staging slot reused under a copy in flight, or logits read
-before their copy landed would feed the model or the sampler poison (an index out of range, NaN)."""
+sampling stage: a missing wait on the uploads, a staging slot reused under a copy in flight, or
+logits read before their copy landed would feed the model or the sampler poison (an index out of
+range, NaN); a logits copy not ordered after the forward raises StreamHazardError."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from minisgl_backend import Engine, EngineConfig, SamplingParams
 from minisgl_backend import engine as engine_mod
 from minisgl_backend.executor.cuda import CUDAExecutor
-from minisgl_backend.executor.device_ops import SimulatedOps, poison_
+from minisgl_backend.executor.device_ops import SimulatedOps, StreamHazardError, poison_
 from minisgl_backend.executor.tracker import PyInflightTracker
 from tests.helpers import QUIET, SMALL_POOL, token_prompts
 
@@ -118,5 +119,18 @@ def test_simulated_copies_are_poisoned_until_they_land_and_event_waits_wait() ->
         ops.synchronize()
         assert torch.equal(out, torch.ones(3))
         assert poison_(torch.zeros(2, dtype=torch.bool)).all()
+        # A copy of the forward's output must be ordered after it by an event wait.
+        compute_end = ops.event()
+        with ops.use(compute):
+            ops.record(compute_end, compute)
+        with ops.use(compute):  # later work on the compute stream, not covered by compute_end
+            pass
+        with ops.use(copy), pytest.raises(StreamHazardError, match="without waiting"):
+            ops.d2h(torch.ones(3), out)
+        with ops.use(compute):
+            ops.record(compute_end, compute)
+        with ops.use(copy):
+            ops.wait(copy, compute_end)
+            ops.d2h(torch.ones(3), out)
     finally:
         ops.close()
