@@ -36,6 +36,7 @@ _FIELD_FLAGS = {
     "max_num_batched_tokens": "max_num_batched_tokens",
     "max_logprobs": "max_logprobs",
     "engine_seed": "seed",
+    "gpu_memory_utilization": "gpu_memory_utilization",
 }
 
 
@@ -143,7 +144,8 @@ def _engine_args(p: argparse.ArgumentParser, seed: bool = False) -> None:
         "--gpu-memory-utilization",
         type=float,
         metavar="F",
-        help="not used here: the KV cache is sized by kv_cache_memory_gb or num_blocks (--set)",
+        help="CUDA: the share of device memory this engine may hold; the KV pool gets what the weights "
+        "leave of it (gpu_memory_utilization; kv_cache_memory_gb or num_blocks, when set, win)",
     )
     g.add_argument(
         "-q",
@@ -206,11 +208,6 @@ def _check_unsupported(args: argparse.Namespace) -> None:
             f"--tensor-parallel-size {args.tensor_parallel_size}: minisgl runs a model on one device; "
             "tensor parallelism is not implemented (for more throughput run engine replicas: "
             "`minisgl serve --replicas N`, lm-eval `data_parallel_size=N`)"
-        )
-    if args.gpu_memory_utilization is not None:
-        raise MiniSGLError(
-            "--gpu-memory-utilization has no meaning here: the KV cache is not sized as a share of device "
-            "memory but in GiB or blocks: --set kv_cache_memory_gb=G or --set num_blocks=N"
         )
 
 

@@ -43,19 +43,37 @@ def config_dir(kind: str) -> Path:
 PRESET_DIR = config_dir("engine")  # where bare preset names are looked up (at import time)
 
 
+CPU_KV_CACHE_GB = 1.0  # the KV pool of a CPU run when neither num_blocks nor kv_cache_memory_gb is set
+MODEL_DTYPES = ("float32", "bfloat16")  # what the model's weights and KV cache can be held in
+
+
+def resolve_dtype(dtype: str, device_type: str, checkpoint_dtype: object = None) -> str:
+    """The dtype an engine runs in. An explicit `dtype` wins. `auto` is float32 on a CPU (its kernels'
+    reference precision). On CUDA it is the checkpoint's `torch_dtype` (config.json) when that is one
+    the model runs in, and bfloat16 otherwise: a float16 checkpoint runs in bfloat16 (the same bytes,
+    float32's range) and a checkpoint that names none is a GPU's usual inference dtype."""
+    if dtype != "auto":
+        return dtype
+    if device_type == "cpu":
+        return "float32"
+    name = str(checkpoint_dtype).removeprefix("torch.") if checkpoint_dtype is not None else None
+    return name if name in MODEL_DTYPES else "bfloat16"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every knob of the engine. See docs/configuration.md for the meaning of each field."""
 
     # --- model ---
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: float32 on a CPU; see resolve_dtype)
     device: str = "cpu"
     max_model_len: int | None = None  # None = model's max_position_embeddings, capped by the KV pool
     # --- paged KV cache: one preallocated pool of fixed-size blocks ---
     block_size: int = 16
     num_blocks: int | None = None  # None = derived from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float | None = None  # None = 1 GiB on a CPU; on CUDA, gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # CUDA: share of device memory this engine may hold
     # --- scheduler: batch sizes and chunked prefill ---
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -87,6 +105,7 @@ class EngineConfig:
     # --- runtime ---
     num_threads: int | None = None  # torch intra-op threads; None = torch default
     weight_dtype: str | None = None  # None = dtype; int8 = weight-only int8 for decode (bf16, CPU)
+    cuda_graphs: bool = False  # CUDA: decode batches replay CUDA graphs at batch-size buckets
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -101,8 +120,20 @@ class EngineConfig:
             device_type = None
         if device_type not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if device_type == "cpu":
+            # A CPU run reads no checkpoint dtype and no device memory: its defaults are fixed here, so
+            # every reader of the config sees concrete values.
+            if self.dtype == "auto":
+                object.__setattr__(self, "dtype", "float32")
+            if self.kv_cache_memory_gb is None:
+                object.__setattr__(self, "kv_cache_memory_gb", CPU_KV_CACHE_GB)
         mem = machine_memory_gb()
-        if device_type == "cpu" and mem is not None and self.kv_cache_memory_gb > mem:
+        if (
+            device_type == "cpu"
+            and mem is not None
+            and self.kv_cache_memory_gb is not None
+            and self.kv_cache_memory_gb > mem
+        ):
             raise ConfigError(
                 f"kv_cache_memory_gb must be > 0 and at most this machine's memory "
                 f"({mem:.1f} GiB), got {self.kv_cache_memory_gb}"
@@ -114,6 +145,11 @@ class EngineConfig:
                 "attention, tested on the CPU); on CUDA it is not, so it is refused rather than promised: "
                 "set deterministic: false (the keyed sampler still keeps the output distribution "
                 "independent of batching)"
+            )
+        if self.cuda_graphs and device_type != "cuda":
+            raise ConfigError(
+                f"cuda_graphs: true needs device: cuda (got device={self.device!r}); on a CPU the forward "
+                "runs eagerly, so set cuda_graphs: false"
             )
         if self.weight_dtype == "int8" and (
             device_type != "cpu" or self.dtype != "bfloat16" or self.deterministic
@@ -207,12 +243,19 @@ def _read_preset(path: Path) -> dict[str, Any]:
 # What every field accepts (minisgl_backend/validation.py): types are exact, ranges named in errors.
 _SPECS: dict[str, Spec] = {
     "model": Spec("str", note="alias, Hugging Face directory or .gguf path"),
-    "dtype": Spec("choice", choices=("float32", "bfloat16")),
+    "dtype": Spec("choice", choices=("auto", *MODEL_DTYPES)),
     "device": Spec("str", note="'cpu', 'cuda' or 'cuda:N'"),
     "max_model_len": Spec("int", lo=1, optional=True, note="None = the model's limit"),
     "block_size": Spec("int", lo=1, hi=65536),
     "num_blocks": Spec("int", lo=1, optional=True, note="None = sized from kv_cache_memory_gb"),
-    "kv_cache_memory_gb": Spec("float", lo=0, lo_open=True),
+    "kv_cache_memory_gb": Spec(
+        "float",
+        lo=0,
+        lo_open=True,
+        optional=True,
+        note="None = 1 GiB on a CPU; on CUDA by gpu_memory_utilization",
+    ),
+    "gpu_memory_utilization": Spec("float", lo=0, hi=1, lo_open=True),
     "max_num_seqs": Spec("int", lo=1),
     "max_waiting_requests": Spec("int", lo=1, optional=True, note="None = unbounded"),
     "max_num_batched_tokens": Spec("int", lo=1),
@@ -234,4 +277,5 @@ _SPECS: dict[str, Spec] = {
     "max_logprobs": Spec("int", lo=0),
     "num_threads": Spec("int", lo=1, optional=True, note="None = torch default"),
     "weight_dtype": Spec("choice", choices=("int8",), optional=True, note="None = dtype"),
+    "cuda_graphs": Spec("bool"),
 }

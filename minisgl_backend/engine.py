@@ -31,7 +31,7 @@ from minisgl_backend.executor.token_table import RowPool, TokenTable
 from minisgl_backend.executor.tracker import make_tracker
 from minisgl_backend.handle import RequestHandle
 from minisgl_backend.kvcache.block_pool import BlockPool
-from minisgl_backend.kvcache.storage import KVCache, kv_bytes_per_block
+from minisgl_backend.kvcache.storage import KVCache, kv_blocks_from_device_memory, kv_bytes_per_block
 from minisgl_backend.metrics import Metrics, Tracer, install_logging
 from minisgl_backend.model import cpu_threads
 from minisgl_backend.model.loader import DTYPES, LoadedModel, load_model, prepare
@@ -67,12 +67,20 @@ def _load(config: EngineConfig, executor: DualWorkerExecutor) -> tuple[LoadedMod
     there, the only thread with an OpenMP team (see executor/base.py)."""
     loaded = executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
     executor.run_on_compute(lambda: prepare(loaded.model, config.weight_dtype, config.deterministic))
-    spec, dtype = loaded.model.spec, DTYPES[config.dtype]
+    spec, dtype = loaded.model.spec, DTYPES[loaded.dtype]
     per_block = kv_bytes_per_block(
         spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, dtype
     )
-    num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
-    shape = (spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+    elif config.kv_cache_memory_gb is not None:
+        num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
+    else:  # CUDA (a CPU config always has kv_cache_memory_gb): what the weights left of the device
+        dev = torch.device(config.device)
+        free, total = executor.run_on_compute(lambda: torch.cuda.mem_get_info(dev))
+        num_blocks = kv_blocks_from_device_memory(free, total, config.gpu_memory_utilization, per_block)
+    pool_blocks = num_blocks + executor.reserved_kv_blocks  # the reserved ones last, never handed out
+    shape = (spec.num_layers, pool_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
     kv = executor.run_on_compute(lambda: KVCache(*shape, dtype, config.device))
     return loaded, kv
 
@@ -113,7 +121,7 @@ class Engine:
             metrics.close()
             raise
         spec = loaded.model.spec
-        self.num_blocks = stats.num_blocks = kv.num_blocks
+        self.num_blocks = stats.num_blocks = kv.num_blocks - executor.reserved_kv_blocks
         self.model_dir = loaded.model_dir
         self.tokenizer = loaded.tokenizer
         self.vocab_size = spec.vocab_size

@@ -13,7 +13,8 @@
 #   tests    the CUDA tests, the tracker's, the Triton attention kernels' and the logits reduction's
 #            (on the GPU itself)
 #   forward  decode-step and prefill-chunk micro-numbers on random 1B and 8B shapes, batch 1/16/64,
-#            Triton kernels vs the torch path (time, host issue time, kernels per forward, logit diff)
+#            Triton kernels vs the torch path (time, host issue time, kernels per forward, logit diff),
+#            and each decode case again as a CUDA-graph replay (cuda_graphs; eager buckets on the CPU)
 #   model    a random-weight ~1.2B Llama directory in the scratch dir (the next stage's model)
 #   overlap  the design's table on it: serial, overlap with chunks 128 and 768, one in flight, Python
 #            callbacks, and a sampled row (req/s, TTFT/TPOT p50/p99), with a timeline

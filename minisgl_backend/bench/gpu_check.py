@@ -6,7 +6,9 @@ same code so the script itself is tested:
   one later prefill chunk, under each attention back-end (the Triton kernels and the torch path):
   device time per forward, host time to issue it, kernels per forward (from torch's profiler, on a
   GPU), and how far the two back-ends' logits differ (their agreement is the kernels' check on the
-  device itself).
+  device itself). Each decode case runs again through CUDA-graph replay at its batch size
+  (executor/graphs.py; eagerly over the same static buffers on the CPU): its time, and its logits'
+  difference from the eager forward's.
 - `overlap`: the design's table on one random-weight model directory: the serial loop, overlap with
   prefill chunks of 128 and 768, one iteration in flight, the Python completion callbacks, and the
   768 row again with seeded sampling instead of greedy draws.
@@ -144,6 +146,33 @@ def time_forward(model: CausalLM, fb: ForwardBatch, kv: KVCache, steps: int) -> 
     }
 
 
+def time_graphs(model: CausalLM, fb: ForwardBatch, kv: KVCache, steps: int, pad_block: int) -> dict[str, Any]:
+    """time_forward for the decode batch `fb` replayed as a CUDA graph of its own size (captured
+    here), or run at that bucket eagerly off a GPU: DecodeGraphs' static buffers either way."""
+    from minisgl_backend.executor.graphs import DecodeGraphs
+
+    assert fb.decode_block_tables is not None  # a decode batch
+    n = fb.input_ids.shape[0]
+    graphs = DecodeGraphs(model, kv, [n], fb.decode_block_tables.shape[1], pad_block)
+    device = str(model.device)
+    if device.startswith("cuda"):
+        graphs.capture(torch.cuda.Stream())
+    logits = graphs.run(fb)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        graphs.run(fb)
+    issued = time.perf_counter()
+    _sync(device)
+    done = time.perf_counter()
+    return {
+        "ms": 1000 * (done - t0) / steps,
+        "host_issue_ms": 1000 * (issued - t0) / steps,
+        "captured": graphs.captured,
+        "logits": logits.float(),
+    }
+
+
 def backends(device: str) -> dict[str, LayerLoop]:
     out = {"torch": LayerLoop()}
     try:
@@ -171,7 +200,7 @@ def forward_rows(
         cases = [(f"decode B={b} ctx={ctx}", decode_batch(b, ctx, block_size, device)) for b in batches]
         cases.append((f"chunk {chunk} after {chunk}", chunk_batch(chunk, chunk, block_size, device)))
         for name, (fb, blocks) in cases:
-            kv = _kv(model, blocks, block_size)
+            kv = _kv(model, blocks + 1, block_size)  # the last block: the graphs' padding rows
             ref = None  # the torch path's logits, which the kernels' must match
             for backend, strategy in backends(device).items():
                 model.forward_strategy = strategy
@@ -185,6 +214,13 @@ def forward_rows(
                     row["argmax_agree_vs_torch"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if fb.num_decode:
+                    g = time_graphs(model, fb, kv, steps, pad_block=blocks)
+                    diff = float((g.pop("logits") - logits).abs().max())
+                    row = {"shape": shape, "case": f"{name} graph", "backend": backend, **g}
+                    row["max_logit_diff_vs_eager"] = diff
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
             del kv
         del model
         if device.startswith("cuda"):

@@ -38,13 +38,25 @@ def make_executor(
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         total_gb = torch.cuda.get_device_properties(dev).total_memory / 2**30
-        if config.num_blocks is None and config.kv_cache_memory_gb > total_gb:
+        if (
+            config.num_blocks is None
+            and config.kv_cache_memory_gb is not None
+            and config.kv_cache_memory_gb > total_gb
+        ):
             raise ConfigError(
                 f"kv_cache_memory_gb must be at most the memory of {dev} ({total_gb:.1f} GiB), "
                 f"got {config.kv_cache_memory_gb}"
             )
         copied = make_tracker(config.callback_impl, tracker.max_inflight)
-        return CUDAExecutor(dev, tracker, copied, metrics, tracer, debug_delay_ms=config.debug_delay_ms)
+        return CUDAExecutor(
+            dev,
+            tracker,
+            copied,
+            metrics,
+            tracer,
+            debug_delay_ms=config.debug_delay_ms,
+            decode_graphs=config.cuda_graphs,
+        )
     from minisgl_backend.executor.cpu import CPUExecutor
 
     return CPUExecutor(tracker, metrics, tracer, debug_delay_ms=config.debug_delay_ms)

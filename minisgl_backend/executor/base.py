@@ -82,6 +82,10 @@ def forward_batch(inp: IterationInputs, tensors: Sequence[torch.Tensor | None]) 
 
 
 class DualWorkerExecutor:
+    # KV blocks at the end of the pool that the back-end writes itself (the padding rows of CUDA-graph
+    # decode): the engine allocates them beyond the requests' blocks and never hands them out.
+    reserved_kv_blocks = 0
+
     def __init__(
         self, tracker: InflightTracker, metrics: Metrics, tracer: Tracer, *, debug_delay_ms: float = 0.0
     ) -> None:

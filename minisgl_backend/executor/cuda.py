@@ -27,6 +27,9 @@ each sampled row to its draw candidates (sample_stage.reduce_iteration; the draw
 the inputs), and the D2H copies those and only the rows needed in full; a row whose candidates cannot
 prove its draw is fetched from the device logits, which are kept until the iteration is sampled.
 Off by default until it has run on a GPU.
+
+Every device operation goes through `ops` (device_ops.py): CudaOps on a GPU, SimulatedOps in the
+tests, which run this very code on CPU tensors with late copies and poisoned buffers.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from minisgl_backend.arith import cdiv
 from minisgl_backend.executor.base import DualWorkerExecutor, forward_batch, index_tensors
+from minisgl_backend.executor.device_ops import CudaOps, DeviceOps
+from minisgl_backend.executor.graphs import DecodeGraphs, decode_buckets
 from minisgl_backend.executor.sample_stage import ReducedLogits, draw_keys, reduce_iteration
 from minisgl_backend.executor.staging import StagingRing, StagingSlot
 from minisgl_backend.executor.token_table import TokenTable
@@ -60,82 +66,108 @@ class CUDAExecutor(DualWorkerExecutor):
         tracer: Tracer,
         *,
         debug_delay_ms: float = 0.0,
+        ops: DeviceOps | None = None,
+        decode_graphs: bool = False,
     ) -> None:
         """`copied` is a tracker of its own: the copy stream's host callback reports there that an
-        iteration's logits reached the host. It holds at most `tracker.max_inflight` iterations."""
+        iteration's logits reached the host. It holds at most `tracker.max_inflight` iterations.
+        `ops`: the device operations (CudaOps on `device` when None). `decode_graphs`: decode batches
+        run at batch-size buckets over static buffers (graphs.py), replayed as CUDA graphs; the pool's
+        last block is then the padding rows' (reserved_kv_blocks)."""
         self.device = device
-        self._compute = torch.cuda.Stream(device)
-        self._copy = torch.cuda.Stream(device)
+        self._ops: DeviceOps = ops if ops is not None else CudaOps(device)
+        self._compute = self._ops.stream("compute")
+        self._copy = self._ops.stream("copy")
         self._copied = copied
         # Slots are held from launch to completion and at most max_inflight iterations are in flight,
         # so this many slots never make the compute worker wait in steady state.
-        self._ring = StagingRing(tracker.max_inflight, pin=True)
+        self._ring = StagingRing(tracker.max_inflight, pin=self._ops.pin)
         # iteration -> (inputs, host logits or reduced ones, start, end, device logits kept for
         # fetching rows the reduction could not settle, or None)
         self._pending: dict[int, tuple] = {}
         self._reduce = os.environ.get("MINISGL_REDUCE_LOGITS", "0") == "1"
         self._stopping = False
-        self._clock: tuple[torch.cuda.Event, float] | None = None
+        self._clock: tuple[object, float] | None = None
+        self._decode_graphs = decode_graphs
+        self.reserved_kv_blocks = 1 if decode_graphs else 0
+        self._graphs: DecodeGraphs | None = None
         super().__init__(tracker, metrics, tracer, debug_delay_ms=debug_delay_ms)
 
     def attach(self, model: CausalLM, kv: KVCache, table: TokenTable) -> None:
         # Loading and KV allocation ran on the compute thread's default stream; our streams do not
         # wait for it. One device sync at start-up (never in the loop) orders them before iteration 1.
-        torch.cuda.synchronize(self.device)
-        ref = torch.cuda.Event(enable_timing=True)
-        ref.record(self._compute)
-        ref.synchronize()
+        ops = self._ops
+        ops.synchronize()
+        ref = ops.event(timing=True)
+        ops.record(ref, self._compute)
+        ops.event_synchronize(ref)
         self._clock = (ref, time.perf_counter())  # maps GPU event times onto the tracer's host clock
         super().attach(model, kv, table)
+        if self._decode_graphs:
+            max_len = table.ids.shape[1] - 1  # the engine's max_model_len (one spare column)
+            self._graphs = DecodeGraphs(
+                model,
+                kv,
+                decode_buckets(table.ids.shape[0]),  # rows: one per running request
+                cdiv(max_len, kv.block_size),
+                pad_block=kv.num_blocks - 1,
+            )
+            ops.capture(self._graphs, self._compute)
 
     @torch.inference_mode()
     def _launch(self, inp: IterationInputs, input_ids: torch.Tensor) -> None:
         slot = self._acquire_slot(inp.iteration)
         if slot is None:
             return  # a worker failed while we waited; the error is already reported
+        ops = self._ops
         keys = draw_keys(inp) if self._reduce else []
-        with torch.cuda.stream(self._copy):
-            uploaded = slot.upload([*index_tensors(inp, input_ids), *keys], self.device)
-            h2d = torch.cuda.Event()
-            h2d.record(self._copy)
+        with ops.use(self._copy):
+            uploaded = slot.upload([*index_tensors(inp, input_ids), *keys], ops.h2d)
+            h2d = ops.event()
+            ops.record(h2d, self._copy)
         split = len(uploaded) - len(keys)
         tensors = uploaded[:split]
         keys = [t for t in uploaded[split:] if t is not None]  # keys are never absent inputs
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self._compute):
-            self._compute.wait_event(h2d)
-            start.record(self._compute)
-            logits = self.model(forward_batch(inp, tensors), self.kv).float()  # fp32: sampled on the host
+        start, end = ops.event(timing=True), ops.event(timing=True)
+        with ops.use(self._compute):
+            ops.wait(self._compute, h2d)
+            ops.record(start, self._compute)
+            batch = forward_batch(inp, tensors)
+            graphs = self._graphs
+            if graphs is not None and graphs.bucket_for(batch) is not None:
+                logits = graphs.run(batch).float()  # a fresh tensor: the next replay may not touch it
+            else:
+                logits = self.model(batch, self.kv).float()  # fp32: sampled on the host
             reduced = reduce_iteration(inp, logits, keys=keys) if self._reduce else None
-            end.record(self._compute)
+            ops.record(end, self._compute)
         for t in [*tensors, *keys]:  # allocated on the copy stream, read on the compute stream
             if t is not None:
-                t.record_stream(self._compute)
-        with torch.cuda.stream(self._copy):
-            self._copy.wait_event(end)
+                ops.keep_for(t, self._compute)
+        with ops.use(self._copy):
+            ops.wait(self._copy, end)
             if reduced is None:
-                host: object = slot.download(logits)
+                host: object = slot.download(logits, ops.d2h)
                 outs = [logits]
             else:
                 cand, rows, full = reduced
                 names = ("cand_ids", "cand_logits", "cand_bound")
                 host = (
-                    Candidates(*(slot.download(t, n) for t, n in zip(cand, names))),
+                    Candidates(*(slot.download(t, ops.d2h, n) for t, n in zip(cand, names))),
                     rows,
-                    slot.download(full, "full"),
+                    slot.download(full, ops.d2h, "full"),
                 )
                 outs = [logits, *cand, full]
         for t in outs:  # allocated on the compute stream, read by the D2H
-            t.record_stream(self._copy)
+            ops.keep_for(t, self._copy)
         self._pending[inp.iteration] = (inp, host, start, end, None if reduced is None else logits)
         self._copied.begin()
-        self._copied.cuda_host_complete(self._copy.cuda_stream, inp.iteration)
+        ops.host_callback(self._copy, self._copied, inp.iteration)
 
     def _fetch(self, logits: torch.Tensor, rows: list[int]) -> np.ndarray:
         """Full logits rows from the device, on the copy stream (rarely: rows whose candidates could
         not prove their draw); the forward that made them is done by then."""
-        with torch.cuda.stream(self._copy):
-            return logits[rows].cpu().numpy()
+        with self._ops.use(self._copy):
+            return self._ops.to_host(logits[rows]).numpy()
 
     def _acquire_slot(self, iteration: int) -> StagingSlot | None:
         """A staging slot for `iteration`, waiting (rarely) until the oldest held slot's fence passed."""
@@ -159,12 +191,12 @@ class CUDAExecutor(DualWorkerExecutor):
                 fetch = lambda missing, lg=device_logits: self._fetch(lg, missing)
                 yield inp, ReducedLogits(Candidates(*(t.numpy() for t in cand)), full_rows, fetch)
 
-    def _record_forward(self, iteration: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+    def _record_forward(self, iteration: int, start: object, end: object) -> None:
         """GPU time of the forward (both events passed: the D2H after them is done)."""
         assert self._clock is not None  # set before the first forward is launched
         ref, t_ref = self._clock
-        t0 = t_ref + ref.elapsed_time(start) / 1000
-        t1 = t_ref + ref.elapsed_time(end) / 1000
+        t0 = t_ref + self._ops.elapsed_ms(ref, start) / 1000
+        t1 = t_ref + self._ops.elapsed_ms(ref, end) / 1000
         self.metrics.add("forward_s", t1 - t0)
         self.tracer.span("compute", f"forward {iteration}", t0, t1)
 

@@ -12,7 +12,7 @@ after it sampled out of the logits buffer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,10 +38,11 @@ class StagingSlot:
         return buf[:numel]
 
     def upload(
-        self, tensors: Sequence[torch.Tensor | None], device: torch.device
+        self, tensors: Sequence[torch.Tensor | None], h2d: Callable[[torch.Tensor], torch.Tensor]
     ) -> list[torch.Tensor | None]:
         """Pack host tensors into this slot's pinned buffers (one per dtype) and copy each buffer to
-        `device` with one non-blocking copy on the current stream; returns device views in input order.
+        the device with one `h2d` (a non-blocking copy on the current stream: DeviceOps.h2d); returns
+        device views in input order.
         Few large copies instead of many tiny ones: each copy pays a fixed launch cost that dwarfs
         moving a few hundred bytes."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -52,7 +53,7 @@ class StagingSlot:
         for dtype, group in by_dtype.items():
             host = self.buffer("in", dtype, sum(t.numel() for t in group))
             torch.cat([t.reshape(-1) for t in group], out=host)
-            on_device[dtype] = host.to(device, non_blocking=True)
+            on_device[dtype] = h2d(host)
         offsets = dict.fromkeys(by_dtype, 0)
         out: list[torch.Tensor | None] = []
         for t in tensors:
@@ -64,12 +65,17 @@ class StagingSlot:
             out.append(on_device[t.dtype][start : start + t.numel()].view(t.shape))
         return out
 
-    def download(self, logits: torch.Tensor, name: str = "logits") -> torch.Tensor:
-        """Start a non-blocking copy of `logits` (float32 logits, or another output named `name`)
-        into this slot on the current stream; the result may be read only after that stream passed
-        the copy."""
+    def download(
+        self,
+        logits: torch.Tensor,
+        d2h: Callable[[torch.Tensor, torch.Tensor], None],
+        name: str = "logits",
+    ) -> torch.Tensor:
+        """Start a copy of `logits` (float32 logits, or another output named `name`) into this slot
+        with `d2h` (src, host: a non-blocking copy on the current stream: DeviceOps.d2h); the result
+        may be read only after that stream passed the copy."""
         host = self.buffer(name, logits.dtype, logits.numel()).view(logits.shape)
-        host.copy_(logits, non_blocking=True)
+        d2h(logits, host)
         return host
 
 

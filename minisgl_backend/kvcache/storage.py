@@ -4,11 +4,35 @@ from __future__ import annotations
 
 import torch
 
+from minisgl_backend.errors import ConfigError
+
 
 def kv_bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_blocks_from_device_memory(
+    free_bytes: int, total_bytes: int, utilization: float, bytes_per_block: int
+) -> int:
+    """KV blocks for a pool sized from device memory, as vLLM's `gpu_memory_utilization`: this engine
+    may hold `utilization` x the device's total memory, and what is already in use when the pool is
+    sized (its weights, other processes, the allocator's cache: total - free) comes out of that share.
+    The share left over, (1 - utilization) x total, is headroom for the forward's activations.
+    ConfigError when not one block fits, naming the knobs that change it."""
+    used = total_bytes - free_bytes
+    budget = int(utilization * total_bytes) - used
+    blocks = budget // bytes_per_block if budget > 0 else 0
+    if blocks < 1:
+        gib = 2**30
+        raise ConfigError(
+            f"gpu_memory_utilization={utilization} leaves no room for one KV block of "
+            f"{bytes_per_block} bytes: {used / gib:.2f} GiB of the device's {total_bytes / gib:.2f} GiB are "
+            f"in use (weights, other processes); raise gpu_memory_utilization (at most 1) or set "
+            "kv_cache_memory_gb or num_blocks"
+        )
+    return int(blocks)
 
 
 class KVCache:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from minisgl_backend.config import resolve_dtype
 from minisgl_backend.errors import ConfigError, MiniSGLError, ModelLoadError, ModelNotFoundError
 from minisgl_backend.model import batch_invariant, cpu_kernels
 from minisgl_backend.model.checkpoint import Checkpoint
@@ -127,6 +128,7 @@ class LoadedModel(NamedTuple):
     tokenizer: PreTrainedTokenizerBase
     model_dir: Path
     eos_token_ids: frozenset[int]
+    dtype: str = "float32"  # what the weights (and so the KV cache) are held in: resolve_dtype's answer
 
 
 def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
@@ -149,6 +151,7 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
             f"{model_dir / 'config.json'} is not a usable model config: {type(e).__name__}: {e}"
         ) from e
     checkpoint = Checkpoint(model_dir)
+    dtype = resolve_dtype(dtype, torch.device(device).type, _checkpoint_dtype(hf_config))
     # Built on the meta device and given memory in its final dtype, then filled tensor by tensor:
     # loading holds the weights once, never a float32 model or a dictionary of them beside it.
     with torch.device("meta"):
@@ -161,7 +164,12 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
     # Rebuilt after to_empty/dtype conversion: the rope frequencies are not in the checkpoint and stay fp32.
     model.model.rotary = build_rotary(spec).to(device)
     tokenizer = load_tokenizer(model_dir)
-    return LoadedModel(model, tokenizer, model_dir, _eos_ids(model_dir, hf_config, tokenizer))
+    return LoadedModel(model, tokenizer, model_dir, _eos_ids(model_dir, hf_config, tokenizer), dtype)
+
+
+def _checkpoint_dtype(hf_config) -> object:
+    """config.json's `torch_dtype` (`dtype` in newer transformers, which warns on the old name), or None."""
+    return getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
 
 
 def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> None:

@@ -89,7 +89,7 @@ def test_upload_round_trips_every_index_tensor() -> None:
     inp, ids = _inputs()
     slot = StagingSlot(pin=False)
     direct = forward_batch(inp, index_tensors(inp, ids))
-    staged = forward_batch(inp, slot.upload(index_tensors(inp, ids), torch.device("cpu")))
+    staged = forward_batch(inp, slot.upload(index_tensors(inp, ids), torch.clone))
     for name in (
         "input_ids",
         "positions",
@@ -104,13 +104,13 @@ def test_upload_round_trips_every_index_tensor() -> None:
     assert torch.equal(staged.prefill_chunks[0].block_table, direct.prefill_chunks[0].block_table)
     # A prompt-only iteration has no decode tensors: None passes through in place.
     prompt_only = inp._replace(num_decode=0, decode_block_tables=None, decode_mask=None)
-    out = slot.upload(index_tensors(prompt_only, ids), torch.device("cpu"))
+    out = slot.upload(index_tensors(prompt_only, ids), torch.clone)
     assert out[3] is None and out[4] is None and torch.equal(out[0], ids)
 
 
 def test_download_lands_logits_in_the_slot() -> None:
     slot = StagingSlot(pin=False)
     logits = torch.randn(3, 10)
-    host = slot.download(logits)
+    host = slot.download(logits, lambda src, dst: dst.copy_(src))
     assert torch.equal(host, logits)
     assert host.data_ptr() == slot.buffer("logits", torch.float32, 30).data_ptr()

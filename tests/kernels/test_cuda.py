@@ -46,6 +46,15 @@ def test_cuda_greedy_equals_cpu(tiny_model_dir, cpu_reference, overlap):
     assert [o.token_ids for o in outs] == [o.token_ids for o in greedy]
 
 
+def test_cuda_graph_decode_equals_cpu(tiny_model_dir, cpu_reference):
+    """Decode batches replay captured CUDA graphs at their bucket (cuda_graphs: true)."""
+    prompts, greedy, _ = cpu_reference
+    outs, eng = _run(_config(tiny_model_dir, device="cuda", cuda_graphs=True), prompts, GREEDY)
+    graphs = eng._executor._graphs
+    assert graphs is not None and graphs.captured
+    assert [o.token_ids for o in outs] == [o.token_ids for o in greedy]
+
+
 def test_cuda_prompt_logprobs_close_to_cpu(tiny_model_dir, cpu_reference):
     prompts, _, scored = cpu_reference
     outs, _ = _run(_config(tiny_model_dir, device="cuda"), prompts[:4], SCORED)

@@ -85,7 +85,9 @@ def _overrides(*argv: str) -> dict:
 def test_vllm_engine_flags_are_aliases_of_engine_fields():
     flags = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "256"]
     flags += ["--max-logprobs", "5", "--dtype", "bfloat16", "--no-enable-prefix-caching", "-tp", "1"]
+    flags += ["--gpu-memory-utilization", "0.8"]
     want = {
+        "gpu_memory_utilization": 0.8,
         "max_model_len": 512,
         "max_num_seqs": 8,
         "max_num_batched_tokens": 256,
@@ -98,6 +100,7 @@ def test_vllm_engine_flags_are_aliases_of_engine_fields():
     args = cli_mod.build_parser().parse_args(["serve", "--seed", "7", *flags])
     cfg = cli_mod._engine_config(args)  # the real fields: an alias naming no field would fail here
     assert (cfg.seed, cfg.max_model_len, cfg.max_num_seqs, cfg.prefix_cache) == (7, 512, 8, "off")
+    assert cfg.gpu_memory_utilization == 0.8
     assert _overrides("bench", "--seed", "3") == {"seed": 3}
     # where a command's --seed means something else it keeps that meaning
     gen = cli_mod.build_parser().parse_args(["generate", "--seed", "3", "hi"])
@@ -149,7 +152,6 @@ def test_flags_without_meaning_here_and_unknown_flags_say_what_to_do(capsys):
     for argv, match in (
         (["serve", "--tensor-parallel-size", "2"], "tensor parallelism is not implemented"),
         (["generate", "-tp", "4", "hi"], "runs a model on one device"),
-        (["serve", "--gpu-memory-utilization", "0.9"], "--set kv_cache_memory_gb=G"),
         (["serve", "--tool-call-parser", "mistral"], "parses one format, hermes"),
     ):
         assert cli_mod.main(argv) == 2, argv
