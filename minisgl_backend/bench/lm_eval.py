@@ -1,4 +1,5 @@
-"""Same lm_eval run, `--model hf` vs `--model minisgl`: wall time, metrics and per-request parity.
+"""Same lm_eval run, `--model hf` (and `--model vllm`) vs `--model minisgl`: wall time, metrics and
+per-request parity.
 
     python -m minisgl_backend.bench.lm_eval                      # speed: minisgl_mc (600 requests), fp32
     python -m minisgl_backend.bench.lm_eval --tasks minisgl_mc,minisgl_gen,minisgl_ppl   # full parity
@@ -7,6 +8,8 @@
         --hf-batch-sizes 16     # the eval users run: a few-shot loglikelihood task on the 1B shape, bf16
     python -m minisgl_backend.bench.lm_eval --hf-batch-sizes "" --tasks minisgl_mc,minisgl_gen,minisgl_ppl \
         --variant deterministic=false --repeat 2        # the cost of the adapter's deterministic default
+    python -m minisgl_backend.bench.lm_eval ... --vllm-python /path/to/venv/bin/python  # vLLM's CPU
+        build beside them, from a venv of its own that has vLLM and lm-eval
 
 Each run is the stock CLI in a fresh subprocess (start-up and model load included), offline, on the
 same weights (the HF directory the engine resolves the model to). Prints a table and a JSON summary:
@@ -32,6 +35,16 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: configs/tasks
 
 # Every run reads the local caches only: timings without downloads, and no run on a changed dataset.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# vLLM's CPU build: its platform, a KV pool that fits beside the others, every CPU for its OpenMP team,
+# no usage report (it is offline).
+VLLM_CPU_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, len(os.sched_getaffinity(0)) - 1)}"
+    if hasattr(os, "sched_getaffinity")
+    else "all",
+    "VLLM_NO_USAGE_STATS": "1",
+}
 
 
 def task_metrics(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -48,11 +61,18 @@ def _children_cpu_s() -> float:
 
 
 def run_lm_eval(
-    model: str, model_args: str, tasks: str, out: Path, extra: list[str]
+    model: str,
+    model_args: str,
+    tasks: str,
+    out: Path,
+    extra: list[str],
+    python: str | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> tuple[float, float, dict, dict]:
-    """Returns (wall seconds, CPU seconds, metrics per task, {(task, doc_id, request index): response})."""
+    """Returns (wall seconds, CPU seconds, metrics per task, {(task, doc_id, request index): response}).
+    `python`: the interpreter of another venv whose lm_eval runs (a peer engine's)."""
     cmd = [
-        str(Path(sys.executable).with_name("lm_eval")),
+        str(Path(python or sys.executable).with_name("lm_eval")),
         "--model",
         model,
         "--model_args",
@@ -68,7 +88,7 @@ def run_lm_eval(
         "--log_samples",
         *extra,
     ]
-    env = {**os.environ, **OFFLINE}
+    env = {**os.environ, **OFFLINE, **(env_extra or {})}
     t0, cpu0 = time.perf_counter(), _children_cpu_s()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
@@ -135,6 +155,16 @@ def main() -> None:
         metavar="K=V[,K=V]",
         help="also run minisgl with these extra model_args (repeatable), e.g. prefix_cache=off",
     )
+    ap.add_argument(
+        "--vllm-python",
+        default=None,
+        help="also run `--model vllm` with this interpreter's venv (vLLM's CPU build and lm-eval in it)",
+    )
+    ap.add_argument(
+        "--vllm-args",
+        default="max_model_len=4096",
+        help="extra model_args for vllm (its KV pool must hold max_model_len: the 1B shape's is 128k)",
+    )
     ap.add_argument("--limit", type=float, default=None)
     ap.add_argument(
         "--num-fewshot", type=int, default=None, help="lm-eval --num_fewshot (longer shared contexts)"
@@ -160,16 +190,24 @@ def main() -> None:
     mini_args = f"pretrained={args.model},dtype={args.dtype}" + (
         f",{args.minisgl_args}" if args.minisgl_args else ""
     )
-    configs: dict[str, tuple[str, str, list[str]]] = {"minisgl": ("minisgl", mini_args, [])}
-    configs.update({f"minisgl {v}": ("minisgl", f"{mini_args},{v}", []) for v in args.variant})
+    # name -> (lm-eval model, model_args, more CLI arguments, interpreter, environment)
+    Config = tuple[str, str, list[str], str | None, dict[str, str] | None]
+    configs: dict[str, Config] = {"minisgl": ("minisgl", mini_args, [], None, None)}
+    configs.update({f"minisgl {v}": ("minisgl", f"{mini_args},{v}", [], None, None) for v in args.variant})
     for bs in filter(None, args.hf_batch_sizes.split(",")):
-        configs[f"hf bs={bs}"] = ("hf", f"pretrained={hf_dir},dtype={args.dtype}", ["--batch_size", bs])
+        hf_args = f"pretrained={hf_dir},dtype={args.dtype}"
+        configs[f"hf bs={bs}"] = ("hf", hf_args, ["--batch_size", bs], None, None)
+    if args.vllm_python:
+        vllm_args = f"pretrained={hf_dir},dtype={args.dtype}" + (
+            f",{args.vllm_args}" if args.vllm_args else ""
+        )
+        configs["vllm"] = ("vllm", vllm_args, [], args.vllm_python, VLLM_CPU_ENV)
     runs: dict[str, list[tuple[float, float, dict, dict]]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeat):  # interleaved, so a slow spell of the machine hits every config
-            for i, (name, (model, model_args, more)) in enumerate(configs.items()):
+            for i, (name, (model, model_args, more, python, env)) in enumerate(configs.items()):
                 out = Path(tmp, f"run{rep}-{i}")
-                runs[name].append(run_lm_eval(model, model_args, args.tasks, out, extra + more))
+                runs[name].append(run_lm_eval(model, model_args, args.tasks, out, extra + more, python, env))
     base_wall = min(r[0] for r in runs["minisgl"])
     base_cpu = min(r[1] for r in runs["minisgl"])
     _, _, base_metrics, base_resp = runs["minisgl"][0]
