@@ -252,17 +252,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x = x.contiguous()
     n, k = weight.shape
     out = torch.empty(m, n, dtype=x.dtype)
-    _native.linear_bf16(
-        x.data_ptr(),
-        weight.data_ptr(),
-        0 if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        m,
-        n,
-        k,
-        threads(),
-        _ISA,
-    )
+    _native.linear_bf16(x, weight, bias, out, threads(), _ISA)
     return out
 
 
@@ -300,9 +290,9 @@ def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     elems = _native.packed_amx_elems(n, k) if _PACKS == "amx" else _native.packed_dpbf16_elems(n, k)
     out = huge_page_empty(elems, torch.bfloat16)
     if _PACKS == "amx":
-        _native.pack_amx(weight.data_ptr(), out.data_ptr(), n, k, threads())
+        _native.pack_amx(weight, out, threads())
     else:
-        _native.pack_dpbf16(weight.data_ptr(), out.data_ptr(), n, k, gated, threads())
+        _native.pack_dpbf16(weight, out, gated, threads())
     return out
 
 
@@ -315,15 +305,12 @@ def packed_rows(
     back from there."""
     n, k = shape
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    if flat.numel() and not bool(((flat >= 0) & (flat < n)).all()):
-        raise IndexError(f"row ids out of range for a weight of {n} rows")
     out = torch.empty(flat.numel(), k, dtype=torch.bfloat16)
-    if flat.numel():
-        ptrs = (packed.data_ptr(), n, k)
+    if flat.numel():  # IndexError from the native bounds check for an id outside [0, n)
         if _PACKS == "amx":
-            _native.packed_rows_amx(*ptrs, flat.data_ptr(), flat.numel(), out.data_ptr(), threads())
+            _native.packed_rows_amx(packed, n, k, flat, out, threads())
         else:
-            _native.packed_rows_dpbf16(*ptrs, gated, flat.data_ptr(), flat.numel(), out.data_ptr(), threads())
+            _native.packed_rows_dpbf16(packed, n, k, gated, flat, out, threads())
     return out.reshape(*ids.shape, k)
 
 
@@ -337,8 +324,7 @@ def linear_packed_silu(x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, 
     m = x.numel() // k if k else 0
     out = torch.empty(*x.shape[:-1], n // 2, dtype=x.dtype)
     if m:
-        x = x.contiguous()
-        _native.linear_dpbf16_silu(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, n // 2, k, threads())
+        _native.linear_dpbf16_silu(x.reshape(m, k).contiguous(), packed, n, out.view(m, n // 2), threads())
     return out
 
 
@@ -356,10 +342,8 @@ def linear_packed(
     m = x.numel() // k if k else 0
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     if m:
-        x = x.contiguous()
-        ptrs = (x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
         run = _native.linear_amx if _PACKS == "amx" else _native.linear_dpbf16
-        run(*ptrs, m, n, k, threads())
+        run(x.reshape(m, k).contiguous(), packed, n, bias, out.view(m, n), threads())
     return out
 
 
@@ -406,26 +390,16 @@ def paged_attention(
     if n == 0:
         return out
     _native.paged_attention(
-        q.data_ptr(),
-        q.stride(0),
-        k_pool.data_ptr(),
-        v_pool.data_ptr(),
-        tables.data_ptr(),
-        row_table.data_ptr(),
-        positions.data_ptr(),
-        out.data_ptr(),
-        n,
-        h,
-        k_pool.shape[2],
-        d,
-        k_pool.shape[1],
-        k_pool.shape[0],
-        tables.shape[0],
-        tables.shape[1],
+        q,
+        k_pool,
+        v_pool,
+        tables,
+        row_table,
+        positions,
+        out,
         scale,
         softcap or 0.0,
         window or 0,
-        q.dtype == torch.bfloat16,
         SCORERS[scorer],
         threads(),
         _ISA,
@@ -505,23 +479,9 @@ def rms_norm(
         return None
     x, weight = x.contiguous(), weight.contiguous()
     add = None if add is None else add.contiguous()
-    dim = x.shape[-1]
     out = torch.empty_like(x)
     total = x if add is None else torch.empty_like(x)
-    _native.rms_norm(
-        x.data_ptr(),
-        0 if add is None else add.data_ptr(),
-        0 if add is None else total.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        x.numel() // dim,
-        dim,
-        eps,
-        gemma,
-        x.dtype == torch.bfloat16,
-        threads(),
-        _ISA,
-    )
+    _native.rms_norm(x, add, None if add is None else total, weight, out, eps, gemma, threads(), _ISA)
     return out, total
 
 
@@ -539,19 +499,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     ):
         return False
     cos, sin = cos.contiguous(), sin.contiguous()
-    _native.rope(
-        x.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        rot,
-        x.stride(0),
-        x.stride(1),
-        x.dtype == torch.bfloat16,
-        threads(),
-        _ISA,
-    )
+    _native.rope(x, cos, sin, threads(), _ISA)
     return True
 
 
@@ -561,17 +509,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     if not _rowwise_ok(gate_up) or gate_up.shape[-1] % 2:
         return None
     gate_up = gate_up.contiguous()
-    dim = gate_up.shape[-1] // 2
-    out = gate_up.new_empty(*gate_up.shape[:-1], dim)
-    _native.silu_and_mul(
-        gate_up.data_ptr(),
-        out.data_ptr(),
-        gate_up.numel() // (2 * dim),
-        dim,
-        gate_up.dtype == torch.bfloat16,
-        threads(),
-        _ISA,
-    )
+    out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    _native.silu_and_mul(gate_up, out, threads(), _ISA)
     return out
 
 
@@ -587,17 +526,7 @@ def linear_int8(
     x = x.contiguous()
     n, k = qweight.shape
     out = torch.empty(m, n, dtype=x.dtype)
-    _native.linear_int8(
-        x.data_ptr(),
-        qweight.data_ptr(),
-        qscale.data_ptr(),
-        0 if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        m,
-        n,
-        k,
-        threads(),
-    )
+    _native.linear_int8(x, qweight, qscale, bias, out, threads())
     return out
 
 
@@ -611,6 +540,58 @@ def stream_read_gbps(megabytes: int = 512, repeat: int = 5) -> float | None:
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
-        _native.stream_read(buf.data_ptr(), buf.numel() * 4, threads(), _ISA)
+        _native.stream_read(buf, threads(), _ISA)
         best = min(best, time.perf_counter() - start)
     return buf.numel() * 4 / best / 1e9
+
+
+# The native entry points as torch ops, torch.ops.minisgl.<name>: each schema names its arguments
+# and types and marks the tensors it writes, and the CPU implementation is the checked native
+# function itself (a ValueError from C++ for a wrong device, dtype, shape or layout), so the
+# profiler, torch.compile and the dispatcher see them. The wrappers above call the same native
+# functions directly rather than through torch.ops: the dispatcher's round trip back into Python
+# costs more per call than the checks themselves, and a decode step calls these a dozen times per
+# layer (docs/architecture.md, "CPU kernels").
+OP_SCHEMAS = {
+    "linear_bf16": "(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int threads, int isa) -> ()",
+    "pack_amx": "(Tensor weight, Tensor(a!) out, int threads) -> ()",
+    "packed_rows_amx": "(Tensor packed, int n, int k, Tensor ids, Tensor(a!) out, int threads) -> ()",
+    "linear_amx": "(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int threads) -> ()",
+    "pack_dpbf16": "(Tensor weight, Tensor(a!) out, bool gated, int threads) -> ()",
+    "packed_rows_dpbf16": (
+        "(Tensor packed, int n, int k, bool gated, Tensor ids, Tensor(a!) out, int threads) -> ()"
+    ),
+    "linear_dpbf16": "(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int threads) -> ()",
+    "linear_dpbf16_silu": "(Tensor x, Tensor packed, int n, Tensor(a!) out, int threads) -> ()",
+    "linear_int8": "(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor(a!) out, int threads) -> ()",
+    "paged_attention": (
+        "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor row_table, Tensor positions, "
+        "Tensor(a!) out, float scale, float softcap, int window, int scorer, int threads, int isa) -> ()"
+    ),
+    "rms_norm": (
+        "(Tensor x, Tensor? residual, Tensor(a!)? sum_out, Tensor weight, Tensor(b!) out, float eps, "
+        "bool gemma, int threads, int isa) -> ()"
+    ),
+    "rope": "(Tensor(a!) x, Tensor cos, Tensor sin, int threads, int isa) -> ()",
+    "silu_and_mul": "(Tensor gate_up, Tensor(a!) out, int threads, int isa) -> ()",
+}
+OP_NAMESPACE = "minisgl"
+
+
+def _register_ops() -> torch.library.Library | None:
+    """Define torch.ops.minisgl.* over the native functions (None where the extension is not built,
+    or another copy of this module registered them first: a namespace is defined once a process)."""
+    if (
+        _native is None
+        or hasattr(torch.ops, OP_NAMESPACE)
+        and hasattr(getattr(torch.ops, OP_NAMESPACE), "rope")
+    ):
+        return None
+    lib = torch.library.Library(OP_NAMESPACE, "DEF")
+    for name, schema in OP_SCHEMAS.items():
+        lib.define(name + schema)
+        lib.impl(name, getattr(_native, name), "CPU")
+    return lib
+
+
+_OPS_LIBRARY = _register_ops()  # held: the registrations last as long as the Library object

@@ -28,8 +28,9 @@ from minisgl_backend.model.llama import CausalLM, Forward, Ropes
 
 
 class DecodeStack:
-    """The native stack of one model over one KV pool. It holds raw pointers into the model's
-    weights and the pool: build it again after changing either (DecodeStackForward.stack does)."""
+    """The native stack of one model over one KV pool. It holds the model's weight tensors and the
+    pool's (the native object keeps them alive and reads them in place): build it again after
+    replacing either (DecodeStackForward.stack does)."""
 
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
         s = model.spec
@@ -37,7 +38,6 @@ class DecodeStack:
         self.packed = all(lin.packed is not None for lin in _linears(model))
         # every linear's kernel takes any row count: packed, or the avx2 family's (kernel_row_limit)
         self.any_rows = self.packed or cpu_kernels.kernel_row_limit() is None
-        self._keep: list[torch.Tensor] = []  # every tensor the native object points into
         self._native = cpu_kernels._native.DecodeStack(
             s.num_heads,
             s.num_kv_heads,
@@ -60,12 +60,12 @@ class DecodeStack:
                 self._linear(a.o_proj),
                 self._linear(mlp.gate_up_proj),
                 self._linear(mlp.down_proj),
-                self._ptr(layer.input_layernorm.weight),
-                self._ptr(layer.post_attention_layernorm.weight),
-                self._ptr(a.q_norm.weight if a.qk_norm else None),
-                self._ptr(a.k_norm.weight if a.qk_norm else None),
-                self._ptr(kv.k[a.layer_id]),
-                self._ptr(kv.v[a.layer_id]),
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                a.q_norm.weight if a.qk_norm else None,
+                a.k_norm.weight if a.qk_norm else None,
+                kv.k[a.layer_id],
+                kv.v[a.layer_id],
                 a.window or 0,
                 a.rope_index,
                 mlp.gate_up_proj.gated,
@@ -115,35 +115,18 @@ class DecodeStack:
         tables = batch.decode_block_tables.to(torch.int64).contiguous()
         positions = batch.positions[:n].to(torch.int64).contiguous()
         slots = batch.slot_mapping.to(torch.int64).contiguous()
-        self._native.run(
-            x.data_ptr(),
-            mlp_out.data_ptr(),
-            n,
-            positions.data_ptr(),
-            slots.data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            [c.data_ptr() for c in cos],
-            [s.data_ptr() for s in sin],
-            [c.shape[1] for c in cos],
-            cpu_kernels.threads(),
-        )
+        self._native.run(x, mlp_out, positions, slots, tables, cos, sin, cpu_kernels.threads())
         return x + mlp_out
 
-    def _ptr(self, t: torch.Tensor | None) -> int:
-        if t is None:
-            return 0
-        self._keep.append(t)
-        return t.data_ptr()
-
-    def _linear(self, lin: Linear):
+    @staticmethod
+    def _linear(lin: Linear):
         n, k = lin.weight.shape
         return cpu_kernels._native.StackLinear(
-            self._ptr(lin.weight if lin.packed is None else None),  # a packed layer's weight is the pack
-            self._ptr(lin.packed),
-            self._ptr(lin.bias),
-            self._ptr(lin.qweight),
-            self._ptr(lin.qscale),
+            lin.weight if lin.packed is None else None,  # a packed layer's weight is the pack
+            lin.packed,
+            lin.bias,
+            lin.qweight,
+            lin.qscale,
             n,
             k,
         )

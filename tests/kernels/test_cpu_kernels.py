@@ -232,14 +232,12 @@ def test_packed_rows_read_back_every_layout(layout, n, k):
     flat = ids.reshape(-1).contiguous()
     if layout == "amx":
         packed = torch.empty(native.packed_amx_elems(n, k), dtype=torch.bfloat16)
-        native.pack_amx(w.data_ptr(), packed.data_ptr(), n, k, 2)
-        native.packed_rows_amx(packed.data_ptr(), n, k, flat.data_ptr(), flat.numel(), rows.data_ptr(), 2)
+        native.pack_amx(w, packed, 2)
+        native.packed_rows_amx(packed, n, k, flat, rows, 2)
     else:
         packed = torch.empty(native.packed_dpbf16_elems(n, k), dtype=torch.bfloat16)
-        native.pack_dpbf16(w.data_ptr(), packed.data_ptr(), n, k, gated, 2)
-        native.packed_rows_dpbf16(
-            packed.data_ptr(), n, k, gated, flat.data_ptr(), flat.numel(), rows.data_ptr(), 2
-        )
+        native.pack_dpbf16(w, packed, gated, 2)
+        native.packed_rows_dpbf16(packed, n, k, gated, flat, rows, 2)
     assert torch.equal(rows.reshape(3, 5, k), w[ids])
 
 
