@@ -577,6 +577,45 @@ def test_kernel_family_switch_caps_the_family_and_names_the_valid_ones():
             pass
 
 
+def test_one_variable_chooses_the_family_and_the_old_switches_are_its_aliases():
+    """family_from_env: MINISGL_KERNELS caps the family, MINISGL_AMX=0 is MINISGL_KERNELS=avx512bf16
+    and MINISGL_CPU_KERNELS=0 is MINISGL_KERNELS=torch (the lower cap wins); any other alias value
+    is an error naming the valid ones."""
+    best = cpu_kernels.machine_family()
+    lower = lambda name: max(name, best, key=cpu_kernels.FAMILIES.index)  # noqa: E731
+    assert cpu_kernels.family_from_env({}) == best
+    assert cpu_kernels.family_from_env({"MINISGL_KERNELS": "AVX2 "}) == lower("avx2")
+    assert cpu_kernels.family_from_env({"MINISGL_AMX": "0"}) == lower("avx512bf16")
+    assert cpu_kernels.family_from_env({"MINISGL_AMX": "1", "MINISGL_CPU_KERNELS": "1"}) == best
+    assert cpu_kernels.family_from_env({"MINISGL_CPU_KERNELS": "0"}) == "torch"
+    assert cpu_kernels.family_from_env({"MINISGL_KERNELS": "avx2", "MINISGL_AMX": "0"}) == lower("avx2")
+    with pytest.raises(
+        ValueError, match=r"MINISGL_AMX='off': valid values are 0 \(MINISGL_KERNELS=avx512bf16\)"
+    ):
+        cpu_kernels.family_from_env({"MINISGL_AMX": "off"})
+    with pytest.raises(ValueError, match="valid: amx, avx512bf16, avx512, avx2, torch"):
+        cpu_kernels.family_from_env({"MINISGL_KERNELS": "sse2"})
+
+
+def test_the_family_is_one_immutable_object():
+    """The process runs one KernelFamily, which nothing changes; family_override swaps in another for
+    its block and puts the same object back."""
+    import dataclasses
+
+    before = cpu_kernels.active()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.isa = cpu_kernels.ISA_AVX2  # type: ignore[misc]
+    with cpu_kernels.family_override("torch"):
+        inside = cpu_kernels.active()
+        assert inside == cpu_kernels.KernelFamily.named("torch") and not cpu_kernels.available()
+        assert (inside.native, inside.packs) == (False, None)
+    assert cpu_kernels.active() is before
+    assert cpu_kernels.KernelFamily.named("avx2").lanes == 8
+    assert cpu_kernels.KernelFamily.named("avx512bf16").packs == "dpbf16"
+    with pytest.raises(ValueError, match="'sse2' is not a kernel family; valid: amx, avx512bf16"):
+        cpu_kernels.KernelFamily.named("sse2")
+
+
 def test_machine_family_is_the_best_the_cpu_runs(monkeypatch):
     """machine_family() from the CPU probes: AVX2 + FMA without AVX-512 is the avx2 family, neither
     is torch (as is a build without the extension)."""
