@@ -43,7 +43,7 @@ def torch_only(monkeypatch):
     """Run a block with the kernels off: every wrapper takes its torch path."""
 
     def off():
-        monkeypatch.setattr(cpu_kernels, "_ENABLED", False)
+        monkeypatch.setattr(cpu_kernels, "_ACTIVE", cpu_kernels.KernelFamily.named("torch"))
 
     return off
 
