@@ -23,7 +23,7 @@ import torch
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.batch import ForwardBatch
-from minisgl_backend.model.layers import Linear
+from minisgl_backend.model.layers import AttentionBackend, Linear, PagedAttention
 from minisgl_backend.model.llama import CausalLM, Forward, Ropes
 
 
@@ -72,15 +72,16 @@ class DecodeStack:
             )
 
     @staticmethod
-    def supports(model: CausalLM, kv: KVCache) -> bool:
-        """Whether every layer of `model` is one the stack runs, over this pool (decided by the
-        model and the machine alone: the same for every batch). Its linears must be Linear itself,
-        whose forward the stack reproduces (a subclass, such as the batch-invariant TiledLinear,
-        runs other kernels)."""
+    def supports(model: CausalLM, kv: KVCache, attention: AttentionBackend) -> bool:
+        """Whether every layer of `model` is one the stack runs, over this pool, for a model whose
+        attention back-end is `attention` (decided by the model, its back-end and the machine alone:
+        the same for every batch). The stack runs the native paged attention, so only under that
+        back-end. Its linears must be Linear itself, whose forward the stack reproduces (a subclass,
+        such as the batch-invariant TiledLinear, runs other kernels)."""
         s = model.spec
         return (
-            cpu_kernels.available()
-            and model.device.type == "cpu"
+            isinstance(attention, PagedAttention)
+            and cpu_kernels.available()
             and model.lm_head.weight.dtype == torch.bfloat16
             and not s.gemma
             and s.hidden_act == "silu"
@@ -137,15 +138,16 @@ class DecodeStackForward:
     tables; every other batch, and every batch of a model or pool it does not run, goes through
     `inner` (the default or the batch-invariant forward), whose bits the stack's are."""
 
-    def __init__(self, inner: Forward) -> None:
+    def __init__(self, inner: Forward, attention: AttentionBackend) -> None:
         self.inner = inner
+        self.attention = attention  # the model's attention back-end, which `inner` runs too
         self._built: tuple[KVCache, int, DecodeStack | None] | None = None  # (pool, weights_version, stack)
 
     def stack(self, model: CausalLM, kv: KVCache) -> DecodeStack | None:
         """The stack of `model` over `kv`, built on first use and again after the pool or the
         weights change (it points into both); None where it does not run them."""
         if self._built is None or self._built[0] is not kv or self._built[1] != model.weights_version:
-            stack = DecodeStack(model, kv) if DecodeStack.supports(model, kv) else None
+            stack = DecodeStack(model, kv) if DecodeStack.supports(model, kv, self.attention) else None
             self._built = (kv, model.weights_version, stack)
         return self._built[2]
 
