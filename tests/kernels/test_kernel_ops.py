@@ -300,6 +300,20 @@ def test_the_torch_ops_are_the_checked_kernels():
         torch.ops.minisgl.linear_bf16(a["x"], a["weight"].float(), a["bias"], a["out"], 2, cpu_kernels.isa())
 
 
+def test_torch_compile_traces_through_the_ops():
+    """The ops' schemas (which tensors each writes) let torch.compile trace a graph around them
+    (fullgraph: no break at the op) that gives the eager bits."""
+    x, weight = _bf16(3, 32), _bf16(32)
+
+    def norm_twice(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        torch.ops.minisgl.rms_norm(x, None, None, weight, out, 1e-6, False, 1, cpu_kernels.isa())
+        return out * 2
+
+    compiled = torch.compile(norm_twice, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, weight), norm_twice(x, weight))
+
+
 # The one place in the model that reads a data pointer: a storage's identity, to count each storage's
 # bytes once (never handed to a kernel).
 ALLOWED_DATA_PTR = {("llama.py", "held_bytes")}
