@@ -1,54 +1,384 @@
 // The Python module minisgl_backend.native._kernels: pybind11 bindings of every family's entry points
-// (kernels.h). Pointer-level: use minisgl_backend.model.cpu_kernels, which checks shapes and dtypes
-// and falls back to torch where a kernel cannot run. Built without torch headers; every kernel runs
-// on the library's own thread pool (pool.h) with the thread count the caller passes, and with the
-// GIL released.
+// (kernels.h). Each takes torch tensors, checks them in C++ (tensor_arg.h: device, dtype, shape,
+// contiguity and the sizes the arguments share, with a ValueError naming the op and the argument)
+// and only then hands their pointers to the kernel, with the GIL released; the pointer arithmetic
+// stays on this side. minisgl_backend.model.cpu_kernels decides where a kernel runs and falls back to
+// torch elsewhere, and registers these same functions as the torch ops torch.ops.minisgl.*. Built
+// without torch headers; every kernel runs on the library's own thread pool (pool.h) with the thread
+// count the caller passes.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <string>
+#include <vector>
+
 #include "common.h"
 #include "kernels.h"
+#include "tensor_arg.h"
 
 namespace py = pybind11;
 using namespace minisgl::cpu;
 
+namespace {
+
+// A bf16 [N, K] weight in a packed layout: a 1-D buffer of at least `elems` elements.
+void check_pack(TensorArg& packed, int64_t elems) {
+    packed.required().dtype(DType::BF16).contiguous().shape({ANY}).min_numel(elems);
+}
+
+// x [M, K] bf16 rows, bias [N] or None, y [M, N]: what every linear entry point shares.
+void check_linear_rows(TensorArg& x, TensorArg& bias, TensorArg& y, int64_t n) {
+    x.required().dtype(DType::BF16).shape({ANY, ANY}).contiguous();
+    bias.dtype(DType::BF16).shape({n}).contiguous();
+    y.required().dtype(DType::BF16).shape({x.size(0), n}).contiguous();
+}
+
+void check_ids(const char* op, TensorArg& ids, TensorArg& out, int64_t n, int64_t k) {
+    ids.required().dtype(DType::I64).shape({ANY}).contiguous();
+    out.required().dtype(DType::BF16).shape({ids.size(0), k}).contiguous();
+    const auto* p = reinterpret_cast<const int64_t*>(ids.ptr());
+    for (int64_t i = 0; i < ids.size(0); ++i)
+        if (p[i] < 0 || p[i] >= n)
+            throw py::index_error(std::string("minisgl.") + op + ": row ids out of range for a weight of " +
+                                  std::to_string(n) + " rows");
+}
+
+int64_t dpbf16_elems(int64_t n, int64_t k, bool gated) {
+    if (gated && n % 64)
+        throw py::value_error("minisgl.pack_dpbf16: a gated weight's rows must be a multiple of 64, got " +
+                              std::to_string(n));
+    return packed_dpbf16_elems(n, k);
+}
+
+// One linear of the decode stack, with its tensors (the views keep them alive).
+struct BoundLinear {
+    StackLinear lin;
+    std::vector<TensorArg> keep;
+};
+
+// The decode stack and every tensor it points into, which it keeps alive.
+class BoundStack {
+   public:
+    BoundStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
+               double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind, int isa)
+        : stack_(heads, kv_heads, head_dim, hidden, intermediate, eps, scale, softcap, block_size, num_blocks, scorer,
+                 pack_kind, isa),
+          h_(heads),
+          kvh_(kv_heads),
+          d_(head_dim),
+          hidden_(hidden),
+          inter_(intermediate),
+          bs_(block_size),
+          blocks_(num_blocks),
+          pack_kind_(pack_kind) {}
+
+    void add_layer(const BoundLinear& qkv, const BoundLinear& o, const BoundLinear& gate_up, const BoundLinear& down,
+                   py::handle input_norm_, py::handle post_norm_, py::handle q_norm_, py::handle k_norm_,
+                   py::handle kpool_, py::handle vpool_, int64_t window, int64_t rope, bool gated) {
+        const char* op = "DecodeStack.add_layer";
+        expect(op, "qkv", qkv, (h_ + 2 * kvh_) * d_, hidden_);
+        expect(op, "o", o, hidden_, h_ * d_);
+        expect(op, "gate_up", gate_up, 2 * inter_, hidden_);
+        expect(op, "down", down, hidden_, inter_);
+        if (gated && (!gate_up.lin.packed || pack_kind_ != 2))
+            throw py::value_error("minisgl.DecodeStack.add_layer: a gated gate_up needs its AVX512-BF16 pack");
+        TensorArg input_norm(op, "input_norm", input_norm_), post_norm(op, "post_norm", post_norm_),
+            q_norm(op, "q_norm", q_norm_), k_norm(op, "k_norm", k_norm_), kpool(op, "kpool", kpool_),
+            vpool(op, "vpool", vpool_);
+        for (TensorArg* norm : {&input_norm, &post_norm})
+            norm->required().dtype(DType::BF16).shape({hidden_}).contiguous();
+        if (q_norm.present() != k_norm.present())
+            q_norm.fail("given exactly when 'k_norm' is", q_norm.present() ? "a tensor" : "None");
+        for (TensorArg* norm : {&q_norm, &k_norm}) norm->dtype(DType::BF16).shape({d_}).contiguous();
+        for (TensorArg* pool : {&kpool, &vpool})
+            pool->required().dtype(DType::BF16).shape({blocks_, bs_, kvh_, d_}).contiguous();
+        stack_.add_layer(qkv.lin, o.lin, gate_up.lin, down.lin, input_norm.ptr(), post_norm.ptr(), q_norm.ptr(),
+                         k_norm.ptr(), kpool.ptr(), vpool.ptr(), window, rope, gated);
+        for (const BoundLinear* l : {&qkv, &o, &gate_up, &down})
+            keep_.insert(keep_.end(), l->keep.begin(), l->keep.end());
+        for (TensorArg* t : {&input_norm, &post_norm, &q_norm, &k_norm, &kpool, &vpool}) keep_.push_back(*t);
+    }
+
+    void run(py::handle x_, py::handle mlp_out_, py::handle positions_, py::handle slots_, py::handle tables_,
+             const std::vector<py::handle>& cos_, const std::vector<py::handle>& sin_, int threads) const {
+        const char* op = "DecodeStack.run";
+        TensorArg x(op, "x", x_), mlp_out(op, "mlp_out", mlp_out_), positions(op, "positions", positions_),
+            slots(op, "slots", slots_), tables(op, "tables", tables_);
+        x.required().dtype(DType::BF16).shape({ANY, hidden_}).contiguous();
+        const int64_t n = x.size(0);
+        mlp_out.required().dtype(DType::BF16).shape({n, hidden_}).contiguous();
+        for (TensorArg* t : {&positions, &slots}) t->required().dtype(DType::I64).shape({n}).contiguous();
+        tables.required().dtype(DType::I64).shape({n, ANY}).contiguous();
+        if (cos_.size() != sin_.size())
+            throw py::value_error("minisgl.DecodeStack.run: one 'sin' per 'cos', got " + std::to_string(cos_.size()) +
+                                  " and " + std::to_string(sin_.size()));
+        std::vector<TensorArg> cos, sin;
+        std::vector<uintptr_t> cos_p, sin_p;
+        std::vector<int64_t> rot;
+        for (size_t i = 0; i < cos_.size(); ++i) {
+            cos.emplace_back(op, "cos", cos_[i]);
+            sin.emplace_back(op, "sin", sin_[i]);
+            cos.back().required().dtype(DType::BF16).shape({n, ANY}).contiguous();
+            const int64_t r = cos.back().size(1);
+            if (r % 2 || r > d_) cos.back().fail("an even rotary width of at most the head dim", std::to_string(r));
+            sin.back().required().dtype(DType::BF16).shape({n, r}).contiguous();
+            cos_p.push_back(cos.back().ptr()), sin_p.push_back(sin.back().ptr()), rot.push_back(r);
+        }
+        py::gil_scoped_release nogil;
+        stack_.run(x.ptr(), mlp_out.ptr(), n, positions.ptr(), slots.ptr(), tables.ptr(), tables.size(1), cos_p, sin_p,
+                   rot, threads);
+    }
+
+   private:
+    void expect(const char* op, const char* name, const BoundLinear& l, int64_t n, int64_t k) const {
+        if (l.lin.n != n || l.lin.k != k)
+            throw py::value_error(std::string("minisgl.") + op + ": linear '" + name + "' must be shape [" +
+                                  std::to_string(n) + ", " + std::to_string(k) + "], got shape [" +
+                                  std::to_string(l.lin.n) + ", " + std::to_string(l.lin.k) + "]");
+        if (!l.lin.weight && !l.lin.packed)
+            throw py::value_error(std::string("minisgl.") + op + ": linear '" + name + "' has neither weight nor pack");
+        if (l.lin.packed && pack_kind_ == 0)
+            throw py::value_error(std::string("minisgl.") + op + ": linear '" + name +
+                                  "' is packed but the stack's family packs nothing");
+        if (l.lin.packed) {
+            const int64_t elems = pack_kind_ == 1 ? packed_amx_elems(n, k) : packed_dpbf16_elems(n, k);
+            const TensorArg& p = l.keep[1];
+            if (p.numel() < elems) p.fail("at least " + std::to_string(elems) + " elements", std::to_string(p.numel()));
+        }
+    }
+
+    DecodeStack stack_;
+    int64_t h_, kvh_, d_, hidden_, inter_, bs_, blocks_;
+    int pack_kind_;
+    std::vector<TensorArg> keep_;
+};
+
+}  // namespace
+
 PYBIND11_MODULE(_kernels, m) {
-    m.doc() = "CPU decode kernels for minisgl (pointer-level; use minisgl_backend.model.cpu_kernels).";
+    m.doc() = "CPU decode kernels for minisgl over checked torch tensors (use minisgl_backend.model.cpu_kernels).";
     m.def("has_avx512", &cpu_has_avx512, "True if this CPU runs the AVX-512 kernels (isa=2).");
     m.def("has_avx2", &cpu_has_avx2, "True if this CPU runs the AVX2 + FMA kernels (isa=1).");
-    m.def("linear_bf16", &linear_bf16, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
-          py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"), py::arg("isa"),
-          "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for m <= 4; contiguous bfloat16; bias 0 = none; isa 1 AVX2, "
-          "2 AVX-512.");
     m.def("has_amx", &cpu_has_amx, "True if this CPU runs linear_amx (and the process may use its tiles).");
-    m.def("packed_amx_elems", &packed_amx_elems, py::arg("n"), py::arg("k"), "bf16 elements of pack_amx's output.");
-    m.def("pack_amx", &pack_amx, py::call_guard<py::gil_scoped_release>(), py::arg("w"), py::arg("out"), py::arg("n"),
-          py::arg("k"), py::arg("threads"), "w [n,k] bf16 into linear_amx's tile layout (packed_amx_elems long).");
-    m.def("packed_rows_amx", &packed_rows_amx, py::call_guard<py::gil_scoped_release>(), py::arg("packed"),
-          py::arg("n"), py::arg("k"), py::arg("ids"), py::arg("count"), py::arg("out"), py::arg("threads"),
-          "out[count,k] = rows ids (int64) of the [n,k] weight pack_amx packed; bfloat16.");
-    m.def("linear_amx", &linear_amx, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"),
-          py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
-          "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for any m over pack_amx(w); contiguous bfloat16; bias 0 = none.");
     m.def("has_avx512_bf16", &cpu_has_avx512_bf16, "True if this CPU runs linear_dpbf16 (AVX512-BF16).");
+    m.def(
+        "linear_bf16",
+        [](py::handle x_, py::handle w_, py::handle bias_, py::handle y_, int threads, int isa) {
+            const char* op = "linear_bf16";
+            TensorArg x(op, "x", x_), w(op, "weight", w_), bias(op, "bias", bias_), y(op, "out", y_);
+            w.required().dtype(DType::BF16).shape({ANY, ANY}).contiguous();
+            check_linear_rows(x, bias, y, w.size(0));
+            x.shape({ANY, w.size(1)});
+            py::gil_scoped_release nogil;
+            linear_bf16(x.ptr(), w.ptr(), bias.ptr(), y.ptr(), x.size(0), w.size(0), w.size(1), threads, isa);
+        },
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("threads"), py::arg("isa"),
+        "out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N], or None); bfloat16; isa 1 AVX2, 2 AVX-512.");
+    m.def("packed_amx_elems", &packed_amx_elems, py::arg("n"), py::arg("k"), "bf16 elements of pack_amx's output.");
+    m.def(
+        "pack_amx",
+        [](py::handle w_, py::handle out_, int threads) {
+            const char* op = "pack_amx";
+            TensorArg w(op, "weight", w_), out(op, "out", out_);
+            w.required().dtype(DType::BF16).shape({ANY, ANY}).contiguous();
+            check_pack(out, packed_amx_elems(w.size(0), w.size(1)));
+            py::gil_scoped_release nogil;
+            pack_amx(w.ptr(), out.ptr(), w.size(0), w.size(1), threads);
+        },
+        py::arg("weight"), py::arg("out"), py::arg("threads"),
+        "weight [N,K] bf16 into linear_amx's tile layout (out: packed_amx_elems(N, K) long).");
+    m.def(
+        "packed_rows_amx",
+        [](py::handle packed_, int64_t n, int64_t k, py::handle ids_, py::handle out_, int threads) {
+            const char* op = "packed_rows_amx";
+            TensorArg packed(op, "packed", packed_), ids(op, "ids", ids_), out(op, "out", out_);
+            check_pack(packed, packed_amx_elems(n, k));
+            check_ids(op, ids, out, n, k);
+            py::gil_scoped_release nogil;
+            packed_rows_amx(packed.ptr(), n, k, ids.ptr(), ids.size(0), out.ptr(), threads);
+        },
+        py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("ids"), py::arg("out"), py::arg("threads"),
+        "out[count,K] = rows ids (int64 [count]) of the [N,K] weight pack_amx packed; bfloat16.");
+    m.def(
+        "linear_amx",
+        [](py::handle x_, py::handle packed_, int64_t n, py::handle bias_, py::handle y_, int threads) {
+            const char* op = "linear_amx";
+            TensorArg x(op, "x", x_), packed(op, "packed", packed_), bias(op, "bias", bias_), y(op, "out", y_);
+            check_linear_rows(x, bias, y, n);
+            check_pack(packed, packed_amx_elems(n, x.size(1)));
+            py::gil_scoped_release nogil;
+            linear_amx(x.ptr(), packed.ptr(), bias.ptr(), y.ptr(), x.size(0), n, x.size(1), threads);
+        },
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("out"), py::arg("threads"),
+        "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], or None) for any M over pack_amx(w); bfloat16.");
     m.def("packed_dpbf16_elems", &packed_dpbf16_elems, py::arg("n"), py::arg("k"),
-          "bf16 elements of pack_dpbf16's output (0: K odd, not packable).");
-    m.def("pack_dpbf16", &pack_dpbf16, py::call_guard<py::gil_scoped_release>(), py::arg("w"), py::arg("out"),
-          py::arg("n"), py::arg("k"), py::arg("gated"), py::arg("threads"),
-          "w [n,k] bf16 into linear_dpbf16's panel layout (gated: a [gate | up] weight for linear_dpbf16_silu).");
-    m.def("packed_rows_dpbf16", &packed_rows_dpbf16, py::call_guard<py::gil_scoped_release>(), py::arg("packed"),
-          py::arg("n"), py::arg("k"), py::arg("gated"), py::arg("ids"), py::arg("count"), py::arg("out"),
-          py::arg("threads"), "out[count,k] = rows ids (int64) of the [n,k] weight pack_dpbf16 packed; bfloat16.");
-    m.def("linear_dpbf16_silu", &linear_dpbf16_silu, py::call_guard<py::gil_scoped_release>(), py::arg("x"),
-          py::arg("packed"), py::arg("y"), py::arg("m"), py::arg("i"), py::arg("k"), py::arg("threads"),
-          "y[m,i] = silu(x @ gate^T) * (x @ up^T) over pack_dpbf16([gate | up], gated=True); bfloat16.");
-    m.def("linear_dpbf16", &linear_dpbf16, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"),
-          py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
-          "y[m,n] = x[m,k] @ w[n,k]^T (+ bias[n]) for any m over pack_dpbf16(w); contiguous bfloat16.");
-    m.def("stream_read", &stream_read, py::call_guard<py::gil_scoped_release>(), py::arg("buf"), py::arg("bytes"),
-          py::arg("threads"), py::arg("isa"),
-          "Read `bytes` of buf once over `threads` (a memory bandwidth probe); returns their sum.");
+          "bf16 elements of pack_dpbf16's output.");
+    m.def(
+        "pack_dpbf16",
+        [](py::handle w_, py::handle out_, bool gated, int threads) {
+            const char* op = "pack_dpbf16";
+            TensorArg w(op, "weight", w_), out(op, "out", out_);
+            w.required().dtype(DType::BF16).shape({ANY, ANY}).contiguous();
+            check_pack(out, dpbf16_elems(w.size(0), w.size(1), gated));
+            py::gil_scoped_release nogil;
+            pack_dpbf16(w.ptr(), out.ptr(), w.size(0), w.size(1), gated, threads);
+        },
+        py::arg("weight"), py::arg("out"), py::arg("gated"), py::arg("threads"),
+        "weight [N,K] bf16 into linear_dpbf16's panel layout (gated: a [gate | up] weight for "
+        "linear_dpbf16_silu).");
+    m.def(
+        "packed_rows_dpbf16",
+        [](py::handle packed_, int64_t n, int64_t k, bool gated, py::handle ids_, py::handle out_, int threads) {
+            const char* op = "packed_rows_dpbf16";
+            TensorArg packed(op, "packed", packed_), ids(op, "ids", ids_), out(op, "out", out_);
+            check_pack(packed, dpbf16_elems(n, k, gated));
+            check_ids(op, ids, out, n, k);
+            py::gil_scoped_release nogil;
+            packed_rows_dpbf16(packed.ptr(), n, k, gated, ids.ptr(), ids.size(0), out.ptr(), threads);
+        },
+        py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("gated"), py::arg("ids"), py::arg("out"),
+        py::arg("threads"), "out[count,K] = rows ids (int64 [count]) of the [N,K] weight pack_dpbf16 packed.");
+    m.def(
+        "linear_dpbf16",
+        [](py::handle x_, py::handle packed_, int64_t n, py::handle bias_, py::handle y_, int threads) {
+            const char* op = "linear_dpbf16";
+            TensorArg x(op, "x", x_), packed(op, "packed", packed_), bias(op, "bias", bias_), y(op, "out", y_);
+            check_linear_rows(x, bias, y, n);
+            check_pack(packed, dpbf16_elems(n, x.size(1), false));
+            py::gil_scoped_release nogil;
+            linear_dpbf16(x.ptr(), packed.ptr(), bias.ptr(), y.ptr(), x.size(0), n, x.size(1), threads);
+        },
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("out"), py::arg("threads"),
+        "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], or None) for any M over pack_dpbf16(w); bfloat16.");
+    m.def(
+        "linear_dpbf16_silu",
+        [](py::handle x_, py::handle packed_, int64_t n, py::handle y_, int threads) {
+            const char* op = "linear_dpbf16_silu";
+            TensorArg x(op, "x", x_), packed(op, "packed", packed_), none(op, "bias", py::none()), y(op, "out", y_);
+            check_linear_rows(x, none, y, n / 2);
+            check_pack(packed, dpbf16_elems(n, x.size(1), true));
+            py::gil_scoped_release nogil;
+            linear_dpbf16_silu(x.ptr(), packed.ptr(), y.ptr(), x.size(0), n / 2, x.size(1), threads);
+        },
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("out"), py::arg("threads"),
+        "out[M,N/2] = silu(x @ gate^T) * (x @ up^T) over pack_dpbf16([gate | up] [N,K], gated=True).");
+    m.def(
+        "linear_int8",
+        [](py::handle x_, py::handle w_, py::handle scale_, py::handle bias_, py::handle y_, int threads) {
+            const char* op = "linear_int8";
+            TensorArg x(op, "x", x_), w(op, "weight", w_), scale(op, "scale", scale_), bias(op, "bias", bias_),
+                y(op, "out", y_);
+            w.required().dtype(DType::I8).shape({ANY, ANY}).contiguous();
+            scale.required().dtype(DType::F32).shape({w.size(0)}).contiguous();
+            check_linear_rows(x, bias, y, w.size(0));
+            x.shape({ANY, w.size(1)});
+            py::gil_scoped_release nogil;
+            linear_int8(x.ptr(), w.ptr(), scale.ptr(), bias.ptr(), y.ptr(), x.size(0), w.size(0), w.size(1), threads);
+        },
+        py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("out"), py::arg("threads"),
+        "out[M,N] = (x[M,K] @ weight[N,K]^T) * scale[N] (+ bias[N]); x, bias, out bf16, weight int8, scale f32.");
+    m.def(
+        "paged_attention",
+        [](py::handle q_, py::handle k_, py::handle v_, py::handle tables_, py::handle row_table_,
+           py::handle positions_, py::handle out_, double scale, double softcap, int64_t window, int scorer,
+           int threads, int isa) {
+            const char* op = "paged_attention";
+            TensorArg q(op, "q", q_), k(op, "k_pool", k_), v(op, "v_pool", v_), tables(op, "tables", tables_),
+                row_table(op, "row_table", row_table_), positions(op, "positions", positions_), out(op, "out", out_);
+            q.required().floating().shape({ANY, ANY, ANY}).inner_contiguous();
+            const int64_t n = q.size(0), h = q.size(1), d = q.size(2);
+            if (h > 1 && q.stride(1) != d)
+                q.fail("its heads packed in a row (head stride " + std::to_string(d) + ")",
+                       "head stride " + std::to_string(q.stride(1)));
+            k.required().same_dtype(q).shape({ANY, ANY, ANY, d}).contiguous();
+            v.required().same_dtype(q).same_shape(k).contiguous();
+            tables.required().dtype(DType::I64).shape({ANY, ANY}).contiguous();
+            row_table.required().dtype(DType::I64).shape({n}).contiguous();
+            positions.required().dtype(DType::I64).shape({n}).contiguous();
+            out.required().same_dtype(q).shape({n, h, d}).contiguous();
+            const bool bf16 = q.is(DType::BF16);
+            py::gil_scoped_release nogil;
+            paged_attention(q.ptr(), n > 1 ? q.stride(0) : h * d, k.ptr(), v.ptr(), tables.ptr(), row_table.ptr(),
+                            positions.ptr(), out.ptr(), n, h, k.size(2), d, k.size(1), k.size(0), tables.size(0),
+                            tables.size(1), scale, softcap, window, bf16, scorer, threads, isa);
+        },
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("tables"), py::arg("row_table"),
+        py::arg("positions"), py::arg("out"), py::arg("scale"), py::arg("softcap"), py::arg("window"),
+        py::arg("scorer"), py::arg("threads"), py::arg("isa"),
+        "Each query row over its paged K/V: q [rows,h,d] (rows at any stride), out [rows,h,d], pools "
+        "[num_blocks,block_size,kvh,d], tables int64 [num_tables,nb], row_table int64 [rows] (the row's table), "
+        "positions int64 [rows] (keys 0..pos, or the last `window`; 0: all); softcap 0: none.");
+    m.def(
+        "rms_norm",
+        [](py::handle x_, py::handle residual_, py::handle sum_out_, py::handle weight_, py::handle out_, double eps,
+           bool gemma, int threads, int isa) {
+            const char* op = "rms_norm";
+            TensorArg x(op, "x", x_), residual(op, "residual", residual_), sum_out(op, "sum_out", sum_out_),
+                weight(op, "weight", weight_), out(op, "out", out_);
+            x.required().floating().rows_of(ANY).contiguous();
+            const int64_t dim = x.size(-1);
+            weight.required().same_dtype(x).shape({dim}).contiguous();
+            out.required().same_dtype(x).same_shape(x).contiguous();
+            if (residual.present() != sum_out.present())
+                residual.fail("given exactly when 'sum_out' is", residual.present() ? "a tensor" : "None");
+            residual.same_dtype(x).same_shape(x).contiguous();
+            sum_out.same_dtype(x).same_shape(x).contiguous();
+            const bool bf16 = x.is(DType::BF16);
+            const int64_t rows = dim ? x.numel() / dim : 0;
+            py::gil_scoped_release nogil;
+            rms_norm(x.ptr(), residual.ptr(), sum_out.ptr(), weight.ptr(), out.ptr(), rows, dim, eps, gemma, bf16,
+                     threads, isa);
+        },
+        py::arg("x"), py::arg("residual"), py::arg("sum_out"), py::arg("weight"), py::arg("out"), py::arg("eps"),
+        py::arg("gemma"), py::arg("threads"), py::arg("isa"),
+        "out = RMSNorm(x [+ residual]) over the last dim; with residual (or None), sum_out receives x + residual.");
+    m.def(
+        "rope",
+        [](py::handle x_, py::handle cos_, py::handle sin_, int threads, int isa) {
+            const char* op = "rope";
+            TensorArg x(op, "x", x_), cos(op, "cos", cos_), sin(op, "sin", sin_);
+            x.required().floating().shape({ANY, ANY, ANY}).inner_contiguous();
+            cos.required().same_dtype(x).shape({x.size(0), 1, ANY}).contiguous();
+            const int64_t rot = cos.size(2);
+            if (rot % 2 || rot > x.size(2))
+                cos.fail("an even rotary width of at most " + std::to_string(x.size(2)), std::to_string(rot));
+            sin.required().same_dtype(x).same_shape(cos).contiguous();
+            const bool bf16 = x.is(DType::BF16);
+            py::gil_scoped_release nogil;
+            rope(x.ptr(), cos.ptr(), sin.ptr(), x.size(0), x.size(1), rot, x.stride(0), x.stride(1), bf16, threads,
+                 isa);
+        },
+        py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("threads"), py::arg("isa"),
+        "Rotate the first `rot` features of every head of x [rows, heads, d] in place by cos/sin [rows, 1, rot].");
+    m.def(
+        "silu_and_mul",
+        [](py::handle gate_up_, py::handle out_, int threads, int isa) {
+            const char* op = "silu_and_mul";
+            TensorArg gate_up(op, "gate_up", gate_up_), out(op, "out", out_);
+            gate_up.required().floating().rows_of(ANY).contiguous();
+            const int64_t two = gate_up.size(-1);
+            if (two % 2) gate_up.fail("an even last dimension ([gate | up])", std::to_string(two));
+            out.required().same_dtype(gate_up).rows_of(two / 2).contiguous();
+            if (out.numel() * 2 != gate_up.numel() || out.dim() != gate_up.dim())
+                out.fail("gate_up's shape with the last dimension halved", std::to_string(out.numel()) + " elements");
+            const bool bf16 = gate_up.is(DType::BF16);
+            const int64_t rows = two ? gate_up.numel() / two : 0;
+            py::gil_scoped_release nogil;
+            silu_and_mul(gate_up.ptr(), out.ptr(), rows, two / 2, bf16, threads, isa);
+        },
+        py::arg("gate_up"), py::arg("out"), py::arg("threads"), py::arg("isa"),
+        "out [..., dim] = silu(gate) * up for gate_up [..., 2 * dim] = [gate | up].");
+    m.def(
+        "stream_read",
+        [](py::handle buf_, int threads, int isa) {
+            TensorArg buf("stream_read", "buf", buf_);
+            buf.required().contiguous();
+            py::gil_scoped_release nogil;
+            return stream_read(buf.ptr(), buf.nbytes(), threads, isa);
+        },
+        py::arg("buf"), py::arg("threads"), py::arg("isa"),
+        "Read buf's bytes once over `threads` (a memory bandwidth probe); returns their sum.");
     m.def("pool_set_test_delay", &pool_set_test_delay, py::arg("slot"), py::arg("micros"),
           "Test hook: pool thread `slot` sleeps `micros` after its first claim in every call (0 = off).");
     m.def("pool_claims", &pool_claims, py::call_guard<py::gil_scoped_release>(), py::arg("threads"), py::arg("n"),
@@ -57,45 +387,41 @@ PYBIND11_MODULE(_kernels, m) {
           "Run kernels on the OpenMP team torch uses (True) or on the kernels' own pool (False, the default).");
     m.def("pool_contended", &pool_contended,
           "Whether the kernels' threads have been kept waiting for a core lately (another busy process).");
-    m.def("linear_int8", &linear_int8, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"),
-          py::arg("scale"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("threads"),
-          "y[m,n] = (x[m,k] @ w[n,k]^T) * scale[n] (+ bias[n]); x, bias, y bfloat16, w int8, scale float32.");
-    m.def("paged_attention", &paged_attention, py::call_guard<py::gil_scoped_release>(), py::arg("q"),
-          py::arg("q_row_stride"), py::arg("k"), py::arg("v"), py::arg("tables"), py::arg("row_table"),
-          py::arg("positions"), py::arg("out"), py::arg("rows"), py::arg("heads"), py::arg("kv_heads"),
-          py::arg("head_dim"), py::arg("block_size"), py::arg("num_blocks"), py::arg("num_tables"),
-          py::arg("table_stride"), py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("bf16"),
-          py::arg("scorer"), py::arg("threads"), py::arg("isa"),
-          "Each query row over its paged K/V: q [rows,h,d] (rows q_row_stride apart), out [rows,h,d], pools "
-          "[slots,kvh,d], tables int64 [num_tables,stride], row_table int64 [rows] (the row's table), positions "
-          "int64 [rows] (the query's position; keys 0..pos, or the last `window`).");
-    m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("residual"),
-          py::arg("sum_out"), py::arg("weight"), py::arg("out"), py::arg("rows"), py::arg("dim"), py::arg("eps"),
-          py::arg("gemma"), py::arg("bf16"), py::arg("threads"), py::arg("isa"),
-          "out = RMSNorm(x [+ residual]) row by row; with residual, sum_out receives x + residual.");
-    m.def("rope", &rope, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("cos"), py::arg("sin"),
-          py::arg("rows"), py::arg("heads"), py::arg("rot"), py::arg("row_stride"), py::arg("head_stride"),
-          py::arg("bf16"), py::arg("threads"), py::arg("isa"),
-          "Rotate the first `rot` features of every head of x in place.");
-    m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>(), py::arg("gate_up"), py::arg("out"),
-          py::arg("rows"), py::arg("dim"), py::arg("bf16"), py::arg("threads"), py::arg("isa"),
-          "out [rows, dim] = silu(gate) * up for gate_up [rows, 2 * dim] = [gate | up].");
-    py::class_<StackLinear>(m, "StackLinear")
-        .def(py::init<uintptr_t, uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t>(), py::arg("weight"),
-             py::arg("packed"), py::arg("bias"), py::arg("qweight"), py::arg("qscale"), py::arg("n"), py::arg("k"));
-    py::class_<DecodeStack>(m, "DecodeStack")
+    py::class_<BoundLinear>(m, "StackLinear")
+        .def(py::init([](py::handle weight_, py::handle packed_, py::handle bias_, py::handle qweight_,
+                         py::handle qscale_, int64_t n, int64_t k) {
+                 const char* op = "StackLinear";
+                 BoundLinear l{{}, {}};
+                 l.keep = {TensorArg(op, "weight", weight_), TensorArg(op, "packed", packed_),
+                           TensorArg(op, "bias", bias_), TensorArg(op, "qweight", qweight_),
+                           TensorArg(op, "qscale", qscale_)};
+                 TensorArg &w = l.keep[0], &p = l.keep[1], &b = l.keep[2], &qw = l.keep[3], &qs = l.keep[4];
+                 w.dtype(DType::BF16).shape({n, k}).contiguous();
+                 p.dtype(DType::BF16).shape({ANY}).contiguous();
+                 b.dtype(DType::BF16).shape({n}).contiguous();
+                 qw.dtype(DType::I8).shape({n, k}).contiguous();
+                 qs.dtype(DType::F32).shape({n}).contiguous();
+                 if (qw.present() != qs.present())
+                     qw.fail("given exactly when 'qscale' is", qw.present() ? "a tensor" : "None");
+                 l.lin = {w.ptr(), p.ptr(), b.ptr(), qw.ptr(), qs.ptr(), n, k};
+                 return l;
+             }),
+             py::arg("weight"), py::arg("packed"), py::arg("bias"), py::arg("qweight"), py::arg("qscale"), py::arg("n"),
+             py::arg("k"));
+    py::class_<BoundStack>(m, "DecodeStack")
         .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t, int, int,
                       int>(),
              py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"),
              py::arg("eps"), py::arg("scale"), py::arg("softcap"), py::arg("block_size"), py::arg("num_blocks"),
              py::arg("scorer"), py::arg("pack_kind"), py::arg("isa"))
-        .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+        .def("add_layer", &BoundStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
              py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("kpool"),
-             py::arg("vpool"), py::arg("window"), py::arg("rope"), py::arg("gated"))
-        .def("run", &DecodeStack::run, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("mlp_out"),
-             py::arg("rows"), py::arg("positions"), py::arg("slots"), py::arg("tables"), py::arg("table_stride"),
-             py::arg("cos"), py::arg("sin"), py::arg("rot"), py::arg("threads"),
+             py::arg("vpool"), py::arg("window"), py::arg("rope"), py::arg("gated"),
+             "One layer: its four StackLinears, norms [hidden] (q/k norms [head_dim] or None) and K/V pools "
+             "[num_blocks, block_size, kv_heads, head_dim]; the stack keeps every tensor alive.")
+        .def("run", &BoundStack::run, py::arg("x"), py::arg("mlp_out"), py::arg("positions"), py::arg("slots"),
+             py::arg("tables"), py::arg("cos"), py::arg("sin"), py::arg("threads"),
              "Every layer over decode rows: x [rows, hidden] in (embeddings) and out (residual stream), "
              "mlp_out [rows, hidden] the last layer's MLP output; positions, slots int64 [rows], tables int64 "
-             "[rows, table_stride]; cos/sin [rows, rot] bf16 per RoPE.");
+             "[rows, nb]; cos/sin [rows, rot] bf16 per RoPE.");
 }

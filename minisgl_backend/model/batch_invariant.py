@@ -30,8 +30,9 @@ On a CPU with the native kernels (docs/architecture.md, "CPU kernels") two of th
 bits are row-invariant by construction, so they serve the default and this forward alike: a packed
 linear (AMX or AVX512-BF16, `Linear.pack`), or a bf16 linear under the avx2 family (its kernel at
 every row count), stays as it is instead of becoming a TiledLinear, and attention for every row runs
-through `cpu_kernels.paged_attention` instead of `attend`. Which path a model takes depends on its
-device, dtype, shapes and the kernel family only, so every row of every batch takes the same one.
+through the model's attention back-end where that is row-invariant (`PagedAttention`, the native
+paged kernels) instead of `attend`. Which path a model takes depends on its device, dtype, shapes,
+the kernel family and the back-end chosen at load only, so every row of every batch takes the same one.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from torch import nn
 from minisgl_backend.arith import cdiv
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
-from minisgl_backend.model.batch import ForwardBatch, row_tables
-from minisgl_backend.model.layers import Attention, Linear, take_rows
+from minisgl_backend.model.batch import ForwardBatch
+from minisgl_backend.model.layers import Attention, AttentionBackend, Linear, default_attention, take_rows
 from minisgl_backend.model.llama import CausalLM, Ropes
 
 ROW_MULTIPLE = 4  # attention's matmul row counts are padded to this (see attend)
@@ -210,7 +211,10 @@ def attend(
 class BatchInvariantForward:
     """The deterministic forward of one CausalLM (a model/llama.py Forward; holds its RoPE tables)."""
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, attention: AttentionBackend) -> None:
+        # The model's attention back-end: attended through as it is where it is row-invariant (the
+        # native paged kernels), else replaced by this forward's own tiled attention.
+        self.attention = attention
         positions = torch.arange(model.spec.max_position_embeddings, device=model.device)
         # [max_pos, 1, rotary dim] float32 cos/sin per RoPE of the model, computed once by the same
         # Rotary (so the same variant) as the default path.
@@ -230,16 +234,11 @@ class BatchInvariantForward:
         q, k, v = attn.qkv(x, rope, n)
         kv.write(attn.layer_id, batch.slot_mapping, k, v)
         scale, window, cap = attn.scale, attn.window, attn.softcap
-        kpool, vpool = kv.k[attn.layer_id], kv.v[attn.layer_id]
-        if cpu_kernels.attention_runs(q, kpool, vpool):  # every row of every call, or none
-            if "rows" not in scratch:  # the same for every layer of the forward
-                scratch["rows"] = row_tables(batch)
-            tables, row_table, positions = scratch["rows"]
-            if keep is not None:  # a row's output depends only on its own query and keys
-                q, row_table, positions = q[keep], row_table[keep], positions[keep]
-            o = cpu_kernels.paged_attention(q, kpool, vpool, tables, row_table, positions, scale, window, cap)
-            assert o is not None, "the row tables are built only where the native paged attention runs"
-            return attn.o_proj(o.view(q.shape[0], attn.h * attn.d))
+        if self.attention.row_invariant:  # every row of every call, or none
+            if "plan" not in scratch:  # the same for every layer of the forward
+                scratch["plan"] = self.attention.plan(batch, kv, [window])
+            o = self.attention.attend(attn, q, k, v, batch, kv, scratch["plan"], keep)
+            return attn.o_proj(o.view(o.shape[0], attn.h * attn.d))
         out = x.new_zeros(x.shape[0], attn.h, attn.d)  # row padding stays zero
         b = batch.num_decode
         if b:
@@ -277,9 +276,10 @@ def _row_invariant(lin: nn.Linear) -> bool:
     return lin.packed is not None or cpu_kernels.linear_row_invariant(lin.weight, lin.bias)
 
 
-def enable(model: CausalLM) -> BatchInvariantForward:
-    """Make `model`'s linears row-invariant and return the batch-invariant forward that runs it (call
-    on the compute thread: builds a table and probes the tile sizes of each distinct linear shape)."""
+def enable(model: CausalLM, attention: AttentionBackend | None = None) -> BatchInvariantForward:
+    """Make `model`'s linears row-invariant and return the batch-invariant forward that runs it, over
+    the model's attention back-end (None: default_attention for its device and dtype; call on the
+    compute thread: builds a table and probes the tile sizes of each distinct linear shape)."""
     probed: dict[tuple, tuple[int, ...]] = {}
     # A packed Linear (AMX or AVX512-BF16 kernel at every row count, no int8 path) is row-invariant
     # as it is, and so is a bf16 Linear under the avx2 family (its kernel at every row count). Any
@@ -295,4 +295,6 @@ def enable(model: CausalLM) -> BatchInvariantForward:
                 probed[key] = tiles_for(lin.weight, lin.bias)
         lin.__class__ = TiledLinear
         cast(TiledLinear, lin).tiles = probed[key]
-    return BatchInvariantForward(model)
+    if attention is None:
+        attention = default_attention(model.device, model.lm_head.weight.dtype)
+    return BatchInvariantForward(model, attention)

@@ -4,8 +4,12 @@ Each wrapper takes and returns torch tensors and checks what the native code ass
 dtype, contiguity, shapes). Where a check fails, or the extension was not built, or the process's
 kernel family (FAMILIES below: amx, avx512bf16, avx512, avx2, torch) lacks the kernel, `linear` runs
 F.linear itself and the others return None (False for `rope_`), so the caller keeps its torch
-expression. `MINISGL_KERNELS=<family>` caps the family (`MINISGL_CPU_KERNELS=0`: torch everywhere,
-how the two are compared; `MINISGL_AMX=0`: no AMX).
+expression. The process runs one KernelFamily, chosen at import from `MINISGL_KERNELS=<family>`
+(a cap: never above what the CPU runs), with `MINISGL_AMX=0` (no AMX) and `MINISGL_CPU_KERNELS=0`
+(torch everywhere, how the two are compared) its aliases.
+
+The native functions take torch tensors and check them in C++ (csrc/cpu/tensor_arg.h): the
+wrappers decide where a kernel runs, the native side refuses a tensor it cannot read (ValueError).
 
 Why the kernels exist: a decode step of a few rows reads every weight once, and oneDNN's bf16 matmul
 reads weights at a fraction of the memory's rate at those row counts (docs/performance.md has the
@@ -21,7 +25,8 @@ import contextlib
 import mmap
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +56,7 @@ MAX_KERNEL_ROWS = 4
 #   torch       torch's own ops everywhere
 # MINISGL_KERNELS=<family> caps the family at a lower one (how each is measured and tested on a
 # machine that runs a higher one); MINISGL_AMX=0 caps it at avx512bf16 and MINISGL_CPU_KERNELS=0
-# at torch.
+# at torch (KERNEL_ALIASES).
 FAMILIES = ("amx", "avx512bf16", "avx512", "avx2", "torch")
 
 # The vector code each native family's entry points run (csrc/cpu/common.h Isa).
@@ -69,25 +74,60 @@ def machine_family() -> str:
     return "avx512bf16" if _native.has_avx512_bf16() else "avx512"
 
 
-def _chosen_family() -> str:
-    cap = os.environ.get("MINISGL_KERNELS", "").strip().lower() or FAMILIES[0]
+# The environment variable that chooses the family, and the older switches kept as aliases of it:
+# MINISGL_AMX=0 caps the family at avx512bf16, MINISGL_CPU_KERNELS=0 at torch (0 or 1 each).
+KERNELS_ENV = "MINISGL_KERNELS"
+KERNEL_ALIASES = {"MINISGL_AMX": "avx512bf16", "MINISGL_CPU_KERNELS": "torch"}
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    """What every wrapper below runs under one kernel family, decided once from its name (one of
+    FAMILIES) and never changed: whether any native kernel runs, the AMX tile kernels, which packed
+    linear pack()/linear_packed() run ("amx", "dpbf16" or None) and the vector code (ISA_AVX2 or
+    ISA_AVX512) of the native entry points. Build one with KernelFamily.named."""
+
+    name: str
+    native: bool
+    amx: bool
+    packs: str | None
+    isa: int
+
+    @classmethod
+    def named(cls, name: str) -> KernelFamily:
+        if name not in FAMILIES:
+            raise ValueError(f"{name!r} is not a kernel family; valid: {', '.join(FAMILIES)}")
+        packs = {"amx": "amx", "avx512bf16": "dpbf16"}.get(name)
+        return cls(name, name != "torch", name == "amx", packs, ISA_AVX2 if name == "avx2" else ISA_AVX512)
+
+    @property
+    def lanes(self) -> int:
+        """float32 lanes of the family's vector code (16 or 8)."""
+        return 8 if self.isa == ISA_AVX2 else 16
+
+
+def family_from_env(env: Mapping[str, str] = os.environ) -> str:
+    """The family a process with environment `env` runs: MINISGL_KERNELS (default: the best) capped by
+    its aliases and by what this machine runs. ValueError for a value that is none of the choices."""
+    cap = env.get(KERNELS_ENV, "").strip().lower() or FAMILIES[0]
     if cap not in FAMILIES:
-        raise ValueError(f"MINISGL_KERNELS={cap!r} is not a kernel family; valid: {', '.join(FAMILIES)}")
-    if os.environ.get("MINISGL_CPU_KERNELS", "1") == "0":
-        cap = "torch"
-    elif os.environ.get("MINISGL_AMX", "1") == "0":
-        cap = max(cap, "avx512bf16", key=FAMILIES.index)
+        raise ValueError(f"{KERNELS_ENV}={cap!r} is not a kernel family; valid: {', '.join(FAMILIES)}")
+    for alias, family in KERNEL_ALIASES.items():
+        value = env.get(alias, "").strip()
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{alias}={value!r}: valid values are 0 ({KERNELS_ENV}={family}) and 1 (no cap)")
+        if value == "0":
+            cap = max(cap, family, key=FAMILIES.index)
     return max(cap, machine_family(), key=FAMILIES.index)
 
 
-def _state(name: str) -> tuple[str, bool, bool, str | None, int]:
-    """(family, any native kernel, AMX tiles, which packed linear pack()/linear_packed() run, the
-    ISA the native entry points run)."""
-    packs = {"amx": "amx", "avx512bf16": "dpbf16"}.get(name)
-    return name, name != "torch", name == "amx", packs, ISA_AVX2 if name == "avx2" else ISA_AVX512
+# The family this process runs, chosen once at import; family_override swaps in another for a block.
+_ACTIVE = KernelFamily.named(family_from_env())
 
 
-_FAMILY, _ENABLED, _AMX, _PACKS, _ISA = _state(_chosen_family())
+def active() -> KernelFamily:
+    """The kernel family this process runs (family_override's inside its block)."""
+    return _ACTIVE
 
 
 def runs_family(name: str) -> bool:
@@ -100,15 +140,14 @@ def family_override(name: str) -> Iterator[None]:
     """Run the block as if the process had started with MINISGL_KERNELS=`name` (tests and benchmarks
     compare families in one process). Weights packed before or inside the block keep their layout:
     pack them inside it, and build a DecodeStack there too."""
-    global _FAMILY, _ENABLED, _AMX, _PACKS, _ISA
+    global _ACTIVE
     if name not in FAMILIES or not runs_family(name):
         raise ValueError(f"kernel family {name!r} does not run here; these do: {', '.join(_runnable())}")
-    saved = _FAMILY
-    _FAMILY, _ENABLED, _AMX, _PACKS, _ISA = _state(name)
+    saved, _ACTIVE = _ACTIVE, KernelFamily.named(name)
     try:
         yield
     finally:
-        _FAMILY, _ENABLED, _AMX, _PACKS, _ISA = _state(saved)
+        _ACTIVE = saved
 
 
 def _runnable() -> list[str]:
@@ -165,41 +204,41 @@ def contended() -> bool:
 
 def family() -> str:
     """The kernel family this process runs (one of FAMILIES)."""
-    return _FAMILY
+    return _ACTIVE.name
 
 
 def available() -> bool:
     """True if the native kernels are built, enabled and this CPU runs them (a family other than
     torch: AVX-512 F/BW/DQ/VL, or AVX2 + FMA)."""
-    return _ENABLED
+    return _ACTIVE.native
 
 
 def isa() -> int:
     """The vector code this process's native entry points run (ISA_AVX512 or ISA_AVX2; the
     DecodeStack's too)."""
-    return _ISA
+    return _ACTIVE.isa
 
 
 def lanes() -> int:
     """float32 lanes of that code (16 or 8): the paged attention's vector paths and the decode stack
     take head dims that are a multiple of it (up to 256)."""
-    return 8 if _ISA == ISA_AVX2 else 16
+    return _ACTIVE.lanes
 
 
 def avx512_available() -> bool:
     """True if this process runs the AVX-512 kernels (amx, avx512bf16 or avx512: the int8 linear,
     the packed linears' families), not the avx2 family's."""
-    return _ENABLED and _ISA == ISA_AVX512
+    return _ACTIVE.native and _ACTIVE.isa == ISA_AVX512
 
 
 def amx_available() -> bool:
     """True if this process runs the AMX tile kernels (linear and attention scores)."""
-    return _AMX
+    return _ACTIVE.amx
 
 
 def packs() -> bool:
     """True if pack() packs: a packed linear (AMX, or AVX512-BF16 without it) runs at any row count."""
-    return _PACKS is not None
+    return _ACTIVE.packs is not None
 
 
 def _bf16_cpu_input(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -216,13 +255,19 @@ def kernel_row_limit() -> int | None:
     """The most rows `linear` runs its kernel for: MAX_KERNEL_ROWS under the AVX-512 families, no
     limit (None) under avx2, where the kernel beats oneDNN at every row count. Decided by the
     family alone, never by a batch."""
-    return None if _ISA == ISA_AVX2 else MAX_KERNEL_ROWS
+    return None if _ACTIVE.isa == ISA_AVX2 else MAX_KERNEL_ROWS
 
 
 def _few_bf16_rows(x: torch.Tensor, bias: torch.Tensor | None, limit: int | None = MAX_KERNEL_ROWS) -> bool:
     """Whether a linear call is one the few-row kernels take: 1..limit (None: any number of) 2-D rows."""
     m = x.shape[0]
-    return _ENABLED and 0 < m and (limit is None or m <= limit) and x.dim() == 2 and _bf16_cpu_input(x, bias)
+    return (
+        _ACTIVE.native
+        and 0 < m
+        and (limit is None or m <= limit)
+        and x.dim() == 2
+        and _bf16_cpu_input(x, bias)
+    )
 
 
 def linear_row_invariant(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -231,7 +276,7 @@ def linear_row_invariant(weight: torch.Tensor, bias: torch.Tensor | None) -> boo
     their number: the batch-invariant forward keeps such a linear as it is."""
     return (
         kernel_row_limit() is None
-        and _ENABLED
+        and _ACTIVE.native
         and weight.dtype == torch.bfloat16
         and weight.is_cpu
         and weight.is_contiguous()
@@ -252,17 +297,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x = x.contiguous()
     n, k = weight.shape
     out = torch.empty(m, n, dtype=x.dtype)
-    _native.linear_bf16(
-        x.data_ptr(),
-        weight.data_ptr(),
-        0 if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        m,
-        n,
-        k,
-        threads(),
-        _ISA,
-    )
+    _native.linear_bf16(x, weight, bias, out, threads(), _ACTIVE.isa)
     return out
 
 
@@ -291,18 +326,20 @@ def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     to `weight` does not reach it (packed_rows reads the weight back). gated: a fused [gate | up]
     weight packed for linear_packed_silu (AVX512-BF16, gate rows a multiple of 32; None elsewhere):
     linear_packed cannot read it."""
-    if gated and not (_PACKS == "dpbf16" and weight.dim() == 2 and weight.shape[0] % 64 == 0):
+    if gated and not (_ACTIVE.packs == "dpbf16" and weight.dim() == 2 and weight.shape[0] % 64 == 0):
         return None
-    if not (_PACKS and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
+    if not (
+        _ACTIVE.packs and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+    ):
         return None
     weight = weight.contiguous()
     n, k = weight.shape
-    elems = _native.packed_amx_elems(n, k) if _PACKS == "amx" else _native.packed_dpbf16_elems(n, k)
+    elems = _native.packed_amx_elems(n, k) if _ACTIVE.packs == "amx" else _native.packed_dpbf16_elems(n, k)
     out = huge_page_empty(elems, torch.bfloat16)
-    if _PACKS == "amx":
-        _native.pack_amx(weight.data_ptr(), out.data_ptr(), n, k, threads())
+    if _ACTIVE.packs == "amx":
+        _native.pack_amx(weight, out, threads())
     else:
-        _native.pack_dpbf16(weight.data_ptr(), out.data_ptr(), n, k, gated, threads())
+        _native.pack_dpbf16(weight, out, gated, threads())
     return out
 
 
@@ -315,15 +352,12 @@ def packed_rows(
     back from there."""
     n, k = shape
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    if flat.numel() and not bool(((flat >= 0) & (flat < n)).all()):
-        raise IndexError(f"row ids out of range for a weight of {n} rows")
     out = torch.empty(flat.numel(), k, dtype=torch.bfloat16)
-    if flat.numel():
-        ptrs = (packed.data_ptr(), n, k)
-        if _PACKS == "amx":
-            _native.packed_rows_amx(*ptrs, flat.data_ptr(), flat.numel(), out.data_ptr(), threads())
+    if flat.numel():  # IndexError from the native bounds check for an id outside [0, n)
+        if _ACTIVE.packs == "amx":
+            _native.packed_rows_amx(packed, n, k, flat, out, threads())
         else:
-            _native.packed_rows_dpbf16(*ptrs, gated, flat.data_ptr(), flat.numel(), out.data_ptr(), threads())
+            _native.packed_rows_dpbf16(packed, n, k, gated, flat, out, threads())
     return out.reshape(*ids.shape, k)
 
 
@@ -332,13 +366,12 @@ def linear_packed_silu(x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, 
     gated=True), as silu_and_mul of linear_packed rounds it (the same bits) without the [.., 2I]
     intermediate. None where it cannot run."""
     n, k = shape
-    if not (_PACKS == "dpbf16" and x.dim() >= 1 and x.shape[-1] == k and _bf16_cpu_input(x, None)):
+    if not (_ACTIVE.packs == "dpbf16" and x.dim() >= 1 and x.shape[-1] == k and _bf16_cpu_input(x, None)):
         return None
     m = x.numel() // k if k else 0
     out = torch.empty(*x.shape[:-1], n // 2, dtype=x.dtype)
     if m:
-        x = x.contiguous()
-        _native.linear_dpbf16_silu(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, n // 2, k, threads())
+        _native.linear_dpbf16_silu(x.reshape(m, k).contiguous(), packed, n, out.view(m, n // 2), threads())
     return out
 
 
@@ -356,16 +389,14 @@ def linear_packed(
     m = x.numel() // k if k else 0
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
     if m:
-        x = x.contiguous()
-        ptrs = (x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr())
-        run = _native.linear_amx if _PACKS == "amx" else _native.linear_dpbf16
-        run(*ptrs, m, n, k, threads())
+        run = _native.linear_amx if _ACTIVE.packs == "amx" else _native.linear_dpbf16
+        run(x.reshape(m, k).contiguous(), packed, n, bias, out.view(m, n), threads())
     return out
 
 
 def pack_kind() -> int:
     """What DecodeStack's packed linears are: 0 none, 1 AMX tiles, 2 AVX512-BF16 panels."""
-    return {None: 0, "amx": 1, "dpbf16": 2}[_PACKS]
+    return {None: 0, "amx": 1, "dpbf16": 2}[_ACTIVE.packs]
 
 
 def paged_attention(
@@ -395,7 +426,7 @@ def paged_attention(
         return None
     scorer = scorer or default_scorer()
     if not scorer_runs(scorer):
-        raise ValueError(f"attention scorer {scorer!r} does not run under kernel family {_FAMILY}")
+        raise ValueError(f"attention scorer {scorer!r} does not run under kernel family {_ACTIVE.name}")
     n, h, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:  # rows may be strided (views into the qkv output)
         q = q.contiguous()
@@ -406,29 +437,19 @@ def paged_attention(
     if n == 0:
         return out
     _native.paged_attention(
-        q.data_ptr(),
-        q.stride(0),
-        k_pool.data_ptr(),
-        v_pool.data_ptr(),
-        tables.data_ptr(),
-        row_table.data_ptr(),
-        positions.data_ptr(),
-        out.data_ptr(),
-        n,
-        h,
-        k_pool.shape[2],
-        d,
-        k_pool.shape[1],
-        k_pool.shape[0],
-        tables.shape[0],
-        tables.shape[1],
+        q,
+        k_pool,
+        v_pool,
+        tables,
+        row_table,
+        positions,
+        out,
         scale,
         softcap or 0.0,
         window or 0,
-        q.dtype == torch.bfloat16,
         SCORERS[scorer],
         threads(),
-        _ISA,
+        _ACTIVE.isa,
     )
     return out
 
@@ -440,13 +461,13 @@ _SCORER_FAMILY = {"fma": "avx512", "amx": "amx", "dp": "avx512bf16"}
 
 def default_scorer() -> str:
     """The attention scorer of this process's kernel family (the DecodeStack's too)."""
-    return {"amx": "amx", "avx512bf16": "dp"}.get(_FAMILY, "fma")
+    return {"amx": "amx", "avx512bf16": "dp"}.get(_ACTIVE.name, "fma")
 
 
 def scorer_runs(name: str) -> bool:
     """Whether this process runs attention scorer `name`: under an AVX-512 family, any scorer whose
     family this machine runs (tests and benchmarks compare them); under avx2, "fma" alone."""
-    if _ISA == ISA_AVX2:
+    if _ACTIVE.isa == ISA_AVX2:
         return name == "fma"
     return runs_family(_SCORER_FAMILY[name])
 
@@ -455,7 +476,7 @@ def attention_runs(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) 
     """Whether paged_attention runs for these operands: decided by device, dtype and pool layout
     alone (the same for every row of a model), never by the rows themselves."""
     return (
-        _ENABLED
+        _ACTIVE.native
         and q.is_cpu
         and q.dtype in (torch.float32, torch.bfloat16)
         and k_pool.dtype == q.dtype
@@ -487,7 +508,7 @@ def _rowwise_ok(*tensors: torch.Tensor) -> bool:
     needs every row to take the same path whatever the batch); other layouts are copied first."""
     first = tensors[0]
     return (
-        _ENABLED
+        _ACTIVE.native
         and first.is_cpu
         and first.dtype in (torch.float32, torch.bfloat16)
         and all(t.dtype == first.dtype for t in tensors[1:])
@@ -505,23 +526,9 @@ def rms_norm(
         return None
     x, weight = x.contiguous(), weight.contiguous()
     add = None if add is None else add.contiguous()
-    dim = x.shape[-1]
     out = torch.empty_like(x)
     total = x if add is None else torch.empty_like(x)
-    _native.rms_norm(
-        x.data_ptr(),
-        0 if add is None else add.data_ptr(),
-        0 if add is None else total.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        x.numel() // dim,
-        dim,
-        eps,
-        gemma,
-        x.dtype == torch.bfloat16,
-        threads(),
-        _ISA,
-    )
+    _native.rms_norm(x, add, None if add is None else total, weight, out, eps, gemma, threads(), _ACTIVE.isa)
     return out, total
 
 
@@ -539,19 +546,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     ):
         return False
     cos, sin = cos.contiguous(), sin.contiguous()
-    _native.rope(
-        x.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        rot,
-        x.stride(0),
-        x.stride(1),
-        x.dtype == torch.bfloat16,
-        threads(),
-        _ISA,
-    )
+    _native.rope(x, cos, sin, threads(), _ACTIVE.isa)
     return True
 
 
@@ -561,17 +556,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     if not _rowwise_ok(gate_up) or gate_up.shape[-1] % 2:
         return None
     gate_up = gate_up.contiguous()
-    dim = gate_up.shape[-1] // 2
-    out = gate_up.new_empty(*gate_up.shape[:-1], dim)
-    _native.silu_and_mul(
-        gate_up.data_ptr(),
-        out.data_ptr(),
-        gate_up.numel() // (2 * dim),
-        dim,
-        gate_up.dtype == torch.bfloat16,
-        threads(),
-        _ISA,
-    )
+    out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    _native.silu_and_mul(gate_up, out, threads(), _ACTIVE.isa)
     return out
 
 
@@ -582,22 +568,12 @@ def linear_int8(
     float32 per-output-channel scales [N] (`weight_dtype: int8`). None where the kernel cannot run,
     the avx2 family included (the caller runs `linear` on its dequantized bf16 weight)."""
     m = x.shape[0]
-    if not (_ISA == ISA_AVX512 and _few_bf16_rows(x, bias)):
+    if not (_ACTIVE.isa == ISA_AVX512 and _few_bf16_rows(x, bias)):
         return None
     x = x.contiguous()
     n, k = qweight.shape
     out = torch.empty(m, n, dtype=x.dtype)
-    _native.linear_int8(
-        x.data_ptr(),
-        qweight.data_ptr(),
-        qscale.data_ptr(),
-        0 if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        m,
-        n,
-        k,
-        threads(),
-    )
+    _native.linear_int8(x, qweight, qscale, bias, out, threads())
     return out
 
 
@@ -605,12 +581,64 @@ def stream_read_gbps(megabytes: int = 512, repeat: int = 5) -> float | None:
     """The machine's streaming read rate in GB/s at torch's thread count: the best of `repeat`
     single reads of a fresh `megabytes` buffer (larger than any cache), as a weight stream reads.
     None where the native kernels do not run."""
-    if not _ENABLED:
+    if not _ACTIVE.native:
         return None
     buf = torch.ones(megabytes << 18, dtype=torch.float32)  # MB * 2**20 bytes / 4
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
-        _native.stream_read(buf.data_ptr(), buf.numel() * 4, threads(), _ISA)
+        _native.stream_read(buf, threads(), _ACTIVE.isa)
         best = min(best, time.perf_counter() - start)
     return buf.numel() * 4 / best / 1e9
+
+
+# The native entry points as torch ops, torch.ops.minisgl.<name>: each schema names its arguments
+# and types and marks the tensors it writes, and the CPU implementation is the checked native
+# function itself (a ValueError from C++ for a wrong device, dtype, shape or layout), so the
+# profiler, torch.compile and the dispatcher see them. The wrappers above call the same native
+# functions directly rather than through torch.ops: the dispatcher's round trip back into Python
+# costs more per call than the checks themselves, and a decode step calls these a dozen times per
+# layer (docs/architecture.md, "CPU kernels").
+OP_SCHEMAS = {
+    "linear_bf16": "(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int threads, int isa) -> ()",
+    "pack_amx": "(Tensor weight, Tensor(a!) out, int threads) -> ()",
+    "packed_rows_amx": "(Tensor packed, int n, int k, Tensor ids, Tensor(a!) out, int threads) -> ()",
+    "linear_amx": "(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int threads) -> ()",
+    "pack_dpbf16": "(Tensor weight, Tensor(a!) out, bool gated, int threads) -> ()",
+    "packed_rows_dpbf16": (
+        "(Tensor packed, int n, int k, bool gated, Tensor ids, Tensor(a!) out, int threads) -> ()"
+    ),
+    "linear_dpbf16": "(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int threads) -> ()",
+    "linear_dpbf16_silu": "(Tensor x, Tensor packed, int n, Tensor(a!) out, int threads) -> ()",
+    "linear_int8": "(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor(a!) out, int threads) -> ()",
+    "paged_attention": (
+        "(Tensor q, Tensor k_pool, Tensor v_pool, Tensor tables, Tensor row_table, Tensor positions, "
+        "Tensor(a!) out, float scale, float softcap, int window, int scorer, int threads, int isa) -> ()"
+    ),
+    "rms_norm": (
+        "(Tensor x, Tensor? residual, Tensor(a!)? sum_out, Tensor weight, Tensor(b!) out, float eps, "
+        "bool gemma, int threads, int isa) -> ()"
+    ),
+    "rope": "(Tensor(a!) x, Tensor cos, Tensor sin, int threads, int isa) -> ()",
+    "silu_and_mul": "(Tensor gate_up, Tensor(a!) out, int threads, int isa) -> ()",
+}
+OP_NAMESPACE = "minisgl"
+
+
+def _register_ops() -> torch.library.Library | None:
+    """Define torch.ops.minisgl.* over the native functions (None where the extension is not built,
+    or another copy of this module registered them first: a namespace is defined once a process)."""
+    if (
+        _native is None
+        or hasattr(torch.ops, OP_NAMESPACE)
+        and hasattr(getattr(torch.ops, OP_NAMESPACE), "rope")
+    ):
+        return None
+    lib = torch.library.Library(OP_NAMESPACE, "DEF")
+    for name, schema in OP_SCHEMAS.items():
+        lib.define(name + schema)
+        lib.impl(name, getattr(_native, name), "CPU")
+    return lib
+
+
+_OPS_LIBRARY = _register_ops()  # held: the registrations last as long as the Library object

@@ -23,13 +23,14 @@ import torch
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.batch import ForwardBatch
-from minisgl_backend.model.layers import Linear
+from minisgl_backend.model.layers import AttentionBackend, Linear, PagedAttention
 from minisgl_backend.model.llama import CausalLM, Forward, Ropes
 
 
 class DecodeStack:
-    """The native stack of one model over one KV pool. It holds raw pointers into the model's
-    weights and the pool: build it again after changing either (DecodeStackForward.stack does)."""
+    """The native stack of one model over one KV pool. It holds the model's weight tensors and the
+    pool's (the native object keeps them alive and reads them in place): build it again after
+    replacing either (DecodeStackForward.stack does)."""
 
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
         s = model.spec
@@ -37,7 +38,6 @@ class DecodeStack:
         self.packed = all(lin.packed is not None for lin in _linears(model))
         # every linear's kernel takes any row count: packed, or the avx2 family's (kernel_row_limit)
         self.any_rows = self.packed or cpu_kernels.kernel_row_limit() is None
-        self._keep: list[torch.Tensor] = []  # every tensor the native object points into
         self._native = cpu_kernels._native.DecodeStack(
             s.num_heads,
             s.num_kv_heads,
@@ -60,27 +60,28 @@ class DecodeStack:
                 self._linear(a.o_proj),
                 self._linear(mlp.gate_up_proj),
                 self._linear(mlp.down_proj),
-                self._ptr(layer.input_layernorm.weight),
-                self._ptr(layer.post_attention_layernorm.weight),
-                self._ptr(a.q_norm.weight if a.qk_norm else None),
-                self._ptr(a.k_norm.weight if a.qk_norm else None),
-                self._ptr(kv.k[a.layer_id]),
-                self._ptr(kv.v[a.layer_id]),
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                a.q_norm.weight if a.qk_norm else None,
+                a.k_norm.weight if a.qk_norm else None,
+                kv.k[a.layer_id],
+                kv.v[a.layer_id],
                 a.window or 0,
                 a.rope_index,
                 mlp.gate_up_proj.gated,
             )
 
     @staticmethod
-    def supports(model: CausalLM, kv: KVCache) -> bool:
-        """Whether every layer of `model` is one the stack runs, over this pool (decided by the
-        model and the machine alone: the same for every batch). Its linears must be Linear itself,
-        whose forward the stack reproduces (a subclass, such as the batch-invariant TiledLinear,
-        runs other kernels)."""
+    def supports(model: CausalLM, kv: KVCache, attention: AttentionBackend) -> bool:
+        """Whether every layer of `model` is one the stack runs, over this pool, for a model whose
+        attention back-end is `attention` (decided by the model, its back-end and the machine alone:
+        the same for every batch). The stack runs the native paged attention, so only under that
+        back-end. Its linears must be Linear itself, whose forward the stack reproduces (a subclass,
+        such as the batch-invariant TiledLinear, runs other kernels)."""
         s = model.spec
         return (
-            cpu_kernels.available()
-            and model.device.type == "cpu"
+            isinstance(attention, PagedAttention)
+            and cpu_kernels.available()
             and model.lm_head.weight.dtype == torch.bfloat16
             and not s.gemma
             and s.hidden_act == "silu"
@@ -115,35 +116,18 @@ class DecodeStack:
         tables = batch.decode_block_tables.to(torch.int64).contiguous()
         positions = batch.positions[:n].to(torch.int64).contiguous()
         slots = batch.slot_mapping.to(torch.int64).contiguous()
-        self._native.run(
-            x.data_ptr(),
-            mlp_out.data_ptr(),
-            n,
-            positions.data_ptr(),
-            slots.data_ptr(),
-            tables.data_ptr(),
-            tables.shape[1],
-            [c.data_ptr() for c in cos],
-            [s.data_ptr() for s in sin],
-            [c.shape[1] for c in cos],
-            cpu_kernels.threads(),
-        )
+        self._native.run(x, mlp_out, positions, slots, tables, cos, sin, cpu_kernels.threads())
         return x + mlp_out
 
-    def _ptr(self, t: torch.Tensor | None) -> int:
-        if t is None:
-            return 0
-        self._keep.append(t)
-        return t.data_ptr()
-
-    def _linear(self, lin: Linear):
+    @staticmethod
+    def _linear(lin: Linear):
         n, k = lin.weight.shape
         return cpu_kernels._native.StackLinear(
-            self._ptr(lin.weight if lin.packed is None else None),  # a packed layer's weight is the pack
-            self._ptr(lin.packed),
-            self._ptr(lin.bias),
-            self._ptr(lin.qweight),
-            self._ptr(lin.qscale),
+            lin.weight if lin.packed is None else None,  # a packed layer's weight is the pack
+            lin.packed,
+            lin.bias,
+            lin.qweight,
+            lin.qscale,
             n,
             k,
         )
@@ -154,15 +138,16 @@ class DecodeStackForward:
     tables; every other batch, and every batch of a model or pool it does not run, goes through
     `inner` (the default or the batch-invariant forward), whose bits the stack's are."""
 
-    def __init__(self, inner: Forward) -> None:
+    def __init__(self, inner: Forward, attention: AttentionBackend) -> None:
         self.inner = inner
+        self.attention = attention  # the model's attention back-end, which `inner` runs too
         self._built: tuple[KVCache, int, DecodeStack | None] | None = None  # (pool, weights_version, stack)
 
     def stack(self, model: CausalLM, kv: KVCache) -> DecodeStack | None:
         """The stack of `model` over `kv`, built on first use and again after the pool or the
         weights change (it points into both); None where it does not run them."""
         if self._built is None or self._built[0] is not kv or self._built[1] != model.weights_version:
-            stack = DecodeStack(model, kv) if DecodeStack.supports(model, kv) else None
+            stack = DecodeStack(model, kv) if DecodeStack.supports(model, kv, self.attention) else None
             self._built = (kv, model.weights_version, stack)
         return self._built[2]
 

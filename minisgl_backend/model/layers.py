@@ -4,8 +4,9 @@ that chains them."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from typing import cast, overload
+from typing import Any, ClassVar, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from torch import nn
 
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
-from minisgl_backend.model.batch import ForwardBatch
+from minisgl_backend.model.batch import ForwardBatch, chunk_mask, decode_window, row_tables
 from minisgl_backend.model.rope import apply_rotary
 from minisgl_backend.model.spec import ACTIVATIONS, ModelSpec
 
@@ -167,17 +168,150 @@ def eager_attention(
     return torch.matmul(probs, v)
 
 
-# backend(q, k_pool, v_pool, batch, scale, window, softcap) -> attention output [N, h, d] of every row
-# of the batch (q [N, h, d]; the batch's K/V already in the pool): an attention back-end other than
-# the paths Attention.forward picks itself, given to the model once at load (model/triton_attention.py).
-AttentionBackend = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch, float, int | None, float | None], torch.Tensor
-]
-
-
 def take_rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """The rows `keep` of x (all of x for None)."""
     return x if keep is None else x[keep]
+
+
+class AttentionBackend(ABC):
+    """How every layer of a model attends: one object, chosen once at load (model/loader.py,
+    attention_backend) and held by the forward strategy the model runs, which asks it once per
+    forward for the plan every layer shares (plan) and hands it each layer's q/k/v (attend). The
+    implementations: PagedAttention (the native CPU kernels), TorchAttention (SDPA and batched
+    matmuls) and TritonAttention (model/triton_attention.py, the GPU kernels)."""
+
+    name: ClassVar[str] = ""
+    # A row's output bits depend only on its own query and keys, at any batch: the batch-invariant
+    # forward then attends through the back-end as it is instead of its own tiled attention.
+    row_invariant: ClassVar[bool] = False
+
+    def plan(self, batch: ForwardBatch, kv: KVCache, windows: Iterable[int | None]) -> Any:
+        """What every layer of one forward over `batch` shares (windows: the layers' sliding
+        windows, None for full attention); None where nothing is."""
+        return None
+
+    @abstractmethod
+    def attend(
+        self,
+        attn: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        plan: Any,
+        keep: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Layer `attn`'s attention output [rows, h, d] at the rows `keep` (None: every row), for q
+        [N, h, d] and the batch's own k/v [N, kvh, d], already written into `kv`."""
+
+
+class ServesEveryRow(AttentionBackend):
+    """A back-end that computes every row of a batch in one call from the pools alone (the Triton
+    kernels); the rows `keep` are taken from its output."""
+
+    @abstractmethod
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """Attention output [N, h, d] of every row of `batch` (its K/V already in the pools)."""
+
+    def attend(self, attn, q, k, v, batch, kv, plan, keep):
+        kpool, vpool = kv.k[attn.layer_id], kv.v[attn.layer_id]
+        return take_rows(self(q, kpool, vpool, batch, attn.scale, attn.window, attn.softcap), keep)
+
+
+class PagedAttention(AttentionBackend):
+    """The native CPU paged attention (cpu_kernels.paged_attention) for every row, prefill chunks
+    included: each row's keys are read in place through its block table, never gathered into a
+    fresh tensor per layer. A row's bits depend on its own query and keys alone."""
+
+    name = "paged"
+    row_invariant = True
+
+    def plan(self, batch: ForwardBatch, kv: KVCache, windows: Iterable[int | None]) -> Any:
+        return row_tables(batch)
+
+    def attend(self, attn, q, k, v, batch, kv, plan, keep):
+        kpool, vpool = kv.k[attn.layer_id], kv.v[attn.layer_id]
+        tables, row_table, positions = row_tables(batch) if plan is None else plan
+        if keep is not None:  # a row's output depends only on its own query and keys
+            q, row_table, positions = q[keep], row_table[keep], positions[keep]
+        o = cpu_kernels.paged_attention(
+            q, kpool, vpool, tables, row_table, positions, attn.scale, attn.window, attn.softcap
+        )
+        if o is None:
+            raise ValueError(
+                f"the native paged attention does not run here ({q.dtype} queries on {q.device}, "
+                f"{kpool.dtype} pools, kernel family {cpu_kernels.family()}): choose the torch back-end"
+            )
+        return o
+
+
+class TorchAttention(AttentionBackend):
+    """torch's own ops: the decode rows' contexts gathered and attended in batched matmuls, each
+    prefill chunk through SDPA (or the eager form, with soft-capped scores)."""
+
+    name = "torch"
+
+    def plan(self, batch: ForwardBatch, kv: KVCache, windows: Iterable[int | None]) -> Any:
+        """Per window size: the prefill chunks' masks and the decode rows' (tables, mask), built
+        once and shared by every layer with that window."""
+        return {
+            w: (
+                [chunk_mask(chunk, w) for chunk in batch.prefill_chunks],
+                decode_window(batch, w, kv.block_size),
+            )
+            for w in set(windows)
+        }
+
+    def attend(self, attn, q, k, v, batch, kv, plan, keep):
+        masks, decode = (
+            self.plan(batch, kv, [attn.window])[attn.window] if plan is None else plan[attn.window]
+        )
+        n = q.shape[0]
+        b = batch.num_decode
+        out = None if b == n else torch.empty_like(q)
+        if b:
+            tables, mask = (batch.decode_block_tables, batch.decode_mask) if decode is None else decode
+            assert tables is not None and mask is not None, "decode rows have tables"
+            o = attn._decode_attention(q[:b], tables, mask, kv)
+            if out is None:  # a decode-only batch: the attention output is the whole output
+                return take_rows(o, keep)
+            out[:b] = o
+        assert out is not None  # b < n: the batch has prefill rows
+        for chunk, mask in zip(batch.prefill_chunks, masks):
+            s, e = chunk.start, chunk.start + chunk.length
+            qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
+            if chunk.ctx_len == chunk.length:  # first chunk: its own K/V are the whole context
+                kr, vr = k[s:e], v[s:e]
+            else:
+                kr, vr = kv.gather(attn.layer_id, chunk.block_table)
+                kr, vr = kr[: chunk.ctx_len], vr[: chunk.ctx_len]
+            kr, vr = kr.transpose(0, 1)[None], vr.transpose(0, 1)[None]
+            if attn.softcap is None:
+                o = F.scaled_dot_product_attention(
+                    qr, kr, vr, attn_mask=mask, is_causal=mask is None, scale=attn.sdpa_scale, enable_gqa=True
+                )
+            else:
+                o = eager_attention(qr, kr, vr, mask, attn.scale, attn.softcap)
+            out[s:e] = o[0].transpose(0, 1)
+        return take_rows(out, keep)
+
+
+def default_attention(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The CPU back-end for a model on `device` in `dtype`: the native paged kernels where the
+    process's kernel family runs them (any family but torch, bfloat16 or float32), else torch's."""
+    if device.type == "cpu" and cpu_kernels.available() and dtype in (torch.float32, torch.bfloat16):
+        return PagedAttention()
+    return TorchAttention()
 
 
 class Attention(nn.Module):
@@ -217,90 +351,38 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         batch: ForwardBatch,
         kv: KVCache,
-        masks: list[torch.Tensor | None],
+        masks: list[torch.Tensor | None] | None = None,
         decode: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
         rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         keep: torch.Tensor | None = None,
         backend: AttentionBackend | None = None,
+        plan: Any = None,
     ) -> torch.Tensor:
-        """masks: chunk_mask(chunk, self.window) per prefill chunk; decode: decode_window(batch,
-        self.window, block_size) (None: the batch's decode block tables and mask); rows:
-        row_tables(batch), where the native paged attention runs for this model and pool (it then
-        serves every row: no prefill chunk's context is gathered); keep: the rows whose output is
-        returned (None: all), see DecoderLayer.forward; backend: the attention back-end the model
-        was given at load (LayerLoop.attention), which then serves every row. K/V are written for
-        every row."""
+        """backend: the attention back-end the model runs (the forward strategy's), with its `plan`
+        for this forward (AttentionBackend.plan; None: built for this layer alone); keep: the rows
+        whose output is returned (None: all), see DecoderLayer.forward. A layer called on its own
+        (tests) may give the plan's parts instead: rows = row_tables(batch) for the native paged
+        attention, or masks (chunk_mask(chunk, self.window) per prefill chunk) and decode
+        (decode_window(batch, self.window, block_size); None: the batch's decode block tables and
+        mask) for torch's. K/V are written for every row."""
         n = x.shape[0]
         q, k, v = self.qkv(x, rope, n)
         kv.write(self.layer_id, batch.slot_mapping, k, v)
-        if backend is not None:
-            kpool, vpool = kv.k[self.layer_id], kv.v[self.layer_id]
-            served = backend(q, kpool, vpool, batch, self.scale, self.window, self.softcap)
-            return self.o_proj(take_rows(served.view(n, self.h * self.d), keep))
-        if rows is not None:
-            kpool, vpool = kv.k[self.layer_id], kv.v[self.layer_id]
-            if keep is not None:  # a row's output depends only on its own query and keys
-                q, rows = q[keep], (rows[0], rows[1][keep], rows[2][keep])
-            o = cpu_kernels.paged_attention(q, kpool, vpool, *rows, self.scale, self.window, self.softcap)
-            assert o is not None, "rows are given only where the native paged attention runs"
-            return self.o_proj(o.view(q.shape[0], self.h * self.d))
-
-        b = batch.num_decode
-        out = None if b == n else torch.empty_like(q)
-        if b:
-            tables, mask = (batch.decode_block_tables, batch.decode_mask) if decode is None else decode
-            full, pos = batch.decode_block_tables, batch.positions[:b]
-            assert tables is not None and mask is not None and full is not None, "decode rows have tables"
-            o = self._decode_attention(q[:b], tables, mask, kv, full, pos)
-            if out is None:  # a decode-only batch: the attention output is the whole output
-                return self.o_proj(take_rows(o.reshape(n, self.h * self.d), keep))
-            out[:b] = o
-        assert out is not None  # b < n: the batch has prefill rows
-        for chunk, mask in zip(batch.prefill_chunks, masks):
-            s, e = chunk.start, chunk.start + chunk.length
-            qr = q[s:e].transpose(0, 1)[None]  # [1, h, len, d]
-            if chunk.ctx_len == chunk.length:  # first chunk: its own K/V are the whole context
-                kr, vr = k[s:e], v[s:e]
+        if backend is None:
+            if rows is not None:
+                backend, plan = PagedAttention(), rows
             else:
-                kr, vr = kv.gather(self.layer_id, chunk.block_table)
-                kr, vr = kr[: chunk.ctx_len], vr[: chunk.ctx_len]
-            kr, vr = kr.transpose(0, 1)[None], vr.transpose(0, 1)[None]
-            if self.softcap is None:
-                o = F.scaled_dot_product_attention(
-                    qr, kr, vr, attn_mask=mask, is_causal=mask is None, scale=self.sdpa_scale, enable_gqa=True
-                )
-            else:
-                o = eager_attention(qr, kr, vr, mask, self.scale, self.softcap)
-            out[s:e] = o[0].transpose(0, 1)
-        return self.o_proj(take_rows(out.reshape(n, self.h * self.d), keep))
+                backend, plan = TorchAttention(), {self.window: (masks or [], decode)}
+        o = backend.attend(self, q, k, v, batch, kv, plan, keep)
+        return self.o_proj(o.reshape(o.shape[0], self.h * self.d))
 
     def _decode_attention(
-        self,
-        q: torch.Tensor,
-        tables: torch.Tensor,
-        mask: torch.Tensor,
-        kv: KVCache,
-        full_tables: torch.Tensor,
-        positions: torch.Tensor,
+        self, q: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, kv: KVCache
     ) -> torch.Tensor:
-        """All decode rows at once. On CPU the native kernel reads each row's keys in place through
-        `full_tables` (the batch's block tables; the window is applied by position). Otherwise each
-        row's context is gathered through `tables`, padded and masked by `mask` (decode_window):
-        plain batched matmuls grouped by KV head, which for one query token per row are several times
-        faster on CPU than SDPA's flash kernel and never materialise repeated K/V heads.
-        """
-        native = cpu_kernels.decode_attention(
-            q,
-            kv.k[self.layer_id],
-            kv.v[self.layer_id],
-            full_tables,
-            positions,
-            self.scale,
-            self.window,
-            self.softcap,
-        )
-        if native is not None:
-            return native
+        """All decode rows at once on torch's ops: each row's context gathered through `tables`,
+        padded and masked by `mask` (decode_window): plain batched matmuls grouped by KV head,
+        which for one query token per row are several times faster on CPU than SDPA's flash kernel
+        and never materialise repeated K/V heads."""
         bsz, group = q.shape[0], self.h // self.kvh
         kc, vc = kv.gather(self.layer_id, tables)  # [B, L, kvh, d]
         qg = q.view(bsz, self.kvh, group, self.d)

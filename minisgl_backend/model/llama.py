@@ -23,7 +23,7 @@ from torch import nn
 
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
-from minisgl_backend.model.batch import ForwardBatch, chunk_mask, decode_window, row_tables
+from minisgl_backend.model.batch import ForwardBatch
 from minisgl_backend.model.checkpoint import Checkpoint
 from minisgl_backend.model.layers import (
     Attention,
@@ -31,6 +31,7 @@ from minisgl_backend.model.layers import (
     DecoderLayer,
     DecoderLayers,
     Linear,
+    default_attention,
     norm_layer,
     softcap,
 )
@@ -60,9 +61,9 @@ class Forward(Protocol):
 
 class LayerLoop:
     """The default forward: every layer in turn from Python, RoPE from the model's Rotary modules.
-    attention: the attention back-end chosen at load (model/loader.py, attention_backend), which then
-    serves every row of every layer; None: Attention.forward's own paths (the native paged kernels on
-    the CPU, torch elsewhere)."""
+    attention: the attention back-end chosen at load (model/loader.py, attention_backend), which
+    serves every row of every layer; None: default_attention for the model's device and dtype,
+    chosen on first use and kept."""
 
     def __init__(self, attention: AttentionBackend | None = None) -> None:
         self.attention = attention
@@ -74,32 +75,15 @@ class LayerLoop:
         self, model: CausalLM, x: torch.Tensor, ropes: Ropes, batch: ForwardBatch, kv: KVCache
     ) -> torch.Tensor:
         layers = model.model.layers
-        if self.attention is not None:
-            backend = self.attention
-
-            def attend_with(attn: Attention, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-                return attn(h, ropes[attn.rope_index], batch, kv, [], None, keep=keep, backend=backend)
-
-            for layer in layers[:-1]:
-                x = layer(x, attend_with)
-            return layers[-1](x, attend_with, batch.logits_index)
-        # The native paged attention reads every row's keys in place (prefill chunks included: it
-        # saves SDPA's gather of the whole context into a fresh tensor per layer); otherwise masks
-        # are built once per window size and shared by every layer with that window.
-        masks: dict[int | None, tuple] = {}
-        rows = None
-        if cpu_kernels.attention_runs(x, kv.k[0], kv.v[0]):
-            rows = row_tables(batch)
-            masks = dict.fromkeys({layer.self_attn.window for layer in layers}, ([], None))
-        else:
-            for w in {layer.self_attn.window for layer in layers}:
-                masks[w] = (
-                    [chunk_mask(chunk, w) for chunk in batch.prefill_chunks],
-                    decode_window(batch, w, kv.block_size),
-                )
+        if self.attention is None:
+            self.attention = default_attention(model.device, x.dtype)
+        backend = self.attention
+        # Built once per forward and shared by every layer: the native kernels' row tables, or the
+        # masks per window size.
+        plan = backend.plan(batch, kv, [layer.self_attn.window for layer in layers])
 
         def attend(attn: Attention, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-            return attn(h, ropes[attn.rope_index], batch, kv, *masks[attn.window], rows=rows, keep=keep)
+            return attn(h, ropes[attn.rope_index], batch, kv, keep=keep, backend=backend, plan=plan)
 
         for layer in layers[:-1]:
             x = layer(x, attend)

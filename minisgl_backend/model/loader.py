@@ -23,7 +23,7 @@ from minisgl_backend.errors import ConfigError, MiniSGLError, ModelLoadError, Mo
 from minisgl_backend.model import batch_invariant, cpu_kernels
 from minisgl_backend.model.checkpoint import Checkpoint
 from minisgl_backend.model.decode_stack import DecodeStackForward
-from minisgl_backend.model.layers import AttentionBackend
+from minisgl_backend.model.layers import AttentionBackend, ServesEveryRow, default_attention
 from minisgl_backend.model.llama import CausalLM, Forward, LayerLoop, build_rotary
 from minisgl_backend.model.spec import ModelSpec
 
@@ -191,41 +191,51 @@ def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> N
 
 
 def forward_strategy(model: CausalLM, deterministic: bool) -> Forward:
-    """The forward `model` runs: the batch-invariant one for `deterministic` (batch_invariant.enable,
-    which keeps packed linears as they are) or the default layer loop, either under the native decode
-    stack for the decode-only batches it runs (with the same bits, tests/kernels/test_decode_stack.py).
-    Where attention_backend gives an attention back-end (the Triton kernels on a GPU), the layer loop
-    over it alone: the decode stack is a CPU path that would bypass it."""
-    attention = None if deterministic else attention_backend(model)
-    if attention is not None:
+    """The forward `model` runs, over the one attention back-end attention_backend chooses: the
+    batch-invariant one for `deterministic` (batch_invariant.enable, which keeps packed linears as
+    they are) or the default layer loop, either under the native decode stack for the decode-only
+    batches it runs (with the same bits, tests/kernels/test_decode_stack.py; only under the native
+    paged attention, which it runs itself). The Triton kernels get the layer loop alone: the decode
+    stack is a CPU path that would bypass them."""
+    attention = attention_backend(model, deterministic)
+    if isinstance(attention, ServesEveryRow):
         return LayerLoop(attention)
-    return DecodeStackForward(batch_invariant.enable(model) if deterministic else LayerLoop())
+    inner = batch_invariant.enable(model, attention) if deterministic else LayerLoop(attention)
+    return DecodeStackForward(inner, attention)
 
 
 ATTENTION_CHOICES = ("auto", "triton", "torch")
 
 
-def attention_backend(model: CausalLM) -> AttentionBackend | None:
-    """The attention back-end the layer loop gives every layer, chosen once here from the device and
-    MINISGL_ATTENTION: `auto` (the default) takes the Triton kernels (model/triton_attention.py) on a
-    GPU where triton is installed, and None (Attention.forward's own paths) elsewhere; `torch` always
-    None (the torch path on a GPU, to compare against); `triton` always the kernels, also on the CPU
-    where they run under Triton's interpreter (TRITON_INTERPRET=1; slow, for tests and the small
-    check). The CPU paths are never replaced unless asked for."""
+def attention_backend(model: CausalLM, deterministic: bool = False) -> AttentionBackend:
+    """The attention back-end every layer of `model` runs, chosen once here from the device, the
+    dtype, the kernel family and MINISGL_ATTENTION: `auto` (the default) takes the Triton kernels
+    (model/triton_attention.py) on a GPU where triton is installed; `torch` never takes them (the
+    torch path on a GPU, to compare against); `triton` always does, also on the CPU where they run
+    under Triton's interpreter (TRITON_INTERPRET=1; slow, for tests and the small check). Without
+    them (and always for `deterministic`, whose forward needs row-invariant attention):
+    default_attention, the native paged kernels on a CPU whose kernel family runs them, else
+    torch's own ops. The CPU paths are never replaced unless asked for."""
     choice = os.environ.get("MINISGL_ATTENTION", "auto")
     if choice not in ATTENTION_CHOICES:
         raise ConfigError(f"MINISGL_ATTENTION must be one of {', '.join(ATTENTION_CHOICES)} (got {choice!r})")
-    has_triton = importlib.util.find_spec("triton") is not None
-    if choice == "torch" or (choice == "auto" and model.device.type != "cuda"):
-        return None
-    if not has_triton:
+    default = default_attention(model.device, _dtype(model))
+    if deterministic or choice == "torch" or (choice == "auto" and model.device.type != "cuda"):
+        return default
+    if importlib.util.find_spec("triton") is None:
         if choice == "triton":
             raise ConfigError("MINISGL_ATTENTION=triton needs the triton package (pip install triton)")
         log.warning("triton is not installed: attention on %s runs the torch path", model.device)
-        return None
+        return default
     from minisgl_backend.model.triton_attention import TritonAttention
 
     return TritonAttention()
+
+
+def _dtype(model: CausalLM) -> torch.dtype:
+    """The dtype the model computes in (its parameters'; float32 for one without any)."""
+    params = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    return next((p.dtype for p in params), torch.float32)
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl_backend.model.layers import ServesEveryRow
+
 
 def available() -> bool:
     """Whether triton is installed (this module can be imported)."""
@@ -386,7 +388,7 @@ def paged_prefill_attention(
     return out
 
 
-class TritonAttention:
+class TritonAttention(ServesEveryRow):
     """The attention back-end of a model on a GPU (model/loader.py picks it once, at load): every
     row of a batch through the kernels above, the decode rows in one launch and each prompt chunk
     in one. Reads only what the scheduler already put on the device (block tables, positions)

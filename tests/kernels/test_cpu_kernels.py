@@ -43,7 +43,7 @@ def torch_only(monkeypatch):
     """Run a block with the kernels off: every wrapper takes its torch path."""
 
     def off():
-        monkeypatch.setattr(cpu_kernels, "_ENABLED", False)
+        monkeypatch.setattr(cpu_kernels, "_ACTIVE", cpu_kernels.KernelFamily.named("torch"))
 
     return off
 
@@ -232,14 +232,12 @@ def test_packed_rows_read_back_every_layout(layout, n, k):
     flat = ids.reshape(-1).contiguous()
     if layout == "amx":
         packed = torch.empty(native.packed_amx_elems(n, k), dtype=torch.bfloat16)
-        native.pack_amx(w.data_ptr(), packed.data_ptr(), n, k, 2)
-        native.packed_rows_amx(packed.data_ptr(), n, k, flat.data_ptr(), flat.numel(), rows.data_ptr(), 2)
+        native.pack_amx(w, packed, 2)
+        native.packed_rows_amx(packed, n, k, flat, rows, 2)
     else:
         packed = torch.empty(native.packed_dpbf16_elems(n, k), dtype=torch.bfloat16)
-        native.pack_dpbf16(w.data_ptr(), packed.data_ptr(), n, k, gated, 2)
-        native.packed_rows_dpbf16(
-            packed.data_ptr(), n, k, gated, flat.data_ptr(), flat.numel(), rows.data_ptr(), 2
-        )
+        native.pack_dpbf16(w, packed, gated, 2)
+        native.packed_rows_dpbf16(packed, n, k, gated, flat, rows, 2)
     assert torch.equal(rows.reshape(3, 5, k), w[ids])
 
 
@@ -374,8 +372,8 @@ def test_paged_attention_rows_do_not_depend_on_the_call(
     assert (out.double() - ref).abs().max() < tol
 
 
-def test_decode_attention_matches_the_torch_path(vector_family, torch_only):
-    """The model's own decode attention with and without the kernel (fp32, GQA, paged)."""
+def test_decode_attention_matches_the_torch_path(vector_family):
+    """The native decode attention against the torch back-end's (fp32, GQA, paged)."""
     from minisgl_backend.kvcache.storage import KVCache
     from minisgl_backend.model.layers import Attention
 
@@ -389,9 +387,11 @@ def test_decode_attention_matches_the_torch_path(vector_family, torch_only):
     pos = torch.tensor([2, 9, 5])
     tables = torch.tensor([[3, 0, 0], [7, 1, 11], [4, 2, 0]])
     mask = (torch.arange(12)[None, :] <= pos[:, None])[:, None, None, :]
-    native = attn._decode_attention(q, tables, mask, kv, tables, pos)
-    torch_only()
-    plain = attn._decode_attention(q, tables, mask, kv, tables, pos)
+    native = cpu_kernels.decode_attention(
+        q, kv.k[0], kv.v[0], tables, pos, attn.scale, attn.window, attn.softcap
+    )
+    assert native is not None
+    plain = attn._decode_attention(q, tables, mask, kv)
     assert (native - plain).abs().max() < 1e-6
 
 
@@ -577,6 +577,45 @@ def test_kernel_family_switch_caps_the_family_and_names_the_valid_ones():
     with pytest.raises(ValueError, match="does not run here"):
         with cpu_kernels.family_override("nonsense"):
             pass
+
+
+def test_one_variable_chooses_the_family_and_the_old_switches_are_its_aliases():
+    """family_from_env: MINISGL_KERNELS caps the family, MINISGL_AMX=0 is MINISGL_KERNELS=avx512bf16
+    and MINISGL_CPU_KERNELS=0 is MINISGL_KERNELS=torch (the lower cap wins); any other alias value
+    is an error naming the valid ones."""
+    best = cpu_kernels.machine_family()
+    lower = lambda name: max(name, best, key=cpu_kernels.FAMILIES.index)  # noqa: E731
+    assert cpu_kernels.family_from_env({}) == best
+    assert cpu_kernels.family_from_env({"MINISGL_KERNELS": "AVX2 "}) == lower("avx2")
+    assert cpu_kernels.family_from_env({"MINISGL_AMX": "0"}) == lower("avx512bf16")
+    assert cpu_kernels.family_from_env({"MINISGL_AMX": "1", "MINISGL_CPU_KERNELS": "1"}) == best
+    assert cpu_kernels.family_from_env({"MINISGL_CPU_KERNELS": "0"}) == "torch"
+    assert cpu_kernels.family_from_env({"MINISGL_KERNELS": "avx2", "MINISGL_AMX": "0"}) == lower("avx2")
+    with pytest.raises(
+        ValueError, match=r"MINISGL_AMX='off': valid values are 0 \(MINISGL_KERNELS=avx512bf16\)"
+    ):
+        cpu_kernels.family_from_env({"MINISGL_AMX": "off"})
+    with pytest.raises(ValueError, match="valid: amx, avx512bf16, avx512, avx2, torch"):
+        cpu_kernels.family_from_env({"MINISGL_KERNELS": "sse2"})
+
+
+def test_the_family_is_one_immutable_object():
+    """The process runs one KernelFamily, which nothing changes; family_override swaps in another for
+    its block and puts the same object back."""
+    import dataclasses
+
+    before = cpu_kernels.active()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.isa = cpu_kernels.ISA_AVX2  # type: ignore[misc]
+    with cpu_kernels.family_override("torch"):
+        inside = cpu_kernels.active()
+        assert inside == cpu_kernels.KernelFamily.named("torch") and not cpu_kernels.available()
+        assert (inside.native, inside.packs) == (False, None)
+    assert cpu_kernels.active() is before
+    assert cpu_kernels.KernelFamily.named("avx2").lanes == 8
+    assert cpu_kernels.KernelFamily.named("avx512bf16").packs == "dpbf16"
+    with pytest.raises(ValueError, match="'sse2' is not a kernel family; valid: amx, avx512bf16"):
+        cpu_kernels.KernelFamily.named("sse2")
 
 
 def test_machine_family_is_the_best_the_cpu_runs(monkeypatch):

@@ -302,17 +302,20 @@ def test_the_backend_is_chosen_once_at_load(monkeypatch):
     MINISGL_ATTENTION=triton puts the kernels under every layer; torch keeps them off; anything else
     is refused."""
     from minisgl_backend.errors import ConfigError
+    from minisgl_backend.model import cpu_kernels
     from minisgl_backend.model.decode_stack import DecodeStackForward
+    from minisgl_backend.model.layers import PagedAttention, TorchAttention
     from minisgl_backend.model.llama import CausalLM, LayerLoop
     from minisgl_backend.model.loader import attention_backend, forward_strategy
 
     model = CausalLM(model_spec())
+    cpu_default = PagedAttention if cpu_kernels.available() else TorchAttention
     monkeypatch.delenv("MINISGL_ATTENTION", raising=False)
-    assert attention_backend(model) is None
+    assert isinstance(attention_backend(model), cpu_default)
     default = forward_strategy(model, deterministic=False)
-    assert isinstance(default, DecodeStackForward) and default.inner.attention is None
+    assert isinstance(default, DecodeStackForward) and isinstance(default.inner.attention, cpu_default)
     monkeypatch.setenv("MINISGL_ATTENTION", "torch")
-    assert attention_backend(model) is None
+    assert isinstance(attention_backend(model), cpu_default)
     monkeypatch.setenv("MINISGL_ATTENTION", "triton")
     forced = forward_strategy(model, deterministic=False)
     assert isinstance(forced, LayerLoop) and isinstance(forced.attention, ta.TritonAttention)
