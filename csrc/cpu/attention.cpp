@@ -185,7 +185,10 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
             if (!dp) _mm512_storeu_ps(w.vf.data() + j * d + c * 16, load16(vpool + w.offsets[j] + kvh * d + c * 16));
         }
     if constexpr (std::is_same_v<T, uint16_t>)
-        if (dp) stage_value_pairs(vpool, b, kvh, s, w);
+        if (dp) {
+            stage_value_pairs(vpool, b, kvh, s, w);
+            stage_keys(kpool, b, kvh, d, w);
+        }
     w.q.resize(static_cast<size_t>(d * 16));
     w.scores.resize(static_cast<size_t>(span * 16));
     if (scorer == SCORE_AMX) w.stage.resize(static_cast<size_t>(16 * d));
@@ -213,7 +216,7 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
                     for (int64_t key = lo; key <= b.hi; ++key)
                         _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), scale));
                 } else {
-                    dp_scores(kpool, table, s, kvh, lo, b.hi, qb, w.scores.data());  // scaled as it stores them
+                    dp_scores(w.keys.data(), s, lo, b.hi, qb, w.scores.data());  // scaled as it stores them
                 }
             }
         }

@@ -224,38 +224,61 @@ AMX void amx_scores(const uint16_t* kpool, const int64_t* table, const AttnShape
     }
 }
 
+// The block's K rows for dp_scores, copied once per block and KV head into one contiguous run,
+// [key - lo][d] for keys lo..hi, then the last key repeated up to the next 16 keys (a tile past hi
+// reads those rows; their scores are not stored). One base pointer then serves a whole tile: the
+// scorer's broadcasts read at fixed offsets from it, where sixteen row pointers of their own (the
+// rows lie apart in the pool, a block table between them) would not all stay in registers.
+DPBF16 void stage_keys(const uint16_t* kpool, const BlockKeys& b, int64_t kvh, int64_t d, AttnScratch& w) {
+    const int64_t keys = b.hi - b.lo + 1, rows = (keys + 15) / 16 * 16;
+    w.keys.resize(static_cast<size_t>(rows * d));
+    for (int64_t j = 0; j < rows; ++j)
+        std::memcpy(w.keys.data() + j * d, kpool + w.offsets[std::min(j, keys - 1)] + kvh * d,
+                    static_cast<size_t>(d) * sizeof(uint16_t));
+}
+
+// One tile's chains: acc[j] += the query pairs (lanes) x key j's pair i, over the pairs in order. D
+// known at compile time puts every broadcast at a constant offset from the tile's base (folded into
+// vdpbf16ps as a memory operand); 0 takes d at run time, for other head sizes. The same operations
+// in the same order either way, so the same bits.
+template <int D>
+DPBF16 inline void dp_tile(const uint16_t* kt, int64_t d, const uint32_t* qb, __m512* acc) {
+    const int64_t dim = D > 0 ? D : d;
+    for (int64_t i = 0; i < dim / 2; ++i) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + i * 16);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+            int32_t pair;
+            std::memcpy(&pair, kt + j * dim + 2 * i, 4);
+            acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(pair), qv);
+        }
+    }
+}
+
 // amx_scores' result from vdpbf16ps (AVX512-BF16, no tile unit): lanes = the 16 query vectors of qb,
 // each key's (dim 2i, dim 2i+1) pair broadcast against the lanes' pairs, one chain over the pairs
 // in order per score (so a score's bits depend on its query and key alone, as the tile unit's).
 // Sixteen keys at a time keep sixteen chains in flight (eight leave the dot-product unit idle between
-// dependent steps); keys of the 16-key tiles
-// outside [lo, hi] score zero, as amx_scores' staged zeros. Read in place, whatever the block size.
-DPBF16 void dp_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
-                      int64_t hi, const uint32_t* qb, float* sc) {
+// dependent steps); keys of the 16-key tiles outside [lo, hi] score zero, as amx_scores' staged
+// zeros. K comes from stage_keys' copy of the block's rows (keys, [key - lo][d]).
+DPBF16 void dp_scores(const uint16_t* keys, const AttnShape& s, int64_t lo, int64_t hi, const uint32_t* qb, float* sc) {
     const __m512 scale = _mm512_set1_ps(s.scale);
-    const int64_t d = s.head_dim, row = s.kv_heads * d, bs = s.block_size, base = lo / 16 * 16;
+    const int64_t d = s.head_dim, base = lo / 16 * 16;
     const int64_t end = (hi / 16 + 1) * 16;
     for (int64_t key = base; key < lo; ++key) _mm512_storeu_ps(sc + (key - base) * 16, _mm512_setzero_ps());
     for (int64_t key = hi + 1; key < end; ++key) _mm512_storeu_ps(sc + (key - base) * 16, _mm512_setzero_ps());
     constexpr int KEYS = 16;
     for (int64_t k0 = lo; k0 <= hi; k0 += KEYS) {
         const int nk = static_cast<int>(std::min<int64_t>(KEYS, hi - k0 + 1));
-        const uint16_t* kr[KEYS];
-        for (int j = 0; j < KEYS; ++j) {
-            const int64_t key = k0 + std::min(j, nk - 1);  // past hi: a repeat of the last key, not stored
-            kr[j] = kpool + (table[key / bs] * bs + key % bs) * row + kvh * d;
-        }
+        const uint16_t* kt = keys + (k0 - lo) * d;
         __m512 acc[KEYS];
         for (auto& a : acc) a = _mm512_setzero_ps();
-        for (int64_t i = 0; i < d / 2; ++i) {
-            const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + i * 16);
-#pragma GCC unroll 16
-            for (int j = 0; j < KEYS; ++j) {
-                int32_t pair;
-                std::memcpy(&pair, kr[j] + 2 * i, 4);
-                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(pair), qv);
-            }
-        }
+        if (d == 64)
+            dp_tile<64>(kt, d, qb, acc);
+        else if (d == 128)
+            dp_tile<128>(kt, d, qb, acc);
+        else
+            dp_tile<0>(kt, d, qb, acc);
         for (int j = 0; j < nk; ++j) _mm512_storeu_ps(sc + (k0 + j - base) * 16, _mm512_mul_ps(acc[j], scale));
     }
 }

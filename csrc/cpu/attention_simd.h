@@ -161,8 +161,8 @@ AMX void configure_score_tiles();
 AMX void release_tiles();
 AMX void amx_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
                     int64_t hi, const uint32_t* qb, float* sc, uint16_t* stage);
-DPBF16 void dp_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
-                      int64_t hi, const uint32_t* qb, float* sc);
+DPBF16 void stage_keys(const uint16_t* kpool, const BlockKeys& b, int64_t kvh, int64_t d, AttnScratch& w);
+DPBF16 void dp_scores(const uint16_t* keys, const AttnShape& s, int64_t lo, int64_t hi, const uint32_t* qb, float* sc);
 AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t rows, const uint16_t* kpool,
                                 const uint16_t* vpool, const int64_t* table, const int64_t* pos, int64_t kvh,
                                 uint16_t* out, const AttnShape& s, const BlockKeys& b, int scorer, AttnScratch& w);
