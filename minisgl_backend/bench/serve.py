@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl_backend.bench.thread_cpu import NATIVE
+
 
 @dataclass
 class Result:
@@ -235,12 +237,14 @@ def offline_baseline(engine: Any, row: dict[str, Any], num_prompts: int, input_l
     output_len = row["output_len"]
     before = thread_cpu.Sample()
     offline = run_closed_loop(engine, [prompts[i] for i, _ in plan], output_len, row["concurrency"])
-    split = thread_cpu.Sample().since(before)
+    after = thread_cpu.Sample()
+    split = after.since(before)
     row["offline_req_per_s"] = offline["req_per_s"]
     row["offline_output_tok_per_s"] = offline["output_tok_per_s"]
     row["served_over_offline"] = row["output_tok_per_s"] / offline["output_tok_per_s"]
     if "served_cpu_s" in row and split:
         row["offline_cpu_s"] = split
+        row["offline_waited_s"] = after.waited_since(before)
         row["offline_cpu_s_per_1k_tokens"] = (
             1000
             * thread_cpu.server_seconds(split)
@@ -298,6 +302,7 @@ def bench_serve_in_child(url: str, **kw: Any) -> dict[str, Any]:
     split = after.since(before)
     if split:
         row["served_cpu_s"] = split
+        row["served_waited_s"] = after.waited_since(before)
         tokens = max(row["output_tokens"], 1)
         row["served_cpu_s_per_1k_tokens"] = 1000 * thread_cpu.server_seconds(split) / tokens
         # On one machine the clients' CPU is taken from the cores the forward runs on.
@@ -432,6 +437,14 @@ def format_row(row: dict[str, Any]) -> str:
         for name, split in (("served", row["served_cpu_s"]), ("offline", row["offline_cpu_s"])):
             lines.append(f"  {name} CPU s by thread: " + ", ".join(f"{r} {v:.2f}" for r, v in split.items()))
         lines.append(f"  the client process (on this machine's cores too): {row['client_cpu_s']:.2f} CPU s")
+        sw, ow = row.get("served_waited_s") or {}, row.get("offline_waited_s") or {}
+        if sw and ow:
+            kernels = ("compute", NATIVE)  # the compute thread and the kernels' pool
+            served_wait, offline_wait = (sum(w.get(r, 0.0) for r in kernels) for w in (sw, ow))
+            lines.append(
+                f"  the forward's threads runnable but kept off a CPU: served {served_wait:.2f} s, "
+                f"offline {offline_wait:.2f} s"
+            )
     if "served_engine" in row:
         se, oe = row["served_engine"], row["offline_engine"]
         lines.append(

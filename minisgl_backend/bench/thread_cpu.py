@@ -63,6 +63,19 @@ def _by_tid() -> dict[int, float]:
     return out
 
 
+def _waits_by_tid(tids: list[int]) -> dict[int, float]:
+    """Seconds each thread spent runnable but off a CPU (the scheduler's run-queue wait, schedstat's
+    second field): what other work on the machine cost it, apart from what it computed."""
+    out: dict[int, float] = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):  # ended, or a kernel without schedstats
+            continue
+    return out
+
+
 def role(name: str | None) -> str:
     if name is None:
         return NATIVE
@@ -73,21 +86,30 @@ def role(name: str | None) -> str:
 
 
 class Sample:
-    """Every live thread's CPU seconds at one instant, with the thread's role."""
+    """Every live thread's CPU seconds (and run-queue wait) at one instant, with the thread's role."""
 
     def __init__(self) -> None:
         names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
         self.cpu = _by_tid()
+        self.waits = _waits_by_tid(list(self.cpu))
         self.roles = {tid: role(names.get(tid)) for tid in self.cpu}
+
+    def _per_role(self, now: dict[int, float], then: dict[int, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for tid, v in now.items():
+            r = self.roles[tid]
+            out[r] = out.get(r, 0.0) + v - then.get(tid, 0.0)
+        return {r: round(v, 3) for r, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
     def since(self, earlier: Sample) -> dict[str, float]:
         """CPU seconds per role between `earlier` and this sample (a thread born in between counts
         from zero; one that ended in between is lost, so sample around work whose threads live on)."""
-        out: dict[str, float] = {}
-        for tid, cpu in self.cpu.items():
-            r = self.roles[tid]
-            out[r] = out.get(r, 0.0) + cpu - earlier.cpu.get(tid, 0.0)
-        return {r: round(v, 3) for r, v in sorted(out.items(), key=lambda kv: -kv[1])}
+        return self._per_role(self.cpu, earlier.cpu)
+
+    def waited_since(self, earlier: Sample) -> dict[str, float]:
+        """Seconds per role that runnable threads waited for a CPU between the two samples (empty
+        where the kernel keeps no schedstats)."""
+        return self._per_role(self.waits, earlier.waits)
 
 
 def server_seconds(split: dict[str, float]) -> float:
