@@ -22,15 +22,10 @@ from fastapi.openapi.utils import get_openapi
 
 from minisgl_backend.chat.reasoning import REASONING_PARSERS
 from minisgl_backend.serve.backend import Backend
-from minisgl_backend.serve.errors import APIError, SlowClientError, add_error_handlers, api_error
+from minisgl_backend.serve.errors import add_error_handlers
 from minisgl_backend.serve.guard import BodyGuard, Buffered, Drain, DrainGuard, HostGuard, ServeLimits
 from minisgl_backend.serve.routes import chat, completions, health, metrics, models, tokenizer
 from minisgl_backend.serve.state import ServerState
-from minisgl_backend.serve.streams import Merged as _Merged
-from minisgl_backend.serve.streams import sse_error as _sse_error
-
-# Names the tests import from here.
-__all__ = ["APIError", "SlowClientError", "_Merged", "_sse_error", "api_error", "build_app"]
 
 
 def build_app(

@@ -247,7 +247,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
             presence_penalty=float(self.presence_penalty),
             frequency_penalty=float(self.frequency_penalty),
-            logit_bias=self.logit_bias_ids,
+            logit_bias=tuple(self.logit_bias_ids.items()),
             n=self.n,
         )
         params.check_vocab(vocab_size)

@@ -210,7 +210,10 @@ def _running_http_address(host: str, port: int) -> tuple[str, int]:
     try:  # Serve has no public getter for its HTTP options
         from ray.serve.context import _get_global_client
 
-        opts = _get_global_client().http_config
+        client = _get_global_client()
+        if client is None:  # no Serve instance is running in this process's cluster
+            return host, port
+        opts = client.http_config
         return opts.host, opts.port
     except Exception:  # noqa: BLE001
         return host, port

@@ -234,7 +234,7 @@ async def _await(call: Any) -> Any:
 class Ingress:
     """The ingress deployment: the single server's app over a RayBackend."""
 
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Ray Serve awaits a deployment's async constructor
         self,
         config: dict[str, Any],
         model_name: str | None,

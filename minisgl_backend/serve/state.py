@@ -188,7 +188,7 @@ class ServerState:
                 code="request_too_long",
             )
 
-    def room(self, prompt_len: int, requested: int | None, what: str) -> int:
+    def reply_budget(self, prompt_len: int, requested: int | None, what: str) -> int:
         """max_tokens for a prompt of `prompt_len` tokens: `requested` if it fits the context (else
         a 400, as vLLM), or all the room left when the client asked for no particular number. `what`
         names the input with its article ("the prompt", "prompt 2", "the conversation")."""

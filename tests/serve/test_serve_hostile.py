@@ -534,7 +534,7 @@ def test_errors_leak_no_internals(server, client, tiny_model_dir):
     assert r.status_code == 200 and str(tiny_model_dir) not in r.text
     (m,) = r.json()["data"]
     assert not os.path.isabs(m["root"]) and m["id"] == MODEL
-    from minisgl_backend.serve.app import api_error
+    from minisgl_backend.serve.errors import api_error
 
     err = api_error(RuntimeError("secret /home/x/model detail"))
     assert err.status == 500 and "secret" not in err.message and "request id" in err.message
@@ -720,8 +720,9 @@ def test_a_streaming_client_that_stops_reading_is_cut_off_and_its_requests_abort
     # (whose `finally` aborts the requests); undelivered events past the buffer bound abort at once.
     import asyncio
 
-    from minisgl_backend.serve.app import SlowClientError, _Merged
+    from minisgl_backend.serve.errors import SlowClientError
     from minisgl_backend.serve.guard import GuardedStreamingResponse
+    from minisgl_backend.serve.streams import StreamMerger
 
     closed = []
 
@@ -763,7 +764,7 @@ def test_a_streaming_client_that_stops_reading_is_cut_off_and_its_requests_abort
 
     async def overflow():
         s = Endless()
-        merged = _Merged([s], limit=50)
+        merged = StreamMerger([s], limit=50)
         await asyncio.sleep(0.2)  # the client reads nothing meanwhile
         items = [await merged.next() for _ in range(51)]
         merged.close()
@@ -776,11 +777,11 @@ def test_a_streaming_client_that_stops_reading_is_cut_off_and_its_requests_abort
 def test_a_grammar_failing_mid_stream_ends_with_an_error_event_and_done():
     from minisgl_backend.chat import GrammarError
     from minisgl_backend.errors import RequestFailedError
-    from minisgl_backend.serve.app import _sse_error
+    from minisgl_backend.serve.streams import sse_error
 
     failed = RequestFailedError("logits processor raised GrammarError(...)")
     failed.__cause__ = GrammarError("the output grammar exceeds the parser's limits: too many items")
-    events = _sse_error(failed).strip().split("\n\n")
+    events = sse_error(failed).strip().split("\n\n")
     assert events[-1] == "data: [DONE]"
     err = json.loads(events[0][len("data: ") :])["error"]
     assert err["code"] == "invalid_grammar" and "parser's limits" in err["message"]
