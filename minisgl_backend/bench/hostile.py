@@ -46,27 +46,19 @@ ONE_TOKEN = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
 
 
 def rss_mb() -> float | None:
-    """This process's resident memory in MB (VmRSS), or None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+    """This process's resident memory in MB, or None off Linux."""
+    from minisgl_backend.serve.heap import rss_bytes
+
+    rss = rss_bytes()
+    return None if rss is None else rss / 2**20
 
 
 def trimmed_rss_mb() -> float | None:
     """RSS after asking the C allocator to hand its free memory back (glibc's malloc_trim): the
     difference from `rss_mb()` is memory freed but kept for reuse, not memory still held."""
-    import ctypes
+    from minisgl_backend.serve.heap import malloc_trim
 
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        return None
-    return rss_mb()
+    return rss_mb() if malloc_trim() else None
 
 
 @dataclass

@@ -942,3 +942,41 @@ def test_chat_logprob_bytes_of_tokens_holding_part_of_a_character_join_into_the_
     joined = bytes(b for e in entries for b in e["bytes"]).decode("utf-8")
     assert joined.startswith("😀 é😀"), joined  # (then the end-of-turn token the grammar let through)
     assert all(e["bytes"] != [239, 191, 189] for e in entries), entries  # no U+FFFD stand-ins
+
+
+def test_drain_calls_on_idle_each_time_its_last_request_ends():
+    """The server hands freed memory back when no request is in flight (serve/heap.py): Drain tells
+    it when the last one ends, not at every request's end."""
+    from minisgl_backend.serve.guard import Drain
+
+    calls = []
+    drain = Drain(on_idle=lambda: calls.append(drain.inflight))
+    drain.enter()
+    drain.enter()
+    drain.leave()
+    assert calls == []
+    drain.leave()
+    assert calls == [0]
+    drain.enter()
+    drain.leave()
+    assert calls == [0, 0]
+
+
+def test_the_heap_trimmer_trims_only_past_its_threshold_of_growth(monkeypatch):
+    """A trim when RSS grew by the threshold over the last trim's value; none below it, and a lower
+    reading lowers the reference."""
+    from minisgl_backend.serve import heap
+
+    rss = [1000]
+    monkeypatch.setattr(heap, "rss_bytes", lambda: rss[0])
+    trims = []
+    monkeypatch.setattr(heap, "malloc_trim", lambda: trims.append(rss[0]) or True)
+    monkeypatch.setattr(heap, "_MALLOC_TRIM", object())
+    t = heap.HeapTrimmer(threshold=100)
+    rss[0] = 1099
+    assert not t.maybe_trim() and trims == []
+    rss[0] = 900  # memory returned by other means: the reference drops
+    assert not t.maybe_trim()
+    rss[0] = 1000
+    assert t.maybe_trim() and trims == [1000] and t.trims == 1
+    assert not t.maybe_trim()  # the value after the trim is the new reference
