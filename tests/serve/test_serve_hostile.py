@@ -980,3 +980,34 @@ def test_the_heap_trimmer_trims_only_past_its_threshold_of_growth(monkeypatch):
     rss[0] = 1000
     assert t.maybe_trim() and trims == [1000] and t.trims == 1
     assert not t.maybe_trim()  # the value after the trim is the new reference
+
+
+def test_the_cpu_pools_daemon_threads_deliver_results_and_errors_and_drop_queued_jobs_at_close():
+    import threading
+
+    from minisgl_backend.serve.state import DaemonExecutor
+
+    ex = DaemonExecutor(2, "t")
+    assert ex.submit(lambda x: x + 1, 1).result(10) == 2
+    with pytest.raises(ZeroDivisionError):
+        ex.submit(lambda: 1 / 0).result(10)
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def hold() -> bool:
+        started.release()
+        return release.wait(10)
+
+    busy = [ex.submit(hold) for _ in range(2)]
+    assert started.acquire(timeout=10) and started.acquire(timeout=10)  # both workers held
+    queued = ex.submit(lambda: "never")
+    workers = [t for t in threading.enumerate() if t.name.startswith("t_")]
+    assert len(workers) == 2 and all(t.daemon for t in workers)  # not joined at the process's exit
+    ex.shutdown(wait=False, cancel_futures=True)
+    assert queued.cancelled()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        ex.submit(lambda: None)
+    release.set()
+    assert all(f.result(10) for f in busy)  # running jobs finish
+    for t in workers:
+        t.join(10)
+        assert not t.is_alive()

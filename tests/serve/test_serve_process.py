@@ -63,3 +63,46 @@ def test_rss_returns_within_10_percent_of_its_baseline_after_a_burst(tiny_model_
                 time.sleep(0.5)
         print(f"RSS {baseline:.0f} MB after warm-up, {rss:.0f} MB after the burst")
         assert rss <= 1.10 * baseline, f"RSS {baseline:.0f} MB after warm-up, {rss:.0f} MB after the burst"
+
+
+def test_sigterm_does_not_wait_past_the_shutdown_timeout_for_a_tokenizer_job(tiny_model_dir):
+    """SIGTERM with --shutdown-timeout 1 while a /tokenize of 24 Mi characters is being tokenised (many
+    seconds of work): the request is still in flight at the deadline, gets a 503, and the process
+    exits 0 without a traceback soon after, without waiting for the tokenizer to finish."""
+    import signal
+    import threading
+
+    chars = 24 * 1024 * 1024
+    flags = [
+        "--shutdown-timeout",
+        "1",
+        "--max-request-chars",
+        str(chars),
+        "--max-body-bytes",
+        str(chars + 4096),
+    ]
+    with serve_process(tiny_model_dir, *flags) as srv:
+        answer: list = []
+
+        def tokenize() -> None:
+            with httpx.Client(base_url=srv.url, timeout=120) as c:
+                try:
+                    answer.append(c.post("/tokenize", json={"prompt": _text(chars)}))
+                except httpx.TransportError as e:
+                    answer.append(e)
+
+        client = threading.Thread(target=tokenize)
+        client.start()
+        time.sleep(4)  # the body is sent and parsed; tokenising it takes far longer
+        srv.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        out, err = srv.proc.communicate(timeout=120)
+        exited_after = time.monotonic() - t0
+        client.join(60)
+    assert srv.proc.returncode == 0, err
+    assert "Traceback" not in err and "Traceback" not in out, err
+    assert "1 in flight" in err and "1 requests still in flight after 1 s" in err, err
+    r = answer[0]
+    assert isinstance(r, httpx.TransportError) or r.status_code == 503, r
+    # the drain's second, then the engine's close; the tokenizer's remaining work is not waited for
+    assert exited_after < 10, f"exited {exited_after:.1f} s after SIGTERM"
