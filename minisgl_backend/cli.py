@@ -360,13 +360,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas > 1 or args.ray_address:
         if args.chat_template:
             raise MiniSGLError("--chat-template is not supported with --replicas / --ray-address yet")
-        if args.reasoning_parser:
-            raise MiniSGLError("--reasoning-parser is not supported with --replicas / --ray-address yet")
-        if args.shutdown_timeout:
-            raise MiniSGLError(
-                "--shutdown-timeout is not supported with --replicas / --ray-address yet: "
-                "their requests are aborted at once on SIGINT / SIGTERM"
-            )
         return _serve_on_ray(args)
     sock = bind(args.host, args.port)  # a port in use is told now, not after the model has loaded
     try:
@@ -437,8 +430,9 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             ray_address=args.ray_address,
             limits=_serve_limits(args),
             extra_hosts=_extra_hosts(args),
+            reasoning_parser=args.reasoning_parser,
         )
-        serve_until_signalled(server, str(config.model), args.served_model_name)
+        serve_until_signalled(server, str(config.model), args.served_model_name, args.shutdown_timeout)
     except KeyboardInterrupt:  # stopped while Ray started or the replicas loaded
         return 130
     return 0

@@ -17,4 +17,6 @@ ones start fresh processes from a source checkout):
 - lm_eval: the same lm_eval run with `--model hf` and `--model minisgl` (time, parity);
 - lm_eval_dp: lm-eval at data_parallel_size=1 vs N (Ray replicas);
 - serve_replicas: `minisgl serve` at 1 vs N replicas, measured with `minisgl bench-serve`.
+- hostile: what one hostile client costs the others (latency beside it, RSS after it);
+- schema: schemathesis-generated requests against the server's /openapi.json (needs schemathesis).
 """

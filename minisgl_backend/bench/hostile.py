@@ -46,27 +46,19 @@ ONE_TOKEN = {"prompt": "Hi", "max_tokens": 1, "temperature": 0}
 
 
 def rss_mb() -> float | None:
-    """This process's resident memory in MB (VmRSS), or None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+    """This process's resident memory in MB, or None off Linux."""
+    from minisgl_backend.serve.heap import rss_bytes
+
+    rss = rss_bytes()
+    return None if rss is None else rss / 2**20
 
 
 def trimmed_rss_mb() -> float | None:
     """RSS after asking the C allocator to hand its free memory back (glibc's malloc_trim): the
     difference from `rss_mb()` is memory freed but kept for reuse, not memory still held."""
-    import ctypes
+    from minisgl_backend.serve.heap import malloc_trim
 
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        return None
-    return rss_mb()
+    return rss_mb() if malloc_trim() else None
 
 
 @dataclass
@@ -600,10 +592,31 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def engine_config(model: str | None, sets: list[str], base: dict[str, Any]) -> Any:
+    """The EngineConfig of a server benchmark's flags: `--model` (the tiny random model when None),
+    then `--set KEY=VALUE` items over `base`."""
+    import yaml
+
     from minisgl_backend.config import EngineConfig
     from minisgl_backend.errors import MiniSGLError
 
+    defaults = dict(base)
+    if model:
+        defaults["model"] = model
+    else:
+        from minisgl_backend.tools.tiny import make_tiny_llama
+
+        defaults["model"] = str(make_tiny_llama())
+    overrides = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise MiniSGLError(f"--set expects KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return EngineConfig.resolve(None, overrides, defaults=defaults)
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m minisgl_backend.bench.hostile",
         description="hostile requests against a server in this process, with /health and 1-token "
@@ -624,22 +637,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args(argv)
 
-    import yaml
-
-    base: dict[str, Any] = {"stats_interval_s": 0}
-    if args.model:
-        base["model"] = args.model
-    else:
-        from minisgl_backend.tools.tiny import make_tiny_llama
-
-        base["model"] = str(make_tiny_llama())
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise MiniSGLError(f"--set expects KEY=VALUE, got {item!r}")
-        overrides[key.strip()] = yaml.safe_load(value)
-    config = EngineConfig.resolve(None, overrides, defaults=base)
+    config = engine_config(args.model, args.set, {"stats_interval_s": 0})
     result = bench_hostile(config, quick=args.quick, fcfs=args.fcfs)
     print(format_table(result))
     if args.json:

@@ -22,15 +22,11 @@ from fastapi.openapi.utils import get_openapi
 
 from minisgl_backend.chat.reasoning import REASONING_PARSERS
 from minisgl_backend.serve.backend import Backend
-from minisgl_backend.serve.errors import APIError, SlowClientError, add_error_handlers, api_error
+from minisgl_backend.serve.errors import add_error_handlers
 from minisgl_backend.serve.guard import BodyGuard, Buffered, Drain, DrainGuard, HostGuard, ServeLimits
+from minisgl_backend.serve.heap import HeapTrimmer
 from minisgl_backend.serve.routes import chat, completions, health, metrics, models, tokenizer
 from minisgl_backend.serve.state import ServerState
-from minisgl_backend.serve.streams import Merged as _Merged
-from minisgl_backend.serve.streams import sse_error as _sse_error
-
-# Names the tests import from here.
-__all__ = ["APIError", "SlowClientError", "_Merged", "_sse_error", "api_error", "build_app"]
 
 
 def build_app(
@@ -71,7 +67,16 @@ def build_app(
     app.state.server = state
     app.state.minisgl = backend
     app.state.limits = limits
-    app.state.drain = Drain()  # the server's stop (serve/server.py) waits on the requests it counts
+    heap = app.state.heap = HeapTrimmer()
+
+    def release_memory() -> None:
+        # Once no request is in flight, what the last ones freed is free for good: give it back if
+        # it amounts to something (the check reads /proc; the trim runs off the event loop).
+        if heap.due():
+            asyncio.get_running_loop().run_in_executor(None, heap.maybe_trim)
+
+    # the server's stop (serve/server.py) waits on the requests it counts
+    app.state.drain = Drain(on_idle=release_memory)
     app.add_middleware(DrainGuard, drain=app.state.drain)
     app.add_middleware(HostGuard, allowed=allowed_hosts)  # inside BodyGuard (the last added is outermost)
     app.state.buffered = Buffered()  # request body bytes held, over all requests

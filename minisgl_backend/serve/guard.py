@@ -286,20 +286,25 @@ class HostGuard:
 class Drain:
     """A server's stop in two steps: while `draining`, requests that arrive get a 503 and the ones
     already in (`inflight`: counted from their headers to the end of their response, streams
-    included) are let finish; `wait_idle` returns when none is left. Used on the event loop only."""
+    included) are let finish; `wait_idle` returns when none is left. `on_idle` is called each time
+    the last request in flight ends. Used on the event loop only."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_idle: Callable[[], None] | None = None) -> None:
         self.draining = False
         self.inflight = 0
         self._idle: asyncio.Event | None = None
+        self._on_idle = on_idle
 
     def enter(self) -> None:
         self.inflight += 1
 
     def leave(self) -> None:
         self.inflight -= 1
-        if self.inflight == 0 and self._idle is not None:
-            self._idle.set()
+        if self.inflight == 0:
+            if self._idle is not None:
+                self._idle.set()
+            if self._on_idle is not None:
+                self._on_idle()
 
     async def wait_idle(self, timeout: float) -> int:
         """Start draining; wait until no request is in flight or `timeout` seconds passed. Returns

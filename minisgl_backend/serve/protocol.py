@@ -251,7 +251,7 @@ class _SamplingFields(_EngineSampling):
             logprobs=self.num_logprobs,
             prompt_logprobs=prompt_logprobs,
             logits_processors=tuple(processors),
-            logit_bias=self.logit_bias_ids,
+            logit_bias=tuple(self.logit_bias_ids.items()),
             n=self.n,
         )
         params.check_vocab(vocab_size)

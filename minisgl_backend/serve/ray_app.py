@@ -103,12 +103,14 @@ def deploy(
     ray_address: str | None = None,
     limits: Any = None,
     extra_hosts: Any = None,
+    reasoning_parser: str | None = None,
 ) -> RayServer:
     """Deploy the `minisgl` application (N engine replicas + the ingress) and wait until it serves.
     Connects to Ray first (`cluster.connect`: the session already initialised, `ray_address` /
     RAY_ADDRESS, or a new local cluster). Serve is started with `host:port` unless it already runs on
     the cluster, in which case its proxies' address applies. `extra_hosts`: `Host` names answered
-    besides the loopback names and the address served on (--allowed-hosts)."""
+    besides the loopback names and the address served on (--allowed-hosts). `reasoning_parser`: as
+    build_app's (chat replies' <think> traces go to `reasoning`)."""
     check_count(replicas, "--replicas")
     ray = import_ray(FEATURE)
     serve = import_serve(FEATURE)
@@ -173,6 +175,7 @@ def deploy(
                     *engines,
                     limits=limits,
                     allowed_hosts=allowed_hosts(host, extra_hosts),
+                    reasoning_parser=reasoning_parser,
                 ),
                 name=APP_NAME,
                 route_prefix="/",
@@ -210,19 +213,47 @@ def _running_http_address(host: str, port: int) -> tuple[str, int]:
     try:  # Serve has no public getter for its HTTP options
         from ray.serve.context import _get_global_client
 
-        opts = _get_global_client().http_config
+        client = _get_global_client()
+        if client is None:  # no Serve instance is running in this process's cluster
+            return host, port
+        opts = client.http_config
         return opts.host, opts.port
     except Exception:  # noqa: BLE001
         return host, port
 
 
-def serve_until_signalled(server: RayServer, model: str, model_name: str | None) -> None:
+def _drain(server: RayServer, timeout: float, now: threading.Event) -> None:
+    """The ingress's drain, waited for until it ends or `now` is set (a second signal)."""
+    log.info("minisgl serve: stopping: new requests get a 503; those in flight have up to %g s", timeout)
+    call = server.ingress.drain.remote(timeout)
+    while not now.is_set():
+        try:
+            left = call.result(timeout_s=0.5)
+        except TimeoutError:
+            continue
+        except Exception as e:  # noqa: BLE001 - stopping anyway
+            log.warning("minisgl serve: the ingress did not drain: %s", e)
+            return
+        if left:
+            log.warning("%d requests still in flight after %g s: aborted", left, timeout)
+        return
+
+
+def serve_until_signalled(
+    server: RayServer, model: str, model_name: str | None, shutdown_timeout: float = 0.0
+) -> None:
     """`minisgl serve --replicas N` once `deploy` returned: serve until SIGINT/SIGTERM, then stop
     (streams end with finish_reason "abort", the application is deleted, the Ray cluster this
-    command started is shut down). Blocks. `model`: the engine's model reference, for the banner."""
-    stop = threading.Event()
+    command started is shut down). Blocks. `model`: the engine's model reference, for the banner.
+    `shutdown_timeout` > 0: the signal first drains (`Ingress.drain`: new requests get a 503, the
+    ones in flight up to that many seconds); a second signal stops at once."""
+    stop, now = threading.Event(), threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        (now if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     ray = import_ray(FEATURE)
     if log.level == logging.NOTSET:  # the banner and the stop lines are INFO, shown by default
         log.setLevel(logging.INFO)
@@ -238,6 +269,8 @@ def serve_until_signalled(server: RayServer, model: str, model_name: str | None)
     try:
         while not stop.wait(0.5):
             pass
+        if shutdown_timeout > 0:
+            _drain(server, shutdown_timeout, now)
     finally:
         log.info("minisgl serve: stopping")
         server.stop()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minisgl_backend.cluster import (
     PrefixRouter,
@@ -28,6 +28,9 @@ from minisgl_backend.errors import EngineDeadError
 from minisgl_backend.serve.backend import Backend, Event, ServerShuttingDownError, Stream, public_model_ref
 from minisgl_backend.serve.ray_replica import FEATURE, portable
 from minisgl_backend.types import RequestOutput
+
+if TYPE_CHECKING:
+    from minisgl_backend.serve.guard import Drain
 
 PROBE_TIMEOUT_S = 5.0  # a replica that does not answer /health's or /metrics' probe this fast is reported
 
@@ -234,7 +237,7 @@ async def _await(call: Any) -> Any:
 class Ingress:
     """The ingress deployment: the single server's app over a RayBackend."""
 
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Ray Serve awaits a deployment's async constructor
         self,
         config: dict[str, Any],
         model_name: str | None,
@@ -242,6 +245,7 @@ class Ingress:
         *handles: Any,
         limits: Any = None,
         allowed_hosts: frozenset[str] | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         from minisgl_backend.serve.app import build_app
 
@@ -249,10 +253,24 @@ class Ingress:
         cfg = EngineConfig.from_dict(config)
         infos = await asyncio.gather(*(_await(h.info.remote()) for h in handles))
         self.backend = RayBackend(handles, infos, cfg, model_name)
-        self._app = build_app(self.backend, model_name, api_key, limits=limits, allowed_hosts=allowed_hosts)
+        self._app = build_app(
+            self.backend,
+            model_name,
+            api_key,
+            limits=limits,
+            allowed_hosts=allowed_hosts,
+            reasoning_parser=reasoning_parser,
+        )
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app
+
+    async def drain(self, timeout: float) -> int:
+        """--shutdown-timeout: from now on every request that arrives gets a 503 `shutting_down`
+        (the single server's drain, serve/guard.py); wait up to `timeout` seconds for the ones in
+        flight to end. Returns how many did not."""
+        drain: Drain = self._app.state.drain
+        return await drain.wait_idle(timeout)
 
     async def begin_shutdown(self, timeout: float) -> int:
         """Refuse new requests, abort the running ones on every replica and wait for the open

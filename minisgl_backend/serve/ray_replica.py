@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from minisgl_backend.chat import GrammarError, GrammarProcessor
@@ -58,7 +58,7 @@ class ServeReplica(EngineReplica):
         request_id: str,
         user: str | None,
         stream: bool,
-    ) -> AsyncIterator[list[Event]]:
+    ) -> AsyncIterator[Sequence[Event | MiniSGLError | GrammarError]]:
         # The engine's typed errors travel as items, not raised: Serve would log each bad request
         # as a replica failure with its traceback.
         try:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import hmac
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
@@ -23,6 +24,67 @@ from minisgl_backend.serve.guard import ServeLimits
 T = TypeVar("T")
 
 
+class DaemonExecutor(Executor):
+    """A fixed set of daemon worker threads, started at the first job. A job still running when the
+    process exits is abandoned: ThreadPoolExecutor's threads are joined at exit, so one long
+    tokenising job would hold the server's stop up past its --shutdown-timeout."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._workers, self._name = max(1, workers), name
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._shut = False
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            if not self._threads:
+                for i in range(self._workers):
+                    t = threading.Thread(target=self._work, name=f"{self._name}_{i}", daemon=True)
+                    t.start()
+                    self._threads.append(t)
+            fut: Future[T] = Future()
+            self._queue.put(_Job(fut, fn, args, kwargs))
+            return fut
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if job.future.set_running_or_notify_cancel():  # False: cancelled while queued
+                try:
+                    job.future.set_result(job.fn(*job.args, **job.kwargs))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller, as Executor does
+                    job.future.set_exception(e)
+            del job  # the finished job's arguments and result are not kept while the thread waits
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._shut = True
+            threads = list(self._threads)
+        if cancel_futures:
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.future.cancel()
+        for _ in threads:
+            self._queue.put(None)
+        if wait:
+            for t in threads:
+                t.join()
+
+
+@dataclass
+class _Job:
+    future: Future
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+
+
 class CPUPool:
     """The bounded executor for request-sized CPU work (JSON of large bodies, tokenising, chat
     templates, grammar compilation, detokenising): the event loop only does I/O. Each worker thread
@@ -33,7 +95,7 @@ class CPUPool:
         self._base = tokenizer
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="minisgl-serve-cpu")
+        self._pool = DaemonExecutor(workers, "minisgl-serve-cpu")
         self._stop: asyncio.Event | None = None  # made on the event loop, at first use
 
     def tokenizer(self) -> Any:
@@ -188,7 +250,7 @@ class ServerState:
                 code="request_too_long",
             )
 
-    def room(self, prompt_len: int, requested: int | None, what: str) -> int:
+    def reply_budget(self, prompt_len: int, requested: int | None, what: str) -> int:
         """max_tokens for a prompt of `prompt_len` tokens: `requested` if it fits the context (else
         a 400, as vLLM), or all the room left when the client asked for no particular number. `what`
         names the input with its article ("the prompt", "prompt 2", "the conversation")."""

@@ -67,7 +67,7 @@ async def results_or_disconnect(request: Request, streams: Sequence[Stream]) -> 
         abort_all(streams)  # no-op for finished ones
 
 
-class Merged:
+class StreamMerger:
     """(index, event) of several streams as they come; an error arrives as (index, exception).
     At most `limit` events wait for the client: past that its requests are aborted (their KV freed)
     and a SlowClientError is queued. `close()` is synchronous: it runs in `finally` blocks that a

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
 
 # The tiny model's engine behind a server: a tight KV pool (64 blocks of 16 tokens for up to 16 running
 # requests), so concurrent clients preempt each other; overlap and the prefix cache on (the defaults).
@@ -23,6 +32,67 @@ def serving(config: Any, *, key: str, model: str, **server: Any) -> Iterator[Any
     yield srv
     srv.stop()
     engine.close()
+
+
+@dataclass
+class ServeProcess:
+    """A `minisgl serve` child process listening on `url`."""
+
+    proc: subprocess.Popen
+    url: str
+
+    def rss_mb(self) -> float:
+        """The child's resident memory (VmRSS) in MB."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS line")
+
+
+@contextmanager
+def serve_process(model_dir: Any, *flags: str, start_timeout: float = 120) -> Iterator[ServeProcess]:
+    """`minisgl serve` of `model_dir` (one torch thread, no stats log) with `flags`, on a free port of
+    127.0.0.1, once /health answers; killed on exit if it is still running. Its output is captured
+    (`proc.communicate()`)."""
+    import httpx
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "adapters"), os.environ.get("PYTHONPATH", "")]),
+    }
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "minisgl_backend.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--model",
+        str(model_dir),
+    ]
+    cmd += ["--set", "num_threads=1", "--set", "stats_interval_s=0", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:  # the process is starting: poll its health endpoint
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        yield ServeProcess(proc, url)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def assert_serves(client: Any, model: str) -> None:

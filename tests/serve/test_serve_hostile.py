@@ -534,7 +534,7 @@ def test_errors_leak_no_internals(server, client, tiny_model_dir):
     assert r.status_code == 200 and str(tiny_model_dir) not in r.text
     (m,) = r.json()["data"]
     assert not os.path.isabs(m["root"]) and m["id"] == MODEL
-    from minisgl_backend.serve.app import api_error
+    from minisgl_backend.serve.errors import api_error
 
     err = api_error(RuntimeError("secret /home/x/model detail"))
     assert err.status == 500 and "secret" not in err.message and "request id" in err.message
@@ -720,8 +720,9 @@ def test_a_streaming_client_that_stops_reading_is_cut_off_and_its_requests_abort
     # (whose `finally` aborts the requests); undelivered events past the buffer bound abort at once.
     import asyncio
 
-    from minisgl_backend.serve.app import SlowClientError, _Merged
+    from minisgl_backend.serve.errors import SlowClientError
     from minisgl_backend.serve.guard import GuardedStreamingResponse
+    from minisgl_backend.serve.streams import StreamMerger
 
     closed = []
 
@@ -763,7 +764,7 @@ def test_a_streaming_client_that_stops_reading_is_cut_off_and_its_requests_abort
 
     async def overflow():
         s = Endless()
-        merged = _Merged([s], limit=50)
+        merged = StreamMerger([s], limit=50)
         await asyncio.sleep(0.2)  # the client reads nothing meanwhile
         items = [await merged.next() for _ in range(51)]
         merged.close()
@@ -776,11 +777,11 @@ def test_a_streaming_client_that_stops_reading_is_cut_off_and_its_requests_abort
 def test_a_grammar_failing_mid_stream_ends_with_an_error_event_and_done():
     from minisgl_backend.chat import GrammarError
     from minisgl_backend.errors import RequestFailedError
-    from minisgl_backend.serve.app import _sse_error
+    from minisgl_backend.serve.streams import sse_error
 
     failed = RequestFailedError("logits processor raised GrammarError(...)")
     failed.__cause__ = GrammarError("the output grammar exceeds the parser's limits: too many items")
-    events = _sse_error(failed).strip().split("\n\n")
+    events = sse_error(failed).strip().split("\n\n")
     assert events[-1] == "data: [DONE]"
     err = json.loads(events[0][len("data: ") :])["error"]
     assert err["code"] == "invalid_grammar" and "parser's limits" in err["message"]
@@ -941,3 +942,72 @@ def test_chat_logprob_bytes_of_tokens_holding_part_of_a_character_join_into_the_
     joined = bytes(b for e in entries for b in e["bytes"]).decode("utf-8")
     assert joined.startswith("😀 é😀"), joined  # (then the end-of-turn token the grammar let through)
     assert all(e["bytes"] != [239, 191, 189] for e in entries), entries  # no U+FFFD stand-ins
+
+
+def test_drain_calls_on_idle_each_time_its_last_request_ends():
+    """The server hands freed memory back when no request is in flight (serve/heap.py): Drain tells
+    it when the last one ends, not at every request's end."""
+    from minisgl_backend.serve.guard import Drain
+
+    calls = []
+    drain = Drain(on_idle=lambda: calls.append(drain.inflight))
+    drain.enter()
+    drain.enter()
+    drain.leave()
+    assert calls == []
+    drain.leave()
+    assert calls == [0]
+    drain.enter()
+    drain.leave()
+    assert calls == [0, 0]
+
+
+def test_the_heap_trimmer_trims_only_past_its_threshold_of_growth(monkeypatch):
+    """A trim when RSS grew by the threshold over the last trim's value; none below it, and a lower
+    reading lowers the reference."""
+    from minisgl_backend.serve import heap
+
+    rss = [1000]
+    monkeypatch.setattr(heap, "rss_bytes", lambda: rss[0])
+    trims = []
+    monkeypatch.setattr(heap, "malloc_trim", lambda: trims.append(rss[0]) or True)
+    monkeypatch.setattr(heap, "_MALLOC_TRIM", object())
+    t = heap.HeapTrimmer(threshold=100)
+    rss[0] = 1099
+    assert not t.maybe_trim() and trims == []
+    rss[0] = 900  # memory returned by other means: the reference drops
+    assert not t.maybe_trim()
+    rss[0] = 1000
+    assert t.maybe_trim() and trims == [1000] and t.trims == 1
+    assert not t.maybe_trim()  # the value after the trim is the new reference
+
+
+def test_the_cpu_pools_daemon_threads_deliver_results_and_errors_and_drop_queued_jobs_at_close():
+    import threading
+
+    from minisgl_backend.serve.state import DaemonExecutor
+
+    ex = DaemonExecutor(2, "t")
+    assert ex.submit(lambda x: x + 1, 1).result(10) == 2
+    with pytest.raises(ZeroDivisionError):
+        ex.submit(lambda: 1 / 0).result(10)
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    def hold() -> bool:
+        started.release()
+        return release.wait(10)
+
+    busy = [ex.submit(hold) for _ in range(2)]
+    assert started.acquire(timeout=10) and started.acquire(timeout=10)  # both workers held
+    queued = ex.submit(lambda: "never")
+    workers = [t for t in threading.enumerate() if t.name.startswith("t_")]
+    assert len(workers) == 2 and all(t.daemon for t in workers)  # not joined at the process's exit
+    ex.shutdown(wait=False, cancel_futures=True)
+    assert queued.cancelled()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        ex.submit(lambda: None)
+    release.set()
+    assert all(f.result(10) for f in busy)  # running jobs finish
+    for t in workers:
+        t.join(10)
+        assert not t.is_alive()

@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-ray"
 MODEL = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+SHUTDOWN_TIMEOUT_S = 3
 BLOCK = 16  # EngineConfig.block_size default: the routing key is the first block of a prompt
 START_TIMEOUT_S = 240
 
@@ -100,6 +101,9 @@ def served(tiny_model_dir):
     sets = [a for k, v in engine.items() for a in ("--set", f"{k}={v}")]
     argv = ["serve", "--replicas", "2", "--port", str(port), "--model", str(tiny_model_dir)]
     argv += ["--api-key", KEY, "--served-model-name", MODEL, *sets]
+    # the single server's drain and reasoning split, through the ingress (the random model's replies
+    # open with no <think>, so the split leaves them as they are)
+    argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--reasoning-parser", "deepseek_r1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "minisgl_backend.cli", *argv],
         stdout=subprocess.PIPE,
@@ -423,9 +427,11 @@ def test_health_is_503_naming_a_dead_replica_and_the_other_keeps_serving(served,
     assert served.replica(1, "info")["pid"] != pid
 
 
-def test_sigterm_ends_streams_stops_serve_and_leaves_no_ray_process(served):
-    """Last: stops the module's server. An open stream ends at once with finish_reason "abort",
-    the command exits 0 without a traceback, and every Ray process it started is gone."""
+def test_sigterm_drains_ends_streams_stops_serve_and_leaves_no_ray_process(served):
+    """Last: stops the module's server. With --shutdown-timeout the signal drains first: new requests
+    get a 503 `shutting_down` with Retry-After while a stream is in flight; the stream then ends
+    (aborted at the deadline, or finished), the command exits 0 without a traceback, and every Ray
+    process it started is gone."""
     ray.shutdown()  # this driver leaves first: the cluster is about to go
     with httpx.Client(base_url=served.url, headers=AUTH, timeout=60) as c:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
@@ -434,9 +440,15 @@ def test_sigterm_ends_streams_stops_serve_and_leaves_no_ray_process(served):
             assert next(lines).startswith("data: ")
             t0 = time.monotonic()
             served.proc.send_signal(signal.SIGTERM)
+            with httpx.Client(base_url=served.url, timeout=10) as probe:
+                while (h := probe.get("/health")).status_code == 200:  # until the drain begins
+                    assert time.monotonic() - t0 < SHUTDOWN_TIMEOUT_S, "no 503 while draining"
+                    time.sleep(0.05)
+            assert h.status_code == 503 and h.headers["retry-after"] == "1", h.text
+            assert h.json()["error"]["code"] == "shutting_down"
             events = [json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]" for x in lines if x]
-    assert time.monotonic() - t0 < 15
-    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
+    assert time.monotonic() - t0 < SHUTDOWN_TIMEOUT_S + 15
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("abort", "length")
     served.proc.wait(timeout=60)
     served.reader.join(10)
     out, err = served.proc.stdout.read(), "".join(served.log)

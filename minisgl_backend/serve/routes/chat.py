@@ -44,7 +44,7 @@ from minisgl_backend.serve.state import AppState, ServerState, keyed_router
 from minisgl_backend.serve.streams import (
     DONE,
     SSE_RESPONSES,
-    Merged,
+    StreamMerger,
     results_or_disconnect,
     sse,
     sse_error,
@@ -108,7 +108,7 @@ async def chat_completions(
         return prompt
 
     prompt = await pool.run(prepare)
-    max_tokens = state.room(
+    max_tokens = state.reply_budget(
         len(prompt.token_ids), body.max_completion_tokens or body.max_tokens, "the conversation"
     )
     params = body.to_sampling_params(max_tokens, state.backend.vocab_size, prompt.logits_processors)
@@ -165,7 +165,7 @@ async def _stream(
         choice = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish)
         return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]))
 
-    events = Merged([stream], state.limits.stream_buffer_events * body.n)
+    events = StreamMerger([stream], state.limits.stream_buffer_events * body.n)
     try:
         for i in range(body.n):
             yield chunk(i, ChatDelta(role="assistant", content=""))

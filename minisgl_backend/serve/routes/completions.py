@@ -27,7 +27,7 @@ from minisgl_backend.serve.state import AppState, ServerState, keyed_router
 from minisgl_backend.serve.streams import (
     DONE,
     SSE_RESPONSES,
-    Merged,
+    StreamMerger,
     abort_all,
     results_or_disconnect,
     sse,
@@ -63,7 +63,7 @@ async def completions(
         if isinstance(pr, str):
             state.check_chars(len(pr), what, "prompt")
         elif len(pr) > state.backend.max_model_len:
-            state.room(len(pr), None, what)  # raises: longer than the context
+            state.reply_budget(len(pr), None, what)  # raises: longer than the context
     chars = sum(len(pr) for pr in prompts if isinstance(pr, str))
     state.check_request_chars(chars, "the request's prompts" if len(prompts) > 1 else "the prompt", "prompt")
     drop = body.max_tokens == 0  # echo-only scoring: the engine draws one token, which is dropped
@@ -90,12 +90,12 @@ async def completions(
     for i, pr in enumerate(ids):
         what = "prompt" if len(ids) == 1 else f"prompt {i}"
         if drop:
-            state.room(len(pr), 0, what)
+            state.reply_budget(len(pr), 0, what)
             mt = 1
         elif explicit:
-            mt = state.room(len(pr), body.max_tokens, what)
+            mt = state.reply_budget(len(pr), body.max_tokens, what)
         else:  # OpenAI's default of 16, less where the context has no room for it
-            mt = min(body.max_tokens or 16, state.room(len(pr), None, what))
+            mt = min(body.max_tokens or 16, state.reply_budget(len(pr), None, what))
         params.append(
             body.to_sampling_params(
                 mt,
@@ -177,7 +177,7 @@ async def _stream(
         text = "" if drop else delta.text
         return chunk(i, text, logprobs=lps) if text or lps else None
 
-    events = Merged(streams, state.limits.stream_buffer_events * num_choices)
+    events = StreamMerger(streams, state.limits.stream_buffer_events * num_choices)
     try:
         if echo_text:
             for i, t in enumerate(echo_text):
