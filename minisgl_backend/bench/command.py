@@ -225,12 +225,17 @@ def run_bench_serve(args: argparse.Namespace, config: ConfigFromFlags) -> int:
                         offline_baseline,
                     )
 
+                    # Each run starts from an empty prefix cache: the offline run must not find the
+                    # prompts the served one left there (nor the served run the warm-up's).
+                    engine.drain(timeout=120, flush_cache=True)
                     m0 = engine.metrics()
                     row = bench_serve_in_child(srv.url, vocab=engine.vocab_size, **kw)
                     m1 = engine.metrics()
+                    engine.drain(timeout=120, flush_cache=True)
+                    m2 = engine.metrics()
                     offline_baseline(engine, row, args.num_prompts, args.input_len, args.seed)
                     row["served_engine"] = engine_counts(m0, m1)
-                    row["offline_engine"] = engine_counts(m1, engine.metrics())
+                    row["offline_engine"] = engine_counts(m2, engine.metrics())
                 else:
                     row = bench_serve(srv.url, vocab=engine.vocab_size, **kw)
                 counts = engine.drain(timeout=120, flush_cache=True)

@@ -259,9 +259,8 @@ def engine_counts(before: dict[str, float], after: dict[str, float]) -> dict[str
     """What the engine did between two `Engine.metrics()` snapshots: iterations and forward time
     (the same requests should take as many iterations served as offline; a longer forward is CPU
     taken from it by other work on the machine)."""
-    return {
-        k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in ("iterations", "forward_s", "sample_s")
-    }
+    keys = ("iterations", "forward_s", "sample_s", "prefill_tokens", "decode_tokens")
+    return {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in keys}
 
 
 # The line a client process prints when its timed run has ended (the server samples its CPU then).
@@ -448,8 +447,9 @@ def format_row(row: dict[str, Any]) -> str:
     if "served_engine" in row:
         se, oe = row["served_engine"], row["offline_engine"]
         lines.append(
-            f"engine: served {se['iterations']:.0f} iterations, forward {se['forward_s']:.2f} s; offline "
-            f"{oe['iterations']:.0f} iterations, forward {oe['forward_s']:.2f} s"
+            f"engine: served {se['iterations']:.0f} iterations, {se['prefill_tokens']:.0f} prefill tokens, "
+            f"forward {se['forward_s']:.2f} s; offline {oe['iterations']:.0f} iterations, "
+            f"{oe['prefill_tokens']:.0f} prefill tokens, forward {oe['forward_s']:.2f} s"
         )
     if "kv_after_drain" in row:
         lines.append(f"KV after drain: {row['kv_after_drain']} (all FREE: {row['kv_all_free']})")
