@@ -28,7 +28,7 @@ class CPUExecutor(DualWorkerExecutor):
         super().__init__(*args, **kwargs)
 
     def _launch(self, inp: IterationInputs, input_ids: torch.Tensor) -> None:
-        cpu_threads.adapt()
+        cpu_threads.adapt(None if inp.prefill_chunks else inp.num_decode)
         t0 = time.perf_counter()
         # Only the rows that sample or score leave the model, as float32 on the host: sampling runs on
         # the CPU, on the copy worker, while the compute worker starts the next forward.

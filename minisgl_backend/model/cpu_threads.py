@@ -17,6 +17,13 @@ evenly and spin between ops; two teams spinning beside each other take each othe
   for cores (another busy process, which the pool sees in the kernel's run-queue statistics) the
   forward drops to one thread until it is not: an evenly split op on a busy machine is slower than one
   thread.
+
+On the kernels' own pool a busy machine costs a step of a few decode rows more than its share too: such
+a step reads every weight once for little arithmetic, one thread draws most of the memory's rate on
+its own, and its ~150 short parallel regions each wake a second thread that the other process keeps
+from its core. So those steps also run on one thread while the machine is busy (`adapt`), and steps
+with more rows (prefill, wide decode batches), where the second thread's arithmetic pays for its
+wake-ups, keep the planned count. A row's bits do not depend on the thread count on this pool.
 """
 
 from __future__ import annotations
@@ -132,6 +139,9 @@ def plan(num_threads: int | None, dtype: str, deterministic: bool = False) -> Th
     return ThreadPlan(threads, 1 if own else threads, openmp=not own, why=why, adaptive=not deterministic)
 
 
+# Decode rows up to which a step of the kernels' own pool runs on one thread while the machine is busy.
+FEW_DECODE_ROWS = 8
+
 _ACTIVE: ThreadPlan | None = None
 # After the forward drops to one thread on a busy machine, how long it stays there before it tries its
 # planned count again: at one thread the busy signal itself fades, and every try costs a few slow steps.
@@ -151,20 +161,27 @@ def apply(p: ThreadPlan) -> bool:
     return changed
 
 
-def adapt() -> None:
-    """Before a forward (on the thread that runs it): under a plan whose threads are OpenMP's, one
-    thread while the kernels' threads are kept waiting for cores, the planned count otherwise."""
+def adapt(decode_rows: int | None = None) -> None:
+    """Before a forward (on the thread that runs it): one thread while the kernels' threads are kept
+    waiting for cores, the planned count otherwise, under a plan whose threads are OpenMP's; under
+    the kernels' own pool, the same for a step of `decode_rows` decode rows and no prompt tokens
+    (None: a step with prompt tokens) up to FEW_DECODE_ROWS, and the planned count for any other."""
     p = _ACTIVE
-    if p is None or not p.openmp or not p.adaptive or p.threads == 1:
+    if p is None or not p.adaptive or p.threads == 1:
         return
     global _held_until
     now = time.monotonic()
     if cpu_kernels.contended():
-        want = 1
+        busy = True
         _held_until = now + HOLD_S
     else:
-        want = 1 if now < _held_until else p.threads
+        busy = now < _held_until
+    few = decode_rows is not None and decode_rows <= FEW_DECODE_ROWS
+    want = 1 if busy and (p.openmp or few) else p.threads
     if cpu_kernels.threads() != want:
-        log.info("machine %s: the forward now runs on %d thread(s)", "busy" if want == 1 else "free", want)
-        torch.set_num_threads(want)
+        if p.openmp:
+            log.info(
+                "machine %s: the forward now runs on %d thread(s)", "busy" if want == 1 else "free", want
+            )
+            torch.set_num_threads(want)
         cpu_kernels.set_threads(want)

@@ -114,3 +114,18 @@ def test_download_lands_logits_in_the_slot() -> None:
     host = slot.download(logits, lambda src, dst: dst.copy_(src))
     assert torch.equal(host, logits)
     assert host.data_ptr() == slot.buffer("logits", torch.float32, 30).data_ptr()
+
+
+def test_the_cpu_executor_tells_the_thread_plan_what_each_step_is(tiny_model_dir, monkeypatch) -> None:
+    """A busy machine costs a step of a few decode rows its second thread, not a step with prompt
+    tokens (model/cpu_threads.py adapt): the executor says which kind each forward is."""
+    from minisgl_backend import SamplingParams
+    from minisgl_backend.model import cpu_threads
+
+    seen: list[int | None] = []
+    monkeypatch.setattr(cpu_threads, "adapt", lambda decode_rows=None: seen.append(decode_rows))
+    with Engine(EngineConfig(model=str(tiny_model_dir), num_blocks=64)) as engine:
+        engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert None in seen, "the prefill steps say they carry prompt tokens"
+    decode = [n for n in seen if n is not None]
+    assert decode and set(decode) <= {1, 2}, seen

@@ -94,7 +94,7 @@ def test_a_forward_on_openmp_drops_to_one_thread_while_busy(monkeypatch):
         clock[0] += cpu_threads.HOLD_S
         cpu_threads.adapt()
         assert (cpu_kernels.threads(), torch.get_num_threads()) == (2, 2)
-        # the own pool keeps its threads: it stops spinning instead
+        # the own pool keeps its threads for a step with prompt tokens: it stops spinning instead
         cpu_threads.apply(cpu_threads.ThreadPlan(2, 1, openmp=False, why="test"))
         busy[0] = True
         cpu_threads.adapt()
@@ -106,6 +106,44 @@ def test_a_forward_on_openmp_drops_to_one_thread_while_busy(monkeypatch):
         clock[0] += 10 * cpu_threads.HOLD_S
         cpu_threads.adapt()
         assert (cpu_kernels.threads(), torch.get_num_threads()) == (2, 2)
+    finally:
+        torch.set_num_threads(saved[0])
+        cpu_kernels.set_threads(saved[1])
+        cpu_kernels.use_openmp(False)
+        cpu_threads._ACTIVE = saved[2]
+
+
+def test_a_few_row_decode_step_on_the_own_pool_runs_on_one_thread_while_busy(monkeypatch):
+    """A step of a few decode rows reads every weight for little arithmetic: beside a busy process
+    one thread does it as fast as two that keep waking each other. Wider steps keep their threads,
+    and so does every step once the machine is free again (after the hold)."""
+    busy = [True]
+    clock = [100.0]
+    monkeypatch.setattr(cpu_kernels, "contended", lambda: busy[0])
+    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(cpu_threads, "_held_until", 0.0)
+    saved = torch.get_num_threads(), cpu_kernels._THREADS, cpu_threads._ACTIVE
+    try:
+        cpu_threads.apply(cpu_threads.ThreadPlan(2, 1, openmp=False, why="test"))
+        cpu_threads.adapt(1)
+        assert cpu_kernels.threads() == 1
+        assert torch.get_num_threads() == 1, "torch keeps its own count on this plan"
+        cpu_threads.adapt(cpu_threads.FEW_DECODE_ROWS)
+        assert cpu_kernels.threads() == 1
+        cpu_threads.adapt(cpu_threads.FEW_DECODE_ROWS + 1)
+        assert cpu_kernels.threads() == 2, "a wide decode step pays for its second thread"
+        cpu_threads.adapt(None)
+        assert cpu_kernels.threads() == 2, "so does a step with prompt tokens"
+        busy[0] = False
+        cpu_threads.adapt(1)
+        assert cpu_kernels.threads() == 1, "it holds one thread for a while before it tries again"
+        clock[0] += 2 * cpu_threads.HOLD_S
+        cpu_threads.adapt(1)
+        assert cpu_kernels.threads() == 2
+        # idle from the start: a few-row step keeps the planned count
+        busy[0] = False
+        cpu_threads.adapt(4)
+        assert cpu_kernels.threads() == 2
     finally:
         torch.set_num_threads(saved[0])
         cpu_kernels.set_threads(saved[1])
