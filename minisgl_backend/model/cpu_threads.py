@@ -21,9 +21,12 @@ evenly and spin between ops; two teams spinning beside each other take each othe
 On the kernels' own pool a busy machine costs a step of a few decode rows more than its share too: such
 a step reads every weight once for little arithmetic, one thread draws most of the memory's rate on
 its own, and its ~150 short parallel regions each wake a second thread that the other process keeps
-from its core. So those steps also run on one thread while the machine is busy (`adapt`), and steps
-with more rows (prefill, wide decode batches), where the second thread's arithmetic pays for its
-wake-ups, keep the planned count. A row's bits do not depend on the thread count on this pool.
+from its core. So those steps also run on one thread while other processes use the CPUs (`adapt`,
+`OtherLoad`), and steps with more rows (prefill, wide decode batches), where the second thread's
+arithmetic pays for its wake-ups, keep the planned count. The pool's own busy signal does not serve
+here: it reads the kernels' threads kept waiting for a core, which the engine's own scheduler and
+sampling threads also do on a small machine, and a step put on one thread by mistake runs at half
+speed. A row's bits do not depend on the thread count on this pool.
 """
 
 from __future__ import annotations
@@ -142,6 +145,53 @@ def plan(num_threads: int | None, dtype: str, deterministic: bool = False) -> Th
 # Decode rows up to which a step of the kernels' own pool runs on one thread while the machine is busy.
 FEW_DECODE_ROWS = 8
 
+
+class OtherLoad:
+    """Whether other processes keep the CPUs busy: over windows of at least WINDOW_S, the CPU time
+    the whole machine spent (/proc/stat: everything but idle and I/O wait; steal included, a
+    hypervisor's other guests) less this process's own (/proc/self/stat), in CPUs' worth. Linux
+    only; elsewhere never busy."""
+
+    WINDOW_S = 0.1
+    BUSY_CPUS = 0.5  # a competing process at one CPU's worth reads ~0.6-1.0 beside the forward
+
+    def __init__(self, stat: Path = Path("/proc/stat"), self_stat: Path = Path("/proc/self/stat")) -> None:
+        self._stat, self._self_stat = stat, self_stat
+        self._last: tuple[float, float, float] | None = None  # (monotonic s, machine busy s, own s)
+        self.busy = False
+        self.others_cpus = 0.0
+
+    def _read(self) -> tuple[float, float] | None:
+        try:
+            fields = self._stat.read_text().split("\n", 1)[0].split()[1:]
+            own = self._self_stat.read_text()
+        except OSError:
+            return None
+        ticks = [int(x) for x in fields]
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle, iowait
+        # guest time is counted in user time already
+        busy = sum(ticks[:8]) - idle if len(ticks) >= 8 else sum(ticks) - idle
+        rest = own[own.rindex(")") + 2 :].split()
+        return busy / _TICKS, (int(rest[11]) + int(rest[12])) / _TICKS
+
+    def update(self, now: float) -> bool:
+        """Re-read once a window has passed; the latest answer otherwise."""
+        if self._last is not None and now - self._last[0] < self.WINDOW_S:
+            return self.busy
+        got = self._read()
+        if got is None:
+            return self.busy
+        if self._last is not None:
+            span = now - self._last[0]
+            self.others_cpus = max(0.0, (got[0] - self._last[1]) - (got[1] - self._last[2])) / span
+            self.busy = self.others_cpus >= self.BUSY_CPUS
+        self._last = (now, *got)
+        return self.busy
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_OTHERS = OtherLoad()
+
 _ACTIVE: ThreadPlan | None = None
 # After the forward drops to one thread on a busy machine, how long it stays there before it tries its
 # planned count again: at one thread the busy signal itself fades, and every try costs a few slow steps.
@@ -165,19 +215,23 @@ def adapt(decode_rows: int | None = None) -> None:
     """Before a forward (on the thread that runs it): one thread while the kernels' threads are kept
     waiting for cores, the planned count otherwise, under a plan whose threads are OpenMP's; under
     the kernels' own pool, the same for a step of `decode_rows` decode rows and no prompt tokens
-    (None: a step with prompt tokens) up to FEW_DECODE_ROWS, and the planned count for any other."""
+    (None: a step with prompt tokens) up to FEW_DECODE_ROWS while other processes use the CPUs
+    (OtherLoad), and the planned count for any other."""
     p = _ACTIVE
     if p is None or not p.adaptive or p.threads == 1:
         return
     global _held_until
     now = time.monotonic()
-    if cpu_kernels.contended():
-        busy = True
-        _held_until = now + HOLD_S
+    if p.openmp:
+        if cpu_kernels.contended():
+            busy = True
+            _held_until = now + HOLD_S
+        else:
+            busy = now < _held_until
+        want = 1 if busy else p.threads
     else:
-        busy = now < _held_until
-    few = decode_rows is not None and decode_rows <= FEW_DECODE_ROWS
-    want = 1 if busy and (p.openmp or few) else p.threads
+        few = decode_rows is not None and decode_rows <= FEW_DECODE_ROWS
+        want = 1 if few and _OTHERS.update(now) else p.threads
     if cpu_kernels.threads() != want:
         if p.openmp:
             log.info(

@@ -116,12 +116,16 @@ def test_a_forward_on_openmp_drops_to_one_thread_while_busy(monkeypatch):
 def test_a_few_row_decode_step_on_the_own_pool_runs_on_one_thread_while_busy(monkeypatch):
     """A step of a few decode rows reads every weight for little arithmetic: beside a busy process
     one thread does it as fast as two that keep waking each other. Wider steps keep their threads,
-    and so does every step once the machine is free again (after the hold)."""
-    busy = [True]
-    clock = [100.0]
-    monkeypatch.setattr(cpu_kernels, "contended", lambda: busy[0])
-    monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(cpu_threads, "_held_until", 0.0)
+    and so does every step while no other process uses the CPUs, whatever the pool's own signal says
+    (the engine's own threads trip that one)."""
+    others = [True]
+
+    class Stub:
+        def update(self, now: float) -> bool:
+            return others[0]
+
+    monkeypatch.setattr(cpu_threads, "_OTHERS", Stub())
+    monkeypatch.setattr(cpu_kernels, "contended", lambda: True)
     saved = torch.get_num_threads(), cpu_kernels._THREADS, cpu_threads._ACTIVE
     try:
         cpu_threads.apply(cpu_threads.ThreadPlan(2, 1, openmp=False, why="test"))
@@ -134,21 +138,41 @@ def test_a_few_row_decode_step_on_the_own_pool_runs_on_one_thread_while_busy(mon
         assert cpu_kernels.threads() == 2, "a wide decode step pays for its second thread"
         cpu_threads.adapt(None)
         assert cpu_kernels.threads() == 2, "so does a step with prompt tokens"
-        busy[0] = False
+        others[0] = False
         cpu_threads.adapt(1)
-        assert cpu_kernels.threads() == 1, "it holds one thread for a while before it tries again"
-        clock[0] += 2 * cpu_threads.HOLD_S
-        cpu_threads.adapt(1)
-        assert cpu_kernels.threads() == 2
-        # idle from the start: a few-row step keeps the planned count
-        busy[0] = False
-        cpu_threads.adapt(4)
-        assert cpu_kernels.threads() == 2
+        assert cpu_kernels.threads() == 2, "no other process: the pool's own signal is not enough"
     finally:
         torch.set_num_threads(saved[0])
         cpu_kernels.set_threads(saved[1])
         cpu_kernels.use_openmp(False)
         cpu_threads._ACTIVE = saved[2]
+
+
+def _fake_proc(tmp_path, machine_busy: int, own: int) -> None:
+    idle = 1000
+    (tmp_path / "stat").write_text(f"cpu  {machine_busy} 0 0 {idle} 0 0 0 0 0 0\ncpu0 0 0 0 0\n")
+    fields = ["1", "(python (x))", "S"] + ["0"] * 10 + [str(own), "0"] + ["0"] * 30
+    (tmp_path / "self_stat").write_text(" ".join(fields))
+
+
+def test_other_load_counts_the_machines_cpu_time_less_this_process(tmp_path):
+    """Over 1 s, the machine busy for 150 ticks of which this process took 40 is 110 ticks' worth of
+    other work (1.1 CPUs at 100 ticks a second); busy 80 of which 60 were ours, 20 ticks' worth."""
+    load = cpu_threads.OtherLoad(tmp_path / "stat", tmp_path / "self_stat")
+    per_s = cpu_threads._TICKS
+    _fake_proc(tmp_path, 1000, 500)
+    assert load.update(10.0) is False  # the first reading only starts a window
+    _fake_proc(tmp_path, 1150, 540)
+    assert load.update(10.05) is False, "within a window the last answer holds"
+    assert load.update(11.0) is (110 / per_s >= cpu_threads.OtherLoad.BUSY_CPUS)
+    assert load.others_cpus == pytest.approx(110 / per_s)
+    _fake_proc(tmp_path, 1230, 600)
+    assert load.update(12.0) is False and load.others_cpus == pytest.approx(20 / per_s)
+
+
+def test_other_load_is_never_busy_without_proc(tmp_path):
+    load = cpu_threads.OtherLoad(tmp_path / "missing", tmp_path / "missing")
+    assert load.update(1.0) is False and load.update(5.0) is False
 
 
 def _schedstat() -> bool:
