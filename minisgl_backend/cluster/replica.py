@@ -65,10 +65,11 @@ class EngineReplica:
             "num_threads": torch.get_num_threads(),
         }
 
-    def health(self) -> None:
-        """Raises the engine's error when it no longer runs."""
+    def health(self) -> int:
+        """This replica's process id; raises the engine's error when it no longer runs."""
         if not self.engine.is_alive:
             raise self.engine.dead or EngineDeadError("the engine is not running")
+        return os.getpid()
 
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()

@@ -114,6 +114,10 @@ class RayBackend(Backend):
         self.n = len(self.handles)
         self.model_ref = str(config.model)
         self.model_name = model_name or public_model_ref(self.model_ref)  # the metrics' model_name label
+        # Each replica's process: a probe that finds another one there reports the replica lost once
+        # (Serve may restart a killed replica faster than a probe's timeout, the request then waiting
+        # for the new process and seeing nothing wrong).
+        self.pids: list[int | None] = [i.get("pid") for i in infos]
         self.model_dir = infos[0]["model_dir"]
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = infos[0]["vocab_size"]
@@ -193,6 +197,9 @@ class RayBackend(Backend):
             if isinstance(res, BaseException):
                 cause = getattr(res, "cause", None) or res
                 self.dead[r] = f"{type(cause).__name__}: {cause}"
+            elif isinstance(res, int) and self.pids[r] is not None and res != self.pids[r]:
+                self.dead[r] = f"its process {self.pids[r]} was lost; Serve restarted it as {res}"
+                self.pids[r] = res
             else:
                 self.dead.pop(r, None)
         return dict(self.dead)
