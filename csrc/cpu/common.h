@@ -163,10 +163,14 @@ AVX512 inline __m256i round_to_bf16(__m512 v) {
 }
 
 AVX512 inline __m512 load_bf16x16(const uint16_t* p, __mmask16 mask) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+    const __m256i h =
+        mask == 0xffff ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(mask, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// The same for 16 elements: load16/load16m (masked) widen, store16m rounds (round_to_bf16).
+// The same for 16 elements: load16/load16m (masked) widen, store16m rounds (round_to_bf16). A whole
+// vector (mask all ones) takes the plain load or store: on some CPUs the masked forms made the
+// row-wise ops of a prefill forward several times slower, where the next op reads what they stored.
 template <typename T>
 AVX512 inline __m512 load16(const T* p);
 template <>
@@ -183,7 +187,7 @@ template <typename T>
 AVX512 inline __m512 load16m(const T* p, __mmask16 m);
 template <>
 AVX512 inline __m512 load16m<float>(const float* p, __mmask16 m) {
-    return _mm512_maskz_loadu_ps(m, p);
+    return m == 0xffff ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
 }
 template <>
 AVX512 inline __m512 load16m<uint16_t>(const uint16_t* p, __mmask16 m) {
@@ -194,19 +198,32 @@ template <typename T>
 AVX512 inline void store16m(T* p, __m512 v, __mmask16 m);
 template <>
 AVX512 inline void store16m<float>(float* p, __m512 v, __mmask16 m) {
-    _mm512_mask_storeu_ps(p, m, v);
+    if (m == 0xffff)
+        _mm512_storeu_ps(p, v);
+    else
+        _mm512_mask_storeu_ps(p, m, v);
 }
 template <>
 AVX512 inline void store16m<uint16_t>(uint16_t* p, __m512 v, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, round_to_bf16(v));
+    if (m == 0xffff)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round_to_bf16(v));
+    else
+        _mm256_mask_storeu_epi16(p, m, round_to_bf16(v));
 }
 
 template <typename T>
 AVX512 inline __m512 round16(__m512 v) {  // to the dtype and back, as storing and loading it
     if constexpr (std::is_same_v<T, float>)
         return v;
-    else
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(v)), 16));
+    else {  // round_to_bf16's bits, kept in the high half of each lane (no narrowing and widening)
+        const __m512i u = _mm512_castps_si512(v), high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), high);
+        const __mmask16 nan =
+            _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+        const __m512i quiet = _mm512_or_si512(_mm512_and_si512(u, high), _mm512_set1_epi32(0x00400000));
+        return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, r, quiet));
+    }
 }
 
 // exp(x): 2^(x log2 e) split into 2^n (scalef) times 2^f, |f| <= 1/2, from its degree-7 Taylor
@@ -382,9 +399,11 @@ struct Lanes16 {
     AVX512 static F exp(F x) { return exp16(x); }
     AVX512 static float hsum(F v) { return hsum16(v); }
     AVX512 static __m128 reduce4(F a, F b, F c, F d) { return minisgl::cpu::reduce4(a, b, c, d); }
-    // The first min(n, 32) bf16 of a row (zeros past n), and their even / odd elements as float32.
+    // The first min(n, 32) bf16 of a row (zeros past n), and their even / odd elements as float32;
+    // whole vectors plain, as load16m.
     AVX512 static W load_pairs(const uint16_t* p, int64_t n) {
-        return _mm512_maskz_loadu_epi16(n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1, p);
+        if (n >= 32) return _mm512_loadu_si512(p);
+        return _mm512_maskz_loadu_epi16((__mmask32(1) << n) - 1, p);
     }
     AVX512 static void split(W w, F& even, F& odd) {
         even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -396,7 +415,10 @@ struct Lanes16 {
                                _mm512_cvtepu16_epi32(round_to_bf16(even)));
     }
     AVX512 static void store_pairs(uint16_t* p, W w, int64_t n) {
-        _mm512_mask_storeu_epi16(p, n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1, w);
+        if (n >= 32)
+            _mm512_storeu_si512(p, w);
+        else
+            _mm512_mask_storeu_epi16(p, (__mmask32(1) << n) - 1, w);
     }
 };
 

@@ -205,7 +205,7 @@ DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr
                       for (int64_t r = c0; r < c1; ++r) {
                           __m512 s = _mm512_load_ps(sums + (r - c0) * 64 + v * 16);
                           if (bp) s = _mm512_add_ps(s, b);
-                          _mm256_mask_storeu_epi16(yp + r * N + n, lanes, round_to_bf16(s));
+                          store16m(yp + r * N + n, s, lanes);
                       }
                   }
               });

@@ -447,6 +447,30 @@ def test_rope_matches_apply_rotary(vector_family, dtype, rot, torch_only):
         assert (native - ref).abs().max() < 1e-6
 
 
+def test_bf16_rounding_of_special_values_matches_torch(vector_family, torch_only):
+    """The kernels' float32 -> bf16 rounding on the values where a shortcut would show: NaN (kept a
+    quiet NaN), infinities, subnormals (kept, not flushed), ties (to even) and the largest finite
+    values (rounding up to inf), through RoPE's products and sums, bitwise against torch."""
+    g = _gen(11)
+    tiny = torch.finfo(torch.bfloat16).smallest_normal
+    special = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, tiny / 4, -tiny / 3, 3.3895e38, -3.3895e38]
+    )
+    x = torch.randn(12, 3, 32, generator=g)
+    x.view(-1)[: special.numel() * 20 : 20] = special
+    x.view(-1)[1::7] *= 2.0**-120  # products landing among the float32 and bf16 subnormals
+    x[5, 1] *= 2.0**-128  # a whole head of subnormals: both terms of each sum subnormal too
+    x = x.to(torch.bfloat16)
+    angles = torch.randn(12, 1, 32, generator=g)
+    angles[0, 0, :4] = torch.tensor([0.0, torch.pi / 2, torch.pi, torch.pi / 4])
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    native = apply_rotary(x.clone(), cos, sin)
+    torch_only()
+    ref = apply_rotary(x.clone(), cos, sin)
+    same = (native.view(torch.int16) == ref.view(torch.int16)) | (native.isnan() & ref.isnan())
+    assert same.all(), f"{(~same).sum().item()} elements differ, e.g. {native[~same][:4]} vs {ref[~same][:4]}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rowwise_rows_do_not_depend_on_the_call(vector_family, dtype):
     """RMSNorm (+ add, both forms), RoPE and SiLU x up: each row's bits the same alone as in a
