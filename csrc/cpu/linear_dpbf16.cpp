@@ -27,6 +27,9 @@ namespace {
 
 constexpr int DP_ROWS = 6;            // rows per register tile: 6 x 4 accumulators + 4 weights + 1 input
 constexpr int64_t DP_ROW_CHUNK = 96;  // rows per pass over a panel: their K block of x stays in L2
+// Chunks of rows that pass over every panel before the next group: their rows stay in L2 from one
+// panel to the next (many rows of a small K ran ~10% faster than panel-major over every chunk).
+constexpr int64_t DP_GROUP_CHUNKS = 2;
 // Most k-pairs per block at many rows: a panel's block (up to 80 KB) stays in L2. K is cut into
 // blocks of even length, so no short tail block spills and reloads the accumulators for a few pairs
 // (K = 576, 288 pairs, is one block rather than 256 + 32 pairs).
@@ -121,13 +124,19 @@ DPBF16 void dp_linear(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t
     // of the panel to keep in cache, so the chain runs over the whole of K.
     const int64_t blocks = (pairs + DP_KC - 1) / DP_KC;
     const int64_t kc = M <= DP_ROWS ? pairs : (pairs + blocks - 1) / blocks;
-    // Over (panel, chunk), panel-major: each thread starts on one contiguous slice of the weights
-    // (pool.h), a panel's K block staying in L2 while every chunk of rows passes over it.
-    parallel_for(threads, chunks * panels, 1, [&](int64_t i0, int64_t i1) DPBF16 {
+    // Over (group of rows, panel, chunk): within a group panel-major, a panel's K block staying in L2
+    // while the group's chunks of rows pass over it, and the group's rows staying in L2 from one panel
+    // to the next; each thread starts on one contiguous share (pool.h).
+    const int64_t group = DP_GROUP_CHUNKS, groups = (chunks + group - 1) / group;
+    parallel_for(threads, groups * group * panels, 1, [&](int64_t i0, int64_t i1) DPBF16 {
         for (int64_t item = i0; item < i1; ++item) {
             alignas(64) float sums[DP_ROW_CHUNK * 64];
-            const int64_t c0 = item % chunks * DP_ROW_CHUNK, c1 = std::min(M, c0 + DP_ROW_CHUNK);
-            const int64_t n0 = item / chunks * 64, width = std::min<int64_t>(64, np - n0);
+            const int64_t in_group = std::min(group, chunks - item / (group * panels) * group);
+            const int64_t rest = item % (group * panels);
+            if (rest >= in_group * panels) continue;  // the last group's missing chunks
+            const int64_t chunk = item / (group * panels) * group + rest % in_group;
+            const int64_t c0 = chunk * DP_ROW_CHUNK, c1 = std::min(M, c0 + DP_ROW_CHUNK);
+            const int64_t n0 = rest / in_group * 64, width = std::min<int64_t>(64, np - n0);
             const int vectors = static_cast<int>(width / 16);
             const uint16_t* panel = wp + n0 * kp;
             for (int64_t k0 = 0; k0 < pairs; k0 += kc)
