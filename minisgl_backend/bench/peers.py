@@ -48,23 +48,34 @@ def prefill_gflop(spec: ModelSpec, n: int, length: int) -> float:
     return n * (per_prompt + 2 * hidden * spec.vocab_size) / 1e9
 
 
-def linear_rate_gflops(spec: ModelSpec, rows: int = 1024, repeat: int = 10) -> float:
+class LinearRoof:
     """GFLOP/s of the model's gate/up projection ([rows, hidden] x [hidden, 2 x intermediate], the
     largest share of a prefill's FLOPs) through Linear.forward as the engine runs it in this process
-    (packed where the kernel family packs), random bf16 weights, best of `repeat` at torch's thread
-    count."""
-    lin = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False).to(torch.bfloat16)
-    with torch.no_grad():
-        lin.weight.normal_(0, 0.02)
-        lin.pack()
-        x = torch.randn(rows, spec.hidden_size, dtype=torch.bfloat16)
-        lin(x)
-        best = float("inf")
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            lin(x)
-            best = min(best, time.perf_counter() - t0)
-    return 2 * rows * lin.weight.numel() / best / 1e9
+    (packed where the kernel family packs), random bf16 weights, at torch's thread count. `probe()`
+    times it (best of `repeat` calls) and `best` keeps the highest rate probed: probed beside each
+    timed prefill run, the roof follows the machine through the same moments as the runs it bounds,
+    and a slow moment never lowers it."""
+
+    def __init__(self, spec: ModelSpec, rows: int = 1024) -> None:
+        self.lin = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            self.lin.weight.normal_(0, 0.02)
+            self.lin.pack()
+        self.x = torch.randn(rows, spec.hidden_size, dtype=torch.bfloat16)
+        self.gflop = 2 * rows * spec.hidden_size * 2 * spec.intermediate_size / 1e9
+        self.best = 0.0
+
+    def probe(self, repeat: int = 10) -> float:
+        with torch.no_grad():
+            self.lin(self.x)
+            fastest = float("inf")
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                self.lin(self.x)
+                fastest = min(fastest, time.perf_counter() - t0)
+        rate = self.gflop / fastest
+        self.best = max(self.best, rate)
+        return rate
 
 
 def _speed(workload: str, row: dict[str, float], a: str, b: str) -> float:
@@ -81,10 +92,10 @@ def bench_peers(base: EngineConfig, repeat: int = 3, busy: int = 0) -> dict[str,
     decode step at one request (its mean time per output token), the weight bytes a step reads,
     their ratio and the machine's streaming read rate measured beside it; "prefill": the prefill
     workload's GFLOP (prefill_gflop), the default config's GFLOP/s on it, and that against the
-    rate of the model's largest linear measured beside it (linear_rate_gflops). With `busy` > 0, the
-    BUSY_VARIANTS run too, each beside that many busy processes (CompetingLoad), and every row gets
-    "busy / idle" (the default config's busy figure over its idle one, as a speed ratio) and
-    "busy / 1 thread"."""
+    rate of the model's largest linear (LinearRoof: the best of its probes after each run). With
+    `busy` > 0, the BUSY_VARIANTS run too, each beside that many busy processes (CompetingLoad), and
+    every row gets "busy / idle" (the default config's busy figure over its idle one, as a speed
+    ratio) and "busy / 1 thread"."""
     base = base.replace(prefix_cache="off")
     variants = {name: (overrides, 0) for name, overrides in PEER_VARIANTS.items()}
     if busy:
@@ -98,6 +109,8 @@ def bench_peers(base: EngineConfig, repeat: int = 3, busy: int = 0) -> dict[str,
                 prompts = random_prompts(n, input_len, engine.vocab_size)
                 params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
                 engine.generate(prompts[:2], params, use_tqdm=False)
+                prefill = output_len == 1
+                roof = LinearRoof(engine.model_spec) if prefill and variant == "default" else None
                 best, tpot = float("inf"), float("inf")
                 for _ in range(repeat):
                     t0 = time.perf_counter()
@@ -105,15 +118,15 @@ def bench_peers(base: EngineConfig, repeat: int = 3, busy: int = 0) -> dict[str,
                     best = min(best, time.perf_counter() - t0)
                     if n == 1:
                         tpot = min(tpot, summarize(outs, best)["tpot_ms_mean"] / 1000)
-                prefill = output_len == 1
+                    if roof:  # the roof measured while the engine idles, after every run
+                        roof.probe()
                 rows[name][variant] = best if prefill else sum(len(o.token_ids) for o in outs) / best
                 unit = "s" if prefill else "tok/s"
                 print(f"  {variant} {name}: {rows[name][variant]:.2f} {unit}", flush=True)
                 if n == 1 and variant == "default":
                     stream = {"step_ms": 1000 * tpot, "weight_bytes": engine.decode_weight_bytes}
-                if prefill and variant == "default":  # the roof measured while the engine idles
-                    work = prefill_gflop(engine.model_spec, n, input_len)
-                    linear = linear_rate_gflops(engine.model_spec)
+                if roof:
+                    work, linear = prefill_gflop(engine.model_spec, n, input_len), roof.best
                     compute = {"gflop": work, "gflop_per_s": work / best, "linear_gflop_per_s": linear}
                     compute["fraction_of_linear"] = work / best / linear
     if stream:

@@ -126,3 +126,25 @@ def test_prefill_forward_runs_the_linear_work_the_peers_bench_counts():
     assert (sum(counted) + unhooked + attention) / 1e9 == pytest.approx(
         prefill_gflop(s, n, length), rel=1e-12
     )
+
+
+def test_peers_bench_roof_is_the_gate_up_call_and_its_best_probe(monkeypatch):
+    """bench/peers.LinearRoof, the compute roof `minisgl bench --scenario peers` sets the prefill
+    against: one probe's GFLOP are those of the model's gate/up projection (counted as above), and
+    the roof is the fastest of the probes taken beside the runs, never the latest or the first."""
+    from minisgl_backend.bench import peers
+
+    s = _model(deterministic=False).spec
+    roof = peers.LinearRoof(s, rows=8)
+    counted = []
+    roof.lin.register_forward_hook(
+        lambda mod, inp, out: counted.append(2 * inp[0].shape[0] * mod.weight.numel())
+    )
+    roof.probe(repeat=1)
+    assert counted and roof.gflop == counted[0] / 1e9
+    assert roof.lin.weight.shape == (2 * s.intermediate_size, s.hidden_size)
+    roof = peers.LinearRoof(s, rows=8)
+    ticks = iter([0.0, 0.2, 1.0, 1.1, 2.0, 2.4])  # calls of 0.2 s, 0.1 s, 0.4 s
+    monkeypatch.setattr(peers.time, "perf_counter", lambda: next(ticks))
+    rates = [roof.probe(repeat=1) for _ in range(3)]
+    assert rates[1] == max(rates) and abs(roof.best - roof.gflop / 0.1) < 1e-9 * roof.best
