@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -128,22 +129,27 @@ def _kernels_per_forward(model: CausalLM, fb: ForwardBatch, kv: KVCache) -> int 
         return None
 
 
-def time_forward(model: CausalLM, fb: ForwardBatch, kv: KVCache, steps: int) -> dict[str, Any]:
-    device = str(model.device)
-    logits = model(fb, kv)  # warm-up (Triton compiles its kernels on first use)
+def _time_steps(
+    run: Callable[[], torch.Tensor], device: str, steps: int
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`run()` once as a warm-up (Triton compiles its kernels on first use), then `steps` times in a
+    row: the warm-up's logits, and per run the wall time until the device is done (`ms`) and the
+    host's time to issue it (`host_issue_ms`). The eager and the graph forward are timed alike, so
+    their rows compare."""
+    logits = run()
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        model(fb, kv)
+        run()
     issued = time.perf_counter()
     _sync(device)
     done = time.perf_counter()
-    return {
-        "ms": 1000 * (done - t0) / steps,
-        "host_issue_ms": 1000 * (issued - t0) / steps,
-        "kernels": _kernels_per_forward(model, fb, kv),
-        "logits": logits.float(),
-    }
+    return logits, {"ms": 1000 * (done - t0) / steps, "host_issue_ms": 1000 * (issued - t0) / steps}
+
+
+def time_forward(model: CausalLM, fb: ForwardBatch, kv: KVCache, steps: int) -> dict[str, Any]:
+    logits, times = _time_steps(lambda: model(fb, kv), str(model.device), steps)
+    return {**times, "kernels": _kernels_per_forward(model, fb, kv), "logits": logits.float()}
 
 
 def time_graphs(model: CausalLM, fb: ForwardBatch, kv: KVCache, steps: int, pad_block: int) -> dict[str, Any]:
@@ -157,20 +163,8 @@ def time_graphs(model: CausalLM, fb: ForwardBatch, kv: KVCache, steps: int, pad_
     device = str(model.device)
     if device.startswith("cuda"):
         graphs.capture(torch.cuda.Stream())
-    logits = graphs.run(fb)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        graphs.run(fb)
-    issued = time.perf_counter()
-    _sync(device)
-    done = time.perf_counter()
-    return {
-        "ms": 1000 * (done - t0) / steps,
-        "host_issue_ms": 1000 * (issued - t0) / steps,
-        "captured": graphs.captured,
-        "logits": logits.float(),
-    }
+    logits, times = _time_steps(lambda: graphs.run(fb), device, steps)
+    return {**times, "captured": graphs.captured, "logits": logits.float()}
 
 
 def backends(device: str) -> dict[str, LayerLoop]:

@@ -616,18 +616,34 @@ def engine_config(model: str | None, sets: list[str], base: dict[str, Any]) -> A
     return EngineConfig.resolve(None, overrides, defaults=defaults)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m minisgl_backend.bench.hostile",
-        description="hostile requests against a server in this process, with /health and 1-token "
-        "latency beside each, and RSS after each",
-    )
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags every server benchmark takes, `--model` and `--set`: what `engine_config`
+    reads, declared once so that their spelling and help stay the same across the benchmarks."""
     p.add_argument(
         "--model", help="alias, Hugging Face directory or .gguf path (default: the tiny random model)"
     )
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="an engine field (repeatable)"
     )
+
+
+def report(result: dict[str, Any], table: str, json_path: str | None) -> int:
+    """A server benchmark's ending: its table on stdout, its results in `json_path` when given, and
+    the exit status (0 when the run found nothing wrong, else 1)."""
+    print(table)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if result["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m minisgl_backend.bench.hostile",
+        description="hostile requests against a server in this process, with /health and 1-token "
+        "latency beside each, and RSS after each",
+    )
+    add_engine_args(p)
     p.add_argument("--quick", action="store_true", help="every case smaller (seconds, for a test)")
     p.add_argument(
         "--fcfs",
@@ -639,11 +655,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = engine_config(args.model, args.set, {"stats_interval_s": 0})
     result = bench_hostile(config, quick=args.quick, fcfs=args.fcfs)
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0 if result["ok"] else 1
+    return report(result, format_table(result), args.json)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ the `fuzz` extra).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -195,19 +194,14 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minisgl_backend.bench.hostile import engine_config
+    from minisgl_backend.bench.hostile import add_engine_args, engine_config, report
 
     p = argparse.ArgumentParser(
         prog="python -m minisgl_backend.bench.schema",
         description="schemathesis-generated requests for every operation of the server's /openapi.json "
         "(a server in this process, on 127.0.0.1): server errors and answers the schema does not describe",
     )
-    p.add_argument(
-        "--model", help="alias, Hugging Face directory or .gguf path (default: the tiny random model)"
-    )
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="an engine field (repeatable)"
-    )
+    add_engine_args(p)
     p.add_argument("--cases", type=int, default=1000, help="requests to generate at least (default 1000)")
     p.add_argument("--budget-s", type=float, default=600.0, help="stop starting rounds after this long")
     p.add_argument("--seed", type=int, default=0)
@@ -222,11 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     except SchemathesisMissing as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0 if result["ok"] else 1
+    return report(result, format_table(result), args.json)
 
 
 if __name__ == "__main__":

@@ -261,6 +261,17 @@ def _dot_precision(q: torch.Tensor) -> str | None:
     return "ieee" if _f32_dot(q) else None
 
 
+def _check_strides(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor) -> None:
+    # Both kernels take one set of strides for K and V (the pool's two tensors of one shape) and
+    # index the head dim with unit stride.
+    assert (
+        q.stride(2) == 1
+        and k_pool.stride(3) == 1
+        and v_pool.stride() == k_pool.stride()
+        and out.stride(2) == 1
+    )
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -286,13 +297,7 @@ def paged_decode_attention(
         out = torch.empty(n, h, d, dtype=q.dtype, device=q.device)
     if n == 0:
         return out
-    # K and V share one set of strides (the pool's two tensors of one shape), the head dim unit-strided.
-    assert (
-        q.stride(2) == 1
-        and k_pool.stride(3) == 1
-        and v_pool.stride() == k_pool.stride()
-        and out.stride(2) == 1
-    )
+    _check_strides(q, k_pool, v_pool, out)
     assert tables.stride(1) == 1
     _decode_kernel[(n, kvh)](
         q,
@@ -349,13 +354,7 @@ def paged_prefill_attention(
     kvh = k_pool.shape[2]
     if length == 0:
         return out
-    # K and V share one set of strides (the pool's two tensors of one shape), the head dim unit-strided.
-    assert (
-        q.stride(2) == 1
-        and k_pool.stride(3) == 1
-        and v_pool.stride() == k_pool.stride()
-        and out.stride(2) == 1
-    )
+    _check_strides(q, k_pool, v_pool, out)
     assert block_table.dim() == 1 and block_table.stride(0) == 1
     _prefill_kernel[(triton.cdiv(length, block_m), h)](
         q,

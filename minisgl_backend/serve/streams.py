@@ -1,5 +1,6 @@
-"""The routes' side of submitted requests: submitting, awaiting results while watching for the
-client to leave, merging several streams' events under a bound, and server-sent events.
+"""The routes' side of submitted requests: the generation routes' declaration, submitting,
+awaiting results while watching for the client to leave, answering them, merging several streams'
+events under a bound, and server-sent events.
 
 A client that goes away (mid-stream or while waiting for a non-streamed result) aborts its
 requests, so their KV blocks return to the pool."""
@@ -7,17 +8,20 @@ requests, so their KV blocks return to the pool."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from minisgl_backend.serve.backend import Event, Stream
+from minisgl_backend.serve.bodies import documented_body
 from minisgl_backend.serve.errors import ClientGone, SlowClientError, api_error, error_body
 from minisgl_backend.serve.guard import GuardedStreamingResponse
 from minisgl_backend.serve.state import ServerState
 from minisgl_backend.types import RequestOutput, SamplingParams
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def abort_all(streams: Sequence[Stream]) -> None:
@@ -67,6 +71,22 @@ async def results_or_disconnect(request: Request, streams: Sequence[Stream]) -> 
         abort_all(streams)  # no-op for finished ones
 
 
+# Answers of up to this many choices, without logprobs, are serialised on the event loop; larger
+# ones (or top_logprobs entries per token) take long enough to build that the loop would hold up
+# every stream, so they are built on a worker.
+SMALL_ANSWER = 8
+
+
+async def json_answer(
+    state: ServerState, respond: Callable[[], str], choices: int, logprobs: bool
+) -> Response:
+    """The non-streamed answer `respond()` builds (its JSON), of `choices` choices: built on the
+    event loop when it is small and has no logprobs, else on a worker (see SMALL_ANSWER)."""
+    small = choices <= SMALL_ANSWER and not logprobs
+    text = respond() if small else await state.pool.answer(respond)
+    return Response(text, media_type="application/json")
+
+
 class StreamMerger:
     """(index, event) of several streams as they come; an error arrives as (index, exception).
     At most `limit` events wait for the client: past that its requests are aborted (their KV freed)
@@ -112,6 +132,17 @@ SSE_RESPONSES: dict[int | str, dict[str, Any]] = {
         "content": {"text/event-stream": {}},
     }
 }
+
+
+def generation_route(
+    router: APIRouter, path: str, answer: type[BaseModel], body: type[BaseModel]
+) -> Callable[[F], F]:
+    """`router.post(path)` for an endpoint that generates: it answers `answer`, or with
+    `stream: true` server-sent chunks, and /openapi.json documents its body as `body`. Both OpenAI
+    generation endpoints are declared by this one call, so that their documentation stays alike."""
+    return router.post(
+        path, response_model=answer, responses=SSE_RESPONSES, openapi_extra=documented_body(body)
+    )
 
 
 def sse(event: BaseModel) -> str:

@@ -36,7 +36,7 @@ def serving(config: Any, *, key: str, model: str, **server: Any) -> Iterator[Any
 
 @dataclass
 class ServeProcess:
-    """A `minisgl serve` child process listening on `url`."""
+    """A `minisgl serve` child process listening (once started) on `url`."""
 
     proc: subprocess.Popen
     url: str
@@ -49,14 +49,32 @@ class ServeProcess:
                     return int(line.split()[1]) / 1024
         raise AssertionError("no VmRSS line")
 
+    def wait_serving(self, timeout: float = 120) -> None:
+        """Returns once /health answers 200; fails if the process exits or `timeout` passes first."""
+        import httpx
 
-@contextmanager
-def serve_process(model_dir: Any, *flags: str, start_timeout: float = 120) -> Iterator[ServeProcess]:
+        deadline = time.monotonic() + timeout
+        while True:  # the process is starting: poll its health endpoint
+            assert self.proc.poll() is None, self.proc.communicate()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        """Kills the process if it is still running (and reaps it)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+def start_serve(model_dir: Any, *flags: str) -> ServeProcess:
     """`minisgl serve` of `model_dir` (one torch thread, no stats log) with `flags`, on a free port of
-    127.0.0.1, once /health answers; killed on exit if it is still running. Its output is captured
-    (`proc.communicate()`)."""
-    import httpx
-
+    127.0.0.1, started but not waited for (`wait_serving`): a test can start several at once. Its
+    output is captured (`proc.communicate()`)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "adapters"), os.environ.get("PYTHONPATH", "")]),
@@ -76,23 +94,19 @@ def serve_process(model_dir: Any, *flags: str, start_timeout: float = 120) -> It
     ]
     cmd += ["--set", "num_threads=1", "--set", "stats_interval_s=0", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
+    return ServeProcess(proc, f"http://127.0.0.1:{port}")
+
+
+@contextmanager
+def serve_process(model_dir: Any, *flags: str, start_timeout: float = 120) -> Iterator[ServeProcess]:
+    """`start_serve(model_dir, *flags)`, yielded once /health answers; killed on exit if it is still
+    running."""
+    srv = start_serve(model_dir, *flags)
     try:
-        deadline = time.monotonic() + start_timeout
-        while True:  # the process is starting: poll its health endpoint
-            assert proc.poll() is None, proc.communicate()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
-        yield ServeProcess(proc, url)
+        srv.wait_serving(start_timeout)
+        yield srv
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        srv.kill()
 
 
 def assert_serves(client: Any, model: str) -> None:

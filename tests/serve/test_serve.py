@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -24,13 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from minisgl_backend import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tests.helpers import assert_drained  # noqa: E402
-from tests.serve.servers import TINY_ENGINE, assert_serves, checked_bench, serving  # noqa: E402
+from tests.serve.servers import TINY_ENGINE, assert_serves, checked_bench, serving, start_serve  # noqa: E402
 
 KEY = "sk-test-key"
 MODEL = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_WAITING = 48
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -1262,54 +1257,13 @@ def test_graceful_shutdown_on_sigint_and_sigterm(tiny_model_dir):
     """`minisgl serve` as subprocesses (both started at once): serves, then SIGINT (one) and SIGTERM
     (the other) stop it with exit code 0, an in-flight stream is ended at once (its request
     aborted), and nothing prints a traceback."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "adapters"), os.environ.get("PYTHONPATH", "")]),
-    }
     procs = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs[sig] = (
-            port,
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "minisgl_backend.cli",
-                    "serve",
-                    "--port",
-                    str(port),
-                    "--model",
-                    str(tiny_model_dir),
-                    "--set",
-                    "num_threads=1",
-                    "--set",
-                    "stats_interval_s=0",
-                    "--served-model-name",
-                    "t",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-                cwd=REPO,
-            ),
-        )
     try:
-        for sig, (port, proc) in procs.items():
-            deadline = time.monotonic() + 120
-            while True:  # the process is starting: poll its health endpoint
-                assert proc.poll() is None, proc.communicate()
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # both start before either is waited for
+            procs[sig] = start_serve(tiny_model_dir, "--served-model-name", "t")
+        for sig, srv in procs.items():
+            srv.wait_serving()
+            with httpx.Client(base_url=srv.url, timeout=60) as c:
                 assert (
                     c.post(
                         "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "model": "t"}
@@ -1323,19 +1277,17 @@ def test_graceful_shutdown_on_sigint_and_sigterm(tiny_model_dir):
                 ) as r:
                     lines = r.iter_lines()
                     assert next(lines).startswith("data: ")
-                    proc.send_signal(sig)
+                    srv.proc.send_signal(sig)
                     events = _sse_events(lines)  # the open stream is ended: its request aborted
                 assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
-        for sig, (_port, proc) in procs.items():
-            out, err = proc.communicate(timeout=60)
-            assert proc.returncode == 0, (sig, err)
+        for sig, srv in procs.items():
+            out, err = srv.proc.communicate(timeout=60)
+            assert srv.proc.returncode == 0, (sig, err)
             assert "Traceback" not in err and "Traceback" not in out, err
             assert "Application shutdown complete" in err
     finally:
-        for _, proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        for srv in procs.values():
+            srv.kill()
 
 
 def test_health_is_503_once_the_engine_is_dead(server, client):

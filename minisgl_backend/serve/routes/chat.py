@@ -24,7 +24,7 @@ from minisgl_backend.chat.logprobs import chat_logprobs
 from minisgl_backend.chat.reasoning import ReasoningStreamSplitter, split_reasoning
 from minisgl_backend.chat.tools import ParsedCall
 from minisgl_backend.serve.backend import Stream
-from minisgl_backend.serve.bodies import documented_body, json_body
+from minisgl_backend.serve.bodies import json_body
 from minisgl_backend.serve.protocol import ChatCompletionRequest, NamedToolChoice
 from minisgl_backend.serve.responses import (
     AssistantMessage,
@@ -43,8 +43,9 @@ from minisgl_backend.serve.responses import (
 from minisgl_backend.serve.state import AppState, ServerState, keyed_router
 from minisgl_backend.serve.streams import (
     DONE,
-    SSE_RESPONSES,
     StreamMerger,
+    generation_route,
+    json_answer,
     results_or_disconnect,
     sse,
     sse_error,
@@ -55,15 +56,8 @@ from minisgl_backend.types import RequestOutput, StreamDelta, TokenLogprob
 
 router = keyed_router()
 
-SMALL_ANSWER = 8  # choices without logprobs up to this are built on the loop, larger answers on a worker
 
-
-@router.post(
-    "/v1/chat/completions",
-    response_model=ChatCompletionResponse,
-    responses=SSE_RESPONSES,
-    openapi_extra=documented_body(ChatCompletionRequest),
-)
+@generation_route(router, "/v1/chat/completions", ChatCompletionResponse, ChatCompletionRequest)
 async def chat_completions(
     request: Request,
     state: AppState,
@@ -142,10 +136,7 @@ async def chat_completions(
         )
         return answer.model_dump_json()
 
-    # Many choices, or logprobs (top_logprobs entries per token), take long enough to build that
-    # the event loop would hold up every stream: those are built on a worker.
-    small = body.n <= SMALL_ANSWER and not body.logprobs
-    return Response(respond() if small else await pool.answer(respond), media_type="application/json")
+    return await json_answer(state, respond, body.n, body.logprobs)
 
 
 async def _stream(

@@ -13,7 +13,7 @@ from fastapi import Depends, Request, Response
 from minisgl_backend.chat import GrammarProcessor, guide_grammar
 from minisgl_backend.chat.logprobs import TokenText
 from minisgl_backend.serve.backend import Stream
-from minisgl_backend.serve.bodies import documented_body, json_body
+from minisgl_backend.serve.bodies import json_body
 from minisgl_backend.serve.protocol import CompletionRequest
 from minisgl_backend.serve.responses import (
     CompletionChoice,
@@ -26,9 +26,10 @@ from minisgl_backend.serve.responses import (
 from minisgl_backend.serve.state import AppState, ServerState, keyed_router
 from minisgl_backend.serve.streams import (
     DONE,
-    SSE_RESPONSES,
     StreamMerger,
     abort_all,
+    generation_route,
+    json_answer,
     results_or_disconnect,
     sse,
     sse_error,
@@ -39,15 +40,8 @@ from minisgl_backend.types import RequestOutput, StreamDelta, TokenLogprob
 
 router = keyed_router()
 
-SMALL_ANSWER = 8  # choices without logprobs up to this are serialised on the loop, larger ones on a worker
 
-
-@router.post(
-    "/v1/completions",
-    response_model=CompletionResponse,
-    responses=SSE_RESPONSES,
-    openapi_extra=documented_body(CompletionRequest),
-)
+@generation_route(router, "/v1/completions", CompletionResponse, CompletionRequest)
 async def completions(
     request: Request,
     state: AppState,
@@ -138,8 +132,7 @@ async def completions(
         )
         return answer.model_dump_json()
 
-    small = len(outs) * body.n <= SMALL_ANSWER and k is None
-    return Response(respond() if small else await pool.answer(respond), media_type="application/json")
+    return await json_answer(state, respond, len(outs) * body.n, k is not None)
 
 
 async def _stream(
