@@ -394,6 +394,14 @@ class Attention(nn.Module):
         return torch.matmul(probs, vc.transpose(1, 2)).view(bsz, self.h, self.d)
 
 
+# The most bytes of [rows, 2 x intermediate] one MLP call materialises: more rows than that go through
+# in pieces. A larger buffer is past what the C allocator keeps for reuse (glibc serves it from a
+# fresh mapping and unmaps it when freed), so every layer of every chunk would fault in and zero
+# its pages again; a piece's buffers come back from the allocator's heap already mapped. Each row's
+# MLP depends on that row alone, so the pieces change no bits where the linears are row-invariant.
+MLP_PIECE_BYTES = 16 << 20
+
+
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -401,8 +409,19 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.hidden_act = spec.hidden_act
         self.act = ACTIVATIONS[spec.hidden_act]
+        self.intermediate_size = spec.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else 0
+        piece = max(1, MLP_PIECE_BYTES // (2 * self.intermediate_size * x.element_size()))
+        if rows <= piece:
+            return self._rows(x)
+        out = x.new_empty(rows, self.down_proj.weight.shape[0])
+        for r in range(0, rows, piece):
+            out[r : r + piece] = self._rows(x[r : r + piece])
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         lin = self.gate_up_proj
         if lin.gated and lin.packed is not None:  # the GEMM and silu_and_mul in one pass (the same bits)
             h = cpu_kernels.linear_packed_silu(x, lin.packed, lin.weight.shape)

@@ -148,3 +148,25 @@ def test_peers_bench_roof_is_the_gate_up_call_and_its_best_probe(monkeypatch):
     monkeypatch.setattr(peers.time, "perf_counter", lambda: next(ticks))
     rates = [roof.probe(repeat=1) for _ in range(3)]
     assert rates[1] == max(rates) and abs(roof.best - roof.gflop / 0.1) < 1e-9 * roof.best
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlp_in_row_pieces_gives_the_bits_of_one_call(family, monkeypatch):
+    """Past MLP_PIECE_BYTES of intermediate, the MLP runs its rows in pieces (so the allocator reuses
+    its buffers instead of mapping fresh pages every layer): every row, the last partial piece's
+    included, gets the bits of the whole call wherever the linears are row-invariant."""
+    from minisgl_backend.model import layers
+
+    with cpu_kernels.family_override(family):
+        if not (cpu_kernels.packs() or cpu_kernels.kernel_row_limit() is None):
+            pytest.skip(f"{family}'s linears are not row-invariant: nothing to compare")
+        mlp = _model(deterministic=False).model.layers[0].mlp
+        x = torch.randn(50, mlp.gate_up_proj.weight.shape[1], generator=torch.Generator().manual_seed(3))
+        x = x.bfloat16()
+        whole = mlp(x)
+        monkeypatch.setattr(layers, "MLP_PIECE_BYTES", 2 * mlp.intermediate_size * 2 * 7)  # 7 rows a piece
+        calls = []
+        mlp.down_proj.register_forward_hook(lambda mod, inp, out: calls.append(inp[0].shape[0]))
+        pieces = mlp(x)
+        assert calls == [7] * 7 + [1]
+        assert torch.equal(pieces, whole)
