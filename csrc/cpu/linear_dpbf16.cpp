@@ -127,14 +127,15 @@ DPBF16 void dp_linear(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t
     // Over (group of rows, panel, chunk): within a group panel-major, a panel's K block staying in L2
     // while the group's chunks of rows pass over it, and the group's rows staying in L2 from one panel
     // to the next; each thread starts on one contiguous share (pool.h).
-    const int64_t group = DP_GROUP_CHUNKS, groups = (chunks + group - 1) / group;
-    parallel_for(threads, groups * group * panels, 1, [&](int64_t i0, int64_t i1) DPBF16 {
+    // The items are dense (only the last group may hold fewer chunks), so each thread's share is real
+    // work: at one chunk of rows (a decode step) every thread still starts on its own panels.
+    const int64_t group = DP_GROUP_CHUNKS;
+    parallel_for(threads, chunks * panels, 1, [&](int64_t i0, int64_t i1) DPBF16 {
         for (int64_t item = i0; item < i1; ++item) {
             alignas(64) float sums[DP_ROW_CHUNK * 64];
-            const int64_t in_group = std::min(group, chunks - item / (group * panels) * group);
-            const int64_t rest = item % (group * panels);
-            if (rest >= in_group * panels) continue;  // the last group's missing chunks
-            const int64_t chunk = item / (group * panels) * group + rest % in_group;
+            const int64_t g = item / (group * panels), rest = item - g * group * panels;
+            const int64_t in_group = std::min(group, chunks - g * group);
+            const int64_t chunk = g * group + rest % in_group;
             const int64_t c0 = chunk * DP_ROW_CHUNK, c1 = std::min(M, c0 + DP_ROW_CHUNK);
             const int64_t n0 = rest / in_group * 64, width = std::min<int64_t>(64, np - n0);
             const int vectors = static_cast<int>(width / 16);
