@@ -242,17 +242,31 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         }
         if (s.softcap > 0.0f)
             for (int64_t i = lo * 16; i < (b.hi + 1) * 16; ++i) sc[i] = s.softcap * std::tanh(sc[i] / s.softcap);
+        // Keys in [seen_lo, seen_hi] are seen by every used lane: there the softmax needs no mask. A
+        // lane past n computes there on its zero query and stays finite; its sum's inverse is zero and
+        // its output is never stored. Only the keys before a window's start or past the first rows'
+        // positions (the causal diagonal) take the masked steps.
+        int64_t seen_lo = lo, seen_hi = b.hi;
+        for (int64_t l = 0; l < n; ++l) {
+            seen_lo = std::max<int64_t>(seen_lo, firsts[l]);
+            seen_hi = std::min<int64_t>(seen_hi, lasts[l]);
+        }
+        if (seen_hi < seen_lo) seen_lo = seen_hi = b.hi + 1;  // none: every key takes the masked steps
+        const auto in_key_order = [&](const auto& step) AVX512 {  // step(key, the lanes that see it)
+            for (int64_t key = lo; key < std::min(seen_lo, b.hi + 1); ++key) step(key, sees(first_v, last_v, key));
+            for (int64_t key = seen_lo; key <= std::min(seen_hi, b.hi); ++key) step(key, __mmask16(0xffff));
+            for (int64_t key = std::max(seen_hi + 1, seen_lo); key <= b.hi; ++key)
+                step(key, sees(first_v, last_v, key));
+        };
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t key = lo; key <= b.hi; ++key)
-            mx = _mm512_mask_max_ps(mx, sees(first_v, last_v, key), mx, _mm512_loadu_ps(sc + key * 16));
+        in_key_order([&](int64_t key, __mmask16 m) AVX512 { mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sc + key * 16)); });
         __m512 part[16];
         for (auto& p : part) p = _mm512_setzero_ps();
-        for (int64_t key = lo; key <= b.hi; ++key) {
-            const __m512 e = _mm512_maskz_mov_ps(sees(first_v, last_v, key),
-                                                 exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + key * 16), mx)));
+        in_key_order([&](int64_t key, __mmask16 m) AVX512 {
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + key * 16), mx)));
             _mm512_storeu_ps(sc + key * 16, e);
             part[key & 15] = _mm512_add_ps(part[key & 15], e);  // by absolute key mod 16, as the tiles
-        }
+        });
         const __m512 inv = _mm512_maskz_div_ps(used, one, vsum16(part));
         if constexpr (std::is_same_v<T, uint16_t>)
             if (dp) {

@@ -146,33 +146,71 @@ DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t
     value_sum(DpSteps{w.vpair.data(), p0, d, w.pb.data() - base, span}, rows, b, pos, kvh, out, s);
 }
 
+// NV query vectors x NC 16-dim chunks of dp_lanes_value_sum: lanes = dims, as dp_value_sum's, so each
+// V pair vector is loaded once for the NV vectors and each vector's probability pair is one broadcast
+// for NC products (with the query vectors in the lanes, every product took a broadcast of its own).
+// Output element (vector, dim) is the same chain over the same pairs in order either way.
+template <int NV, int NC>
+DPBF16 void lanes_value_chunks(const uint32_t* vpair, const uint32_t* ppair, int64_t pairs, int64_t d, int64_t c0,
+                               uint16_t* const* out) {
+    __m512 acc[NV][NC];
+    for (auto& a : acc)
+        for (auto& x : a) x = _mm512_setzero_ps();
+    for (int64_t t = 0; t < pairs; ++t) {
+        __m512bh vv[NC];
+        for (int c = 0; c < NC; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vpair + t * d + c0 + c * 16);
+        for (int v = 0; v < NV; ++v) {
+            const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(ppair[t * 16 + v]));
+            for (int c = 0; c < NC; ++c) acc[v][c] = _mm512_dpbf16_ps(acc[v][c], vv[c], pv);
+        }
+    }
+    for (int v = 0; v < NV; ++v)
+        for (int c = 0; c < NC; ++c) store16m(out[v] + c0 + c * 16, acc[v][c], 0xffff);
+}
+
+using LanesValueChunks = void (*)(const uint32_t*, const uint32_t*, int64_t, int64_t, int64_t, uint16_t* const*);
+
+template <int NV>
+constexpr LanesValueChunks lanes_value_chunks_of(int nc) {
+    return nc == 4 ? lanes_value_chunks<NV, 4>
+                   : (nc == 3 ? lanes_value_chunks<NV, 3> : (nc == 2 ? lanes_value_chunks<NV, 2> : lanes_value_chunks<NV, 1>));
+}
+
+// Up to 6 vectors x 4 chunks: 24 accumulators, 4 V vectors and a broadcast in the 32 registers.
+constexpr int LANES_SUM_VECTORS = 6;
+
 // A prefill block's V sum for one lane group (attend_lanes', with the dp scorer): sc[key * 16 + lane]
 // the exponentials of keys lo..hi, normalized (x inv, each lane's 1 / sum) as they are rounded to
-// bf16 pairs; the first n lanes' sums stored at lane_out[lane] (store_lanes).
+// bf16 pairs; the first n lanes' sums stored at lane_out[lane].
 DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, const AttnShape& s, AttnScratch& w,
                                uint16_t* const* lane_out, int64_t n) {
     const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = b.hi / 2 - p0 + 1;
     w.ppair.resize(static_cast<size_t>(pairs * 16));
+    // vcvtne2ps2bf16 rounds both keys' 16 lanes at once (as vcvtneps2bf16 rounds each: the same bits),
+    // key 2t's in the low 16 elements, 2t + 1's in the high; one word permute pairs them per lane.
+    alignas(64) static constexpr int16_t pair_up[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i pair_idx = _mm512_load_si512(pair_up);
     for (int64_t t = 0; t < pairs; ++t) {
         const int64_t ke = 2 * (p0 + t), ko = ke + 1;
         const __m512 e = ke >= b.lo ? _mm512_mul_ps(_mm512_loadu_ps(sc + ke * 16), inv) : _mm512_setzero_ps();
         const __m512 o = ko <= b.hi ? _mm512_mul_ps(_mm512_loadu_ps(sc + ko * 16), inv) : _mm512_setzero_ps();
         _mm512_storeu_si512(w.ppair.data() + t * 16,
-                            _mm512_or_si512(bf16_lanes(e), _mm512_slli_epi32(bf16_lanes(o), 16)));
+                            _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(o, e)));
     }
-    for (int64_t c = 0; c < d / 16; ++c) {
-        __m512 acc[16];
-        for (auto& a : acc) a = _mm512_setzero_ps();
-        for (int64_t t = 0; t < pairs; ++t) {
-            const __m512bh pp = (__m512bh)_mm512_loadu_si512(w.ppair.data() + t * 16);
-            const uint32_t* vr = w.vpair.data() + t * d + c * 16;
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; ++i) {
-                const __m512bh vb = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(vr[i]));
-                acc[i] = _mm512_dpbf16_ps(acc[i], vb, pp);
-            }
+    static constexpr LanesValueChunks by_vectors[LANES_SUM_VECTORS][4] = {
+        {lanes_value_chunks_of<1>(1), lanes_value_chunks_of<1>(2), lanes_value_chunks_of<1>(3), lanes_value_chunks_of<1>(4)},
+        {lanes_value_chunks_of<2>(1), lanes_value_chunks_of<2>(2), lanes_value_chunks_of<2>(3), lanes_value_chunks_of<2>(4)},
+        {lanes_value_chunks_of<3>(1), lanes_value_chunks_of<3>(2), lanes_value_chunks_of<3>(3), lanes_value_chunks_of<3>(4)},
+        {lanes_value_chunks_of<4>(1), lanes_value_chunks_of<4>(2), lanes_value_chunks_of<4>(3), lanes_value_chunks_of<4>(4)},
+        {lanes_value_chunks_of<5>(1), lanes_value_chunks_of<5>(2), lanes_value_chunks_of<5>(3), lanes_value_chunks_of<5>(4)},
+        {lanes_value_chunks_of<6>(1), lanes_value_chunks_of<6>(2), lanes_value_chunks_of<6>(3), lanes_value_chunks_of<6>(4)}};
+    for (int64_t v0 = 0; v0 < n; v0 += LANES_SUM_VECTORS) {
+        const int64_t nv = std::min<int64_t>(LANES_SUM_VECTORS, n - v0);
+        for (int64_t c0 = 0; c0 < d; c0 += 64) {
+            const int64_t nc = std::min<int64_t>(4, (d - c0) / 16);
+            by_vectors[nv - 1][nc - 1](w.vpair.data(), w.ppair.data() + v0, pairs, d, c0, lane_out + v0);
         }
-        store_lanes(acc, lane_out, n, c * 16);
     }
 }
 

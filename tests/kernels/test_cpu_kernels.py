@@ -318,6 +318,7 @@ def scorer_family(family, scorer):
     [
         (None, None, 64, 4, 3),
         (None, None, 64, 16, 3),
+        (None, None, 96, 16, 4),
         (7, 30.0, 128, 16, 7),
         (7, None, 16, 4, 3),
         (None, 30.0, 16, 4, 7),
