@@ -251,7 +251,7 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
             seen_lo = std::max<int64_t>(seen_lo, firsts[l]);
             seen_hi = std::min<int64_t>(seen_hi, lasts[l]);
         }
-        if (seen_hi < seen_lo) seen_lo = seen_hi = b.hi + 1;  // none: every key takes the masked steps
+        if (seen_hi < seen_lo) seen_lo = seen_hi = b.hi + 1;      // none: every key takes the masked steps
         const auto in_key_order = [&](const auto& step) AVX512 {  // step(key, the lanes that see it)
             for (int64_t key = lo; key < std::min(seen_lo, b.hi + 1); ++key) step(key, sees(first_v, last_v, key));
             for (int64_t key = seen_lo; key <= std::min(seen_hi, b.hi); ++key) step(key, __mmask16(0xffff));
@@ -259,7 +259,8 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
                 step(key, sees(first_v, last_v, key));
         };
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        in_key_order([&](int64_t key, __mmask16 m) AVX512 { mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sc + key * 16)); });
+        in_key_order([&](int64_t key, __mmask16 m)
+                         AVX512 { mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sc + key * 16)); });
         __m512 part[16];
         for (auto& p : part) p = _mm512_setzero_ps();
         in_key_order([&](int64_t key, __mmask16 m) AVX512 {

@@ -173,7 +173,8 @@ using LanesValueChunks = void (*)(const uint32_t*, const uint32_t*, int64_t, int
 template <int NV>
 constexpr LanesValueChunks lanes_value_chunks_of(int nc) {
     return nc == 4 ? lanes_value_chunks<NV, 4>
-                   : (nc == 3 ? lanes_value_chunks<NV, 3> : (nc == 2 ? lanes_value_chunks<NV, 2> : lanes_value_chunks<NV, 1>));
+                   : (nc == 3 ? lanes_value_chunks<NV, 3>
+                              : (nc == 2 ? lanes_value_chunks<NV, 2> : lanes_value_chunks<NV, 1>));
 }
 
 // Up to 6 vectors x 4 chunks: 24 accumulators, 4 V vectors and a broadcast in the 32 registers.
@@ -199,12 +200,18 @@ DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, 
                             _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(o, e)));
     }
     static constexpr LanesValueChunks by_vectors[LANES_SUM_VECTORS][4] = {
-        {lanes_value_chunks_of<1>(1), lanes_value_chunks_of<1>(2), lanes_value_chunks_of<1>(3), lanes_value_chunks_of<1>(4)},
-        {lanes_value_chunks_of<2>(1), lanes_value_chunks_of<2>(2), lanes_value_chunks_of<2>(3), lanes_value_chunks_of<2>(4)},
-        {lanes_value_chunks_of<3>(1), lanes_value_chunks_of<3>(2), lanes_value_chunks_of<3>(3), lanes_value_chunks_of<3>(4)},
-        {lanes_value_chunks_of<4>(1), lanes_value_chunks_of<4>(2), lanes_value_chunks_of<4>(3), lanes_value_chunks_of<4>(4)},
-        {lanes_value_chunks_of<5>(1), lanes_value_chunks_of<5>(2), lanes_value_chunks_of<5>(3), lanes_value_chunks_of<5>(4)},
-        {lanes_value_chunks_of<6>(1), lanes_value_chunks_of<6>(2), lanes_value_chunks_of<6>(3), lanes_value_chunks_of<6>(4)}};
+        {lanes_value_chunks_of<1>(1), lanes_value_chunks_of<1>(2), lanes_value_chunks_of<1>(3),
+         lanes_value_chunks_of<1>(4)},
+        {lanes_value_chunks_of<2>(1), lanes_value_chunks_of<2>(2), lanes_value_chunks_of<2>(3),
+         lanes_value_chunks_of<2>(4)},
+        {lanes_value_chunks_of<3>(1), lanes_value_chunks_of<3>(2), lanes_value_chunks_of<3>(3),
+         lanes_value_chunks_of<3>(4)},
+        {lanes_value_chunks_of<4>(1), lanes_value_chunks_of<4>(2), lanes_value_chunks_of<4>(3),
+         lanes_value_chunks_of<4>(4)},
+        {lanes_value_chunks_of<5>(1), lanes_value_chunks_of<5>(2), lanes_value_chunks_of<5>(3),
+         lanes_value_chunks_of<5>(4)},
+        {lanes_value_chunks_of<6>(1), lanes_value_chunks_of<6>(2), lanes_value_chunks_of<6>(3),
+         lanes_value_chunks_of<6>(4)}};
     for (int64_t v0 = 0; v0 < n; v0 += LANES_SUM_VECTORS) {
         const int64_t nv = std::min<int64_t>(LANES_SUM_VECTORS, n - v0);
         for (int64_t c0 = 0; c0 < d; c0 += 64) {
