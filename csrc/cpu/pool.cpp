@@ -14,6 +14,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -23,6 +24,7 @@
 #include <omp.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -152,6 +154,63 @@ class Contention {
 
 thread_local bool t_registered = false;  // this thread's run-queue wait is watched
 
+// Where the threads running a call sit. On a contended machine the OS, left free, can stack two of
+// the pool's threads on one core and leave the other process alone on the next: one thread then runs
+// at half speed, the other waits for its items, and the process gets about one core of the two it
+// may use. A thread pinned to a core of its own (slot s to the s-th CPU of the process's affinity
+// mask) shares that core with the other process at worst, while the threads on the other cores take
+// its items: the process keeps its share of every core. An idle machine gains nothing from pinning
+// and every thread stays free to move; so by default (MINISGL_PIN_THREADS=auto) the threads pin
+// while the pool reads contended and return to the process's mask when it no longer does; `on` pins
+// whenever a call runs on more than one thread, `off` never.
+enum PinMode : int { PIN_AUTO = 0, PIN_ON = 1, PIN_OFF = 2 };
+
+int pin_mode_from_env() {
+    const char* v = std::getenv("MINISGL_PIN_THREADS");
+    if (!v || !*v || std::strcmp(v, "auto") == 0) return PIN_AUTO;
+    if (std::strcmp(v, "on") == 0) return PIN_ON;
+    if (std::strcmp(v, "off") == 0) return PIN_OFF;
+    std::fprintf(stderr, "minisgl pool: MINISGL_PIN_THREADS=%s is not one of auto, on, off; using auto\n", v);
+    return PIN_AUTO;
+}
+
+std::atomic<int> g_pin_mode{pin_mode_from_env()};
+
+// The process's affinity mask when the pool started: the CPUs slots are pinned to, and the mask an
+// unpinned thread returns to.
+struct Cpus {
+    cpu_set_t mask;
+    std::vector<int> list;
+    Cpus() {
+        CPU_ZERO(&mask);
+        if (sched_getaffinity(0, sizeof mask, &mask) != 0) return;
+        for (int c = 0; c < CPU_SETSIZE; ++c)
+            if (CPU_ISSET(c, &mask)) list.push_back(c);
+    }
+};
+
+const Cpus& process_cpus() {
+    static const Cpus* cpus = new Cpus();  // read once, before any thread pins itself
+    return *cpus;
+}
+
+thread_local int t_pinned_cpu = -1;  // the CPU this thread pinned itself to; -1: the process's mask
+
+// Called by each thread taking part in a call of `threads` threads, as `slot`: pins it or returns it
+// to the process's mask as the mode and the contention say, with one system call per change.
+void place_self(int slot, int threads) {
+    const Cpus& cpus = process_cpus();
+    const int mode = g_pin_mode.load(std::memory_order_relaxed);
+    const bool pin = threads > 1 && slot < threads && threads <= static_cast<int>(cpus.list.size()) &&
+                     (mode == PIN_ON || (mode == PIN_AUTO && g_contended.load(std::memory_order_relaxed)));
+    const int want = pin ? cpus.list[static_cast<size_t>(slot)] : -1;
+    if (want == t_pinned_cpu || cpus.list.empty()) return;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    if (want >= 0) CPU_SET(want, &one);
+    if (sched_setaffinity(0, sizeof(cpu_set_t), want >= 0 ? &one : &cpus.mask) == 0) t_pinned_cpu = want;
+}
+
 class Pool {
    public:
     static Pool& get() {
@@ -174,6 +233,7 @@ class Pool {
 
     void run(int threads, WorkShare& share, const std::function<void(WorkShare&, int)>& body) {
         grow(threads - 1);
+        place_self(0, threads);
         job_share_ = &share;
         job_body_ = &body;
         job_slots_ = threads;
@@ -211,6 +271,9 @@ class Pool {
 
     void worker(int slot) {
         t_in_pool = true;
+        char name[16];
+        std::snprintf(name, sizeof name, "minisgl-pool-%d", slot);
+        pthread_setname_np(pthread_self(), name);  // so top -H and /proc name the pool's threads
         contention_.add_thread(static_cast<pid_t>(syscall(SYS_gettid)));
         uint32_t seen = gen_.load();
         for (;;) {
@@ -221,6 +284,7 @@ class Pool {
             }
             const uint32_t g = gen_.load();
             seen = g;
+            place_self(slot, job_slots_);  // before the job: a thread that comes late is placed too
             active_.fetch_add(1);
             if (!closed_.load() && gen_.load() == g && slot < job_slots_) {
                 try {
@@ -300,6 +364,7 @@ void run_parallel(int threads, int64_t n, int64_t grain, const std::function<voi
     }
     std::unique_lock<std::mutex> lock(pool.call_mu, std::defer_lock);
     if (threads <= 1 || t_in_pool || !lock.try_lock()) {
+        if (threads <= 1 && !t_in_pool) place_self(0, 1);  // one thread: free to move again
         WorkShare share(n, 1, grain);
         body(share, 0);
         return;
@@ -337,6 +402,7 @@ void pool_set_test_delay(int slot, int64_t micros) {
 }
 
 void pool_use_openmp(bool on) { g_openmp.store(on); }
+void pool_set_pinning(int mode) { g_pin_mode.store(mode); }
 bool pool_contended() { return g_contended.load(); }
 
 }  // namespace minisgl::cpu

@@ -65,6 +65,11 @@ std::vector<int> pool_claims(int threads, int64_t n, int64_t grain);
 // of the work, whose OpenMP threads would otherwise spin beside the pool's and take their cores.
 void pool_use_openmp(bool on);
 
+// Whether the threads of a call pin themselves, slot s to the s-th CPU of the process's affinity mask:
+// 0 while the pool reads contended (the default, MINISGL_PIN_THREADS=auto), 1 always (on), 2 never
+// (off). pool.cpp says why.
+void pool_set_pinning(int mode);
+
 // Whether the threads running kernels have been kept waiting for a core over the last windows
 // (another busy process on the machine): waiting is then passive, and the engine may use fewer threads.
 bool pool_contended();

@@ -197,6 +197,19 @@ def use_openmp(on: bool) -> None:
         _native.pool_use_openmp(on)
 
 
+PIN_MODES = ("auto", "on", "off")
+
+
+def set_pinning(mode: str) -> None:
+    """Whether the threads of a parallel kernel call pin themselves, one CPU of the process's affinity
+    mask each: "auto" (the default, MINISGL_PIN_THREADS) while other processes keep them waiting for
+    cores, "on" always, "off" never. Pinning changes where a thread runs, never a bit of a result."""
+    if mode not in PIN_MODES:
+        raise ValueError(f"pinning must be one of {', '.join(PIN_MODES)}, not {mode!r}")
+    if _native is not None:
+        _native.pool_set_pinning(PIN_MODES.index(mode))
+
+
 def contended() -> bool:
     """Whether the kernels' threads have been kept waiting for a core lately (another busy process)."""
     return _native is not None and _native.pool_contended()

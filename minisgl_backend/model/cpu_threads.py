@@ -121,7 +121,10 @@ class ThreadPlan:
 
     def describe(self) -> str:
         if not self.openmp:
-            where = "their own pool"
+            pin = {"on": ", a CPU per thread", "off": ""}.get(
+                os.environ.get("MINISGL_PIN_THREADS", "auto"), ", a CPU per thread while the machine is busy"
+            )
+            where = f"their own pool{pin}"
         elif self.adaptive:
             where = "torch's OpenMP team, one thread while the machine is busy"
         else:

@@ -6,6 +6,8 @@ share of a late thread is done by the others. Run for every kernel family this m
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 
 import pytest
 import torch
@@ -147,3 +149,71 @@ def test_kernel_errors_still_raise_under_the_pool():
         cpu_kernels.decode_attention(
             q, k, k, torch.tensor([[0], [9]]), torch.tensor([0, 0]), 0.25, None, None
         )
+
+
+def _allowed(tid: int | str) -> set[int]:
+    """The CPUs a thread of this process may run on (its Cpus_allowed_list)."""
+    with open(f"/proc/self/task/{tid}/status") as f:
+        line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
+    cpus: set[int] = set()
+    for part in line.split(":", 1)[1].strip().split(","):
+        a, _, b = part.partition("-")
+        cpus.update(range(int(a), int(b or a) + 1))
+    return cpus
+
+
+def _pool_thread(slot: int) -> str | None:
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() == f"minisgl-pool-{slot}":
+                return tid
+    return None
+
+
+def _pool_thread_allowed() -> set[int] | None:
+    """The CPUs the pool's first thread may run on; None before it has started."""
+    tid = _pool_thread(1)
+    return None if tid is None else _allowed(tid)
+
+
+def _settles(check, seconds: float = 20.0) -> bool:
+    """check() after parallel calls, until it holds: a pool thread places itself when it wakes for a
+    call, which may be after the caller has done every item and returned."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        _native_mod.pool_claims(2, 4096, 1)
+        if check():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs in the affinity mask")
+def test_pinned_threads_take_a_cpu_each_and_return_to_the_process_mask():
+    """Pinning on: a call's caller takes the first CPU of the process's mask and the pool's first
+    thread the second (so the OS cannot stack them on one core beside another process); a call on
+    one thread, or pinning off, returns a thread to the whole mask. The bits never move."""
+    cpus = sorted(os.sched_getaffinity(0))
+    g = _g(5)
+    w, x = (torch.randn(200, 96, generator=g) * 0.05).bfloat16(), torch.randn(37, 96, generator=g).bfloat16()
+    with cpu_kernels.threads_override(2):
+        free = cpu_kernels.linear(x, w)
+    try:
+        cpu_kernels.set_pinning("on")
+        assert _settles(lambda: _pool_thread_allowed() == {cpus[1]}), (
+            "the pool's first thread did not pin itself to the second CPU"
+        )
+        assert os.sched_getaffinity(0) == {cpus[0]}, "the caller did not pin itself to the first CPU"
+        with cpu_kernels.threads_override(2):
+            assert torch.equal(cpu_kernels.linear(x, w), free), "pinning changed the bits"
+        _native_mod.pool_claims(1, 100, 0)
+        assert os.sched_getaffinity(0) == set(cpus), "a call on one thread left the caller pinned"
+        cpu_kernels.set_pinning("off")
+        mask = set(cpus)
+        assert _settles(lambda: _pool_thread_allowed() == mask and os.sched_getaffinity(0) == mask)
+    finally:
+        cpu_kernels.set_pinning("off")
+        _settles(lambda: os.sched_getaffinity(0) == set(cpus))
+        cpu_kernels.set_pinning("auto")
+    with pytest.raises(ValueError, match="auto, on, off"):
+        cpu_kernels.set_pinning("always")
