@@ -387,6 +387,8 @@ PYBIND11_MODULE(_kernels, m) {
           "Run kernels on the OpenMP team torch uses (True) or on the kernels' own pool (False, the default).");
     m.def("pool_set_pinning", &pool_set_pinning, py::arg("mode"),
           "Pin each thread of a call to a CPU of its own: 0 while contended (auto), 1 always (on), 2 never (off).");
+    m.def("pool_affinity", &pool_affinity,
+          "The CPUs this thread may run on, or the process's where the pool pinned this thread.");
     m.def("pool_contended", &pool_contended,
           "Whether the kernels' threads have been kept waiting for a core lately (another busy process).");
     py::class_<BoundLinear>(m, "StackLinear")

@@ -403,6 +403,17 @@ void pool_set_test_delay(int slot, int64_t micros) {
 
 void pool_use_openmp(bool on) { g_openmp.store(on); }
 void pool_set_pinning(int mode) { g_pin_mode.store(mode); }
+
+std::vector<int> pool_affinity() {
+    if (t_pinned_cpu >= 0) return process_cpus().list;
+    cpu_set_t mask;
+    CPU_ZERO(&mask);
+    std::vector<int> cpus;
+    if (sched_getaffinity(0, sizeof mask, &mask) == 0)
+        for (int c = 0; c < CPU_SETSIZE; ++c)
+            if (CPU_ISSET(c, &mask)) cpus.push_back(c);
+    return cpus;
+}
 bool pool_contended() { return g_contended.load(); }
 
 }  // namespace minisgl::cpu

@@ -70,6 +70,10 @@ void pool_use_openmp(bool on);
 // (off). pool.cpp says why.
 void pool_set_pinning(int mode);
 
+// The CPUs of the calling thread's affinity mask, or the process's where the pool pinned the thread:
+// what the process may use, whichever thread asks.
+std::vector<int> pool_affinity();
+
 // Whether the threads running kernels have been kept waiting for a core over the last windows
 // (another busy process on the machine): waiting is then passive, and the engine may use fewer threads.
 bool pool_contended();

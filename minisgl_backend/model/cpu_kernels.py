@@ -210,6 +210,14 @@ def set_pinning(mode: str) -> None:
         _native.pool_set_pinning(PIN_MODES.index(mode))
 
 
+def affinity() -> set[int]:
+    """The CPUs this process may use: the calling thread's affinity mask, or the process's where the
+    kernels' pool pinned this thread to one CPU (set_pinning)."""
+    if _native is not None:
+        return set(_native.pool_affinity())
+    return set(os.sched_getaffinity(0))
+
+
 def contended() -> bool:
     """Whether the kernels' threads have been kept waiting for a core lately (another busy process)."""
     return _native is not None and _native.pool_contended()

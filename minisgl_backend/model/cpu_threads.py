@@ -91,7 +91,7 @@ def cgroup_cpu_quota(
 
 def usable_cpus() -> tuple[int, str]:
     """How many CPUs this process can compute on, and a phrase saying what limits it."""
-    affinity = len(os.sched_getaffinity(0))
+    affinity = len(cpu_kernels.affinity())
     why = f"{_count(affinity, 'CPU')} in the affinity mask"
     count = affinity
     quota = cgroup_cpu_quota()

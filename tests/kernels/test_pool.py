@@ -204,6 +204,11 @@ def test_pinned_threads_take_a_cpu_each_and_return_to_the_process_mask():
             "the pool's first thread did not pin itself to the second CPU"
         )
         assert os.sched_getaffinity(0) == {cpus[0]}, "the caller did not pin itself to the first CPU"
+        # what the engine's thread plan reads: the process's CPUs, not the pinned thread's one
+        assert cpu_kernels.affinity() == set(cpus)
+        from minisgl_backend.model import cpu_threads
+
+        assert f"{len(cpus)} CPUs in the affinity mask" in cpu_threads.usable_cpus()[1]
         with cpu_kernels.threads_override(2):
             assert torch.equal(cpu_kernels.linear(x, w), free), "pinning changed the bits"
         _native_mod.pool_claims(1, 100, 0)

@@ -48,7 +48,7 @@ def test_cgroup_v1_quota(tmp_path):
 
 def test_thread_count_follows_affinity_and_quota(monkeypatch):
     monkeypatch.setattr(cpu_threads, "_TORCH_DEFAULT", 8)
-    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(cpu_threads.cpu_kernels, "affinity", lambda: {0, 1, 2, 3})
     monkeypatch.setattr(cpu_threads, "cgroup_cpu_quota", lambda: None)
     assert cpu_threads.usable_cpus()[0] == 4
     monkeypatch.setattr(cpu_threads, "cgroup_cpu_quota", lambda: 2.5)
@@ -56,7 +56,7 @@ def test_thread_count_follows_affinity_and_quota(monkeypatch):
     assert count == 2 and "quota of 2.5" in why
     monkeypatch.setattr(cpu_threads, "cgroup_cpu_quota", lambda: 0.5)
     assert cpu_threads.usable_cpus()[0] == 1, "a quota under one CPU still computes on one thread"
-    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(cpu_threads.cpu_kernels, "affinity", lambda: {0})
     monkeypatch.setattr(cpu_threads, "cgroup_cpu_quota", lambda: None)
     assert cpu_threads.usable_cpus() == (1, "1 CPU in the affinity mask")
     assert cpu_threads.plan(3, "bfloat16").threads == 3, "num_threads wins"
@@ -188,13 +188,12 @@ def _schedstat() -> bool:
 def test_the_pool_sees_a_busy_machine():
     """With more busy processes than CPUs beside a kernel loop, the run-queue signal turns on (the
     loop runs until it does, bounded); this is what the engine's adapt() and the pool's waits read."""
-    import os
     import time
 
     w = torch.randn(512, 512).bfloat16()
     x = torch.randn(4, 512).bfloat16()
     seen = False
-    with CompetingLoad(len(os.sched_getaffinity(0)) + 1, limit_s=120), cpu_kernels.threads_override(2):
+    with CompetingLoad(len(cpu_kernels.affinity()) + 1, limit_s=120), cpu_kernels.threads_override(2):
         end = time.monotonic() + 60
         while time.monotonic() < end and not seen:
             cpu_kernels.linear(x, w)
