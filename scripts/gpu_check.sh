@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: one call that measures the CUDA back-end, in stages that never stop each other.
 #
-#   scripts/gpu_check.sh              every stage in order (env tracker tests forward model overlap)
+#   scripts/gpu_check.sh              every stage in order (env tracker tests forward model overlap stress)
 #   scripts/gpu_check.sh STAGE...     only those stages (e.g. `overlap` again after a fix)
 #   scripts/gpu_check.sh carry        on the machine that sends the call: write the tokenizer files the
 #                                     device needs into .gpu_carry/tokenizer (carry `.gpu_carry`)
@@ -17,10 +17,13 @@
 #            and each decode case again as a CUDA-graph replay (cuda_graphs; eager buckets on the CPU)
 #   model    a random-weight ~1.2B Llama directory in the scratch dir (the next stage's model)
 #   overlap  the design's table on it: serial, overlap with chunks 128 and 768, one in flight, Python
-#            callbacks, and a sampled row (req/s, TTFT/TPOT p50/p99), with a timeline
+#            callbacks, a sampled row and (on a GPU) a CUDA-graph row (req/s, TTFT/TPOT p50/p99), with
+#            a timeline
+#   stress   block lifetimes under overlap (fenced reclaim: 0 mismatches and every block FREE; the
+#            unsafe debug switch: mismatches found) and serial vs overlap tokens and logprobs
 #
 # Outputs: at most 8 small files in $OUT (check.log, summary.txt, env.txt, tests.log, forward.json,
-# overlap_table.json, utilisation.png); big ones (the model, trace.json) in $SCRATCH.
+# overlap_table.json, utilisation.png, stress.json); big ones (the models, trace.json) in $SCRATCH.
 #
 # Environment:
 #   OUT=./gpu_out               small outputs          SCRATCH=/tmp/minisgl_gpu_check  big ones
@@ -44,14 +47,17 @@ TOKENIZER=${MINISGL_TOKENIZER:-$ROOT/.gpu_carry/tokenizer}
 SMALL=${GPU_CHECK_SMALL:-0}
 if [[ "$SMALL" == 1 ]]; then
   DEVICE=cpu; DTYPE=float32; SHAPE=tiny; FWD_SHAPES=tiny; BATCHES=1,4; CTX=40; CHUNK=24; STEPS=2
-  NREQ=8; OUTLEN=4; CONC=4; KV_GB=${KV_GB:-0.25}; CHUNKS=16,64
+  NREQ=8; OUTLEN=4; CONC=4; KV_GB=${KV_GB:-0.25}; CHUNKS=16,64; STRESS_N=400
   # The kernels run under Triton's interpreter on the CPU; the engine's attention stays the CPU's.
   export TRITON_INTERPRET=1
   : "${T_ENV:=60}" "${T_TRACKER:=60}" "${T_TESTS:=150}" "${T_FORWARD:=90}" "${T_MODEL:=60}" "${T_OVERLAP:=150}"
+  : "${T_STRESS:=150}"
 else
   DEVICE=cuda; DTYPE=bfloat16; SHAPE=1b; FWD_SHAPES=1b,8b; BATCHES=1,16,64; CTX=512; CHUNK=768; STEPS=10
-  NREQ=96; OUTLEN=64; CONC=16; KV_GB=${KV_GB:-8}; CHUNKS=128,768
-  : "${T_ENV:=30}" "${T_TRACKER:=60}" "${T_TESTS:=120}" "${T_FORWARD:=90}" "${T_MODEL:=90}" "${T_OVERLAP:=180}"
+  NREQ=96; OUTLEN=64; CONC=16; KV_GB=${KV_GB:-8}; CHUNKS=128,768; STRESS_N=600
+  # 600 s in all: one device call's limit.
+  : "${T_ENV:=30}" "${T_TRACKER:=45}" "${T_TESTS:=120}" "${T_FORWARD:=90}" "${T_MODEL:=75}" "${T_OVERLAP:=165}"
+  : "${T_STRESS:=75}"
 fi
 MODEL_DIR="$SCRATCH/model-$SHAPE"
 LOG="$OUT/check.log"
@@ -128,6 +134,13 @@ stage_overlap() {
     --trace "$SCRATCH/trace.json" --plot "$OUT/utilisation.png"
 }
 
+stage_stress() {
+  local tok=()
+  if [[ -f "$TOKENIZER/tokenizer.json" ]]; then tok=(--tokenizer "$TOKENIZER"); fi
+  "$PY" -m minisgl_backend.bench.gpu_check stress --model "$SCRATCH/tiny-llama" "${tok[@]}" \
+    --requests "$STRESS_N" --device "$DEVICE" --json "$OUT/stress.json"
+}
+
 stage_carry() {
   mkdir -p "$ROOT/.gpu_carry"
   "$PY" - "$ROOT/.gpu_carry/tokenizer" <<'PY'
@@ -159,20 +172,20 @@ run_stage() {  # run_stage NAME: under its time limit; the outcome goes to the s
   return 0
 }
 
-export -f stage_env stage_tracker stage_tests stage_forward stage_model stage_overlap stage_carry
-export T_ENV T_TRACKER T_TESTS T_FORWARD T_MODEL T_OVERLAP
+export -f stage_env stage_tracker stage_tests stage_forward stage_model stage_overlap stage_stress stage_carry
+export T_ENV T_TRACKER T_TESTS T_FORWARD T_MODEL T_OVERLAP T_STRESS
 export SMALL ROOT OUT SCRATCH PY TOKENIZER DEVICE DTYPE SHAPE FWD_SHAPES BATCHES CTX CHUNK STEPS NREQ OUTLEN CONC \
-  KV_GB CHUNKS MODEL_DIR
+  KV_GB CHUNKS MODEL_DIR STRESS_N
 
 STAGES=("$@")
 if [[ ${#STAGES[@]} == 0 ]]; then
-  STAGES=(env tracker tests forward model overlap)
+  STAGES=(env tracker tests forward model overlap stress)
   if [[ "$SMALL" == 1 && ! -f "$TOKENIZER/tokenizer.json" ]]; then STAGES=(carry "${STAGES[@]}"); fi
   : >"$SUMMARY"
 fi
 for s in "${STAGES[@]}"; do
   if ! declare -F "stage_$s" >/dev/null; then
-    echo "unknown stage '$s' (env tracker tests forward model overlap carry)" >&2
+    echo "unknown stage '$s' (env tracker tests forward model overlap stress carry)" >&2
     exit 2
   fi
 done

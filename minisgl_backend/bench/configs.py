@@ -99,30 +99,64 @@ def bench_configs(
     trace_events: list[dict] | None = None,
     workload: Callable[[int, int], list[list[int]]] = mixed_prompts,
     sampling: dict[str, Any] | None = None,
+    first_pid: int = 0,
+    keep_going: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """The same workload (`workload(num_requests, vocab)`) under each config variant, one engine at
     a time, drawn as run_closed_loop's `sampling` says. With `trace_events`, every run's timeline is
-    appended (one trace process per variant) and each row reports how much of the scheduler
-    thread's busy time overlapped a running forward pass."""
+    appended (one trace process per variant, numbered from `first_pid`) and each row reports how
+    much of the scheduler thread's busy time overlapped a running forward pass. With `keep_going`,
+    a variant that raises becomes a row holding only its `error` and the next variant still runs
+    (a device check that must bring back every row it can); otherwise the error propagates."""
     rows: dict[str, dict[str, Any]] = {}
-    for i, (name, overrides) in enumerate(variants.items()):
-        cfg = base.replace(
-            **overrides, metrics_exact=True, **({"trace": True} if trace_events is not None else {})
-        )
-        with Engine(cfg) as engine:
-            prompts = workload(num_requests, engine.vocab_size)
-            warm = [[101, 102, 103]]  # shares no prefix with the workload: the cache starts cold
-            engine.generate(warm, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-            engine.tracer.spans.clear()
-            before = engine.metrics()
-            rows[name] = run_closed_loop(engine, prompts, output_len, concurrency, sampling)
-            engine.drain()
-            rows[name].update(_prefill_stats(before, engine.metrics()))
-            if trace_events is not None:
-                trace_events.extend(engine.tracer.chrome_events(pid=i, process_name=name))
-                rows[name]["sched_overlap"] = engine.tracer.busy_overlap()
+    for i, (name, overrides) in enumerate(variants.items(), start=first_pid):
+        try:
+            rows[name] = _bench_one(
+                base.replace(**overrides),
+                num_requests,
+                output_len,
+                concurrency,
+                trace_events,
+                workload,
+                sampling,
+                i,
+                name,
+            )
+        except Exception as e:  # noqa: BLE001 - re-raised unless the caller keeps going
+            if not keep_going:
+                raise
+            rows[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"  {name}: FAILED: {rows[name]['error']}", flush=True)
+            continue
         print(f"  {name}: {rows[name]['req_per_s']:.2f} req/s", flush=True)
     return rows
+
+
+def _bench_one(  # one variant of bench_configs
+    cfg: EngineConfig,
+    num_requests: int,
+    output_len: int,
+    concurrency: int,
+    trace_events: list[dict] | None,
+    workload: Callable[[int, int], list[list[int]]],
+    sampling: dict[str, Any] | None,
+    pid: int,
+    name: str,
+) -> dict[str, Any]:
+    cfg = cfg.replace(metrics_exact=True, **({"trace": True} if trace_events is not None else {}))
+    with Engine(cfg) as engine:
+        prompts = workload(num_requests, engine.vocab_size)
+        warm = [[101, 102, 103]]  # shares no prefix with the workload: the cache starts cold
+        engine.generate(warm, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        engine.tracer.spans.clear()
+        before = engine.metrics()
+        row = run_closed_loop(engine, prompts, output_len, concurrency, sampling)
+        engine.drain()
+        row.update(_prefill_stats(before, engine.metrics()))
+        if trace_events is not None:
+            trace_events.extend(engine.tracer.chrome_events(pid=pid, process_name=name))
+            row["sched_overlap"] = engine.tracer.busy_overlap()
+    return row
 
 
 def _prefill_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

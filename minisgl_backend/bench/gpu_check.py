@@ -8,10 +8,16 @@ same code so the script itself is tested:
   GPU), and how far the two back-ends' logits differ (their agreement is the kernels' check on the
   device itself). Each decode case runs again through CUDA-graph replay at its batch size
   (executor/graphs.py; eagerly over the same static buffers on the CPU): its time, and its logits'
-  difference from the eager forward's.
+  difference from the eager forward's. A case that fails (a kernel that does not compile, a capture
+  broken by a host sync) is a row holding its error; the other cases still run.
 - `overlap`: the design's table on one random-weight model directory: the serial loop, overlap with
   prefill chunks of 128 and 768, one iteration in flight, the Python completion callbacks, and the
-  768 row again with seeded sampling instead of greedy draws.
+  768 row again with seeded sampling instead of greedy draws; on a GPU also the 768 row with its
+  decode batches replayed as CUDA graphs. A row that fails on the device holds its error, and the
+  other rows still run.
+- `stress`: block lifetimes under overlap on the device (the stress harness with fenced reclaim
+  and with the unsafe debug switch, which it must catch) and the serial loop against the overlap
+  scheduler on the same greedy prompts; exits 1 unless all of that held.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import json
 import os
 import time
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -167,6 +175,24 @@ def time_graphs(model: CausalLM, fb: ForwardBatch, kv: KVCache, steps: int, pad_
     return {**times, "captured": graphs.captured, "logits": logits.float()}
 
 
+def _measured(
+    rows: list[dict[str, Any]], row: dict[str, Any], measure: Callable[[], dict[str, Any]]
+) -> torch.Tensor | None:
+    """Run one measurement into `row` (appended to `rows` either way) and return its logits; a case
+    that raises (a kernel that fails to compile, a capture that a host sync breaks) becomes a row
+    with its `error` and returns None, so one broken case costs the stage no other numbers."""
+    rows.append(row)
+    try:
+        r = measure()
+    except Exception as e:  # noqa: BLE001 - recorded in the row; the next case runs
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+        print(json.dumps(row), flush=True)
+        return None
+    logits = r.pop("logits")
+    row.update(r)
+    return logits
+
+
 def backends(device: str) -> dict[str, LayerLoop]:
     out = {"torch": LayerLoop()}
     try:
@@ -188,7 +214,7 @@ def forward_rows(
     steps: int,
     block_size: int = 16,
 ) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for shape in shapes:
         model = random_model(shape, DTYPES[dtype], device)
         cases = [(f"decode B={b} ctx={ctx}", decode_batch(b, ctx, block_size, device)) for b in batches]
@@ -198,23 +224,22 @@ def forward_rows(
             ref = None  # the torch path's logits, which the kernels' must match
             for backend, strategy in backends(device).items():
                 model.forward_strategy = strategy
-                r = time_forward(model, fb, kv, steps)
-                logits = r.pop("logits")
-                row = {"shape": shape, "case": name, "backend": backend, **r}
+                row: dict[str, Any] = {"shape": shape, "case": name, "backend": backend}
+                logits = _measured(rows, row, partial(time_forward, model, fb, kv, steps))
+                if logits is None:
+                    continue
                 if ref is None:
                     ref = logits
                 else:
                     row["max_logit_diff_vs_torch"] = float((logits - ref).abs().max())
                     row["argmax_agree_vs_torch"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
-                rows.append(row)
                 print(json.dumps(row), flush=True)
                 if fb.num_decode:
-                    g = time_graphs(model, fb, kv, steps, pad_block=blocks)
-                    diff = float((g.pop("logits") - logits).abs().max())
-                    row = {"shape": shape, "case": f"{name} graph", "backend": backend, **g}
-                    row["max_logit_diff_vs_eager"] = diff
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    row = {"shape": shape, "case": f"{name} graph", "backend": backend}
+                    g = _measured(rows, row, partial(time_graphs, model, fb, kv, steps, pad_block=blocks))
+                    if g is not None:
+                        row["max_logit_diff_vs_eager"] = float((g - logits).abs().max())
+                        print(json.dumps(row), flush=True)
             del kv
         del model
         if device.startswith("cuda"):
@@ -222,9 +247,10 @@ def forward_rows(
     return rows
 
 
-def overlap_variants(chunks: list[int]) -> dict[str, dict[str, Any]]:
+def overlap_variants(chunks: list[int], graphs: bool = False) -> dict[str, dict[str, Any]]:
     """The design's rows: serial, overlap per chunk size, then at the largest chunk one iteration in
-    flight and the Python completion callbacks."""
+    flight and the Python completion callbacks; with `graphs` (a GPU), the largest chunk again with
+    its decode batches replayed as CUDA graphs."""
     big = max(chunks)
     rows: dict[str, dict[str, Any]] = {
         "serial, no chunking": {
@@ -245,6 +271,8 @@ def overlap_variants(chunks: list[int]) -> dict[str, dict[str, Any]]:
     rows[f"overlap, chunk {big}, python callbacks"] = rows[f"overlap, chunk {big}"] | {
         "callback_impl": "python"
     }
+    if graphs:
+        rows[f"overlap, chunk {big}, cuda graphs"] = rows[f"overlap, chunk {big}"] | {"cuda_graphs": True}
     return rows
 
 
@@ -263,13 +291,15 @@ def overlap_rows(args: argparse.Namespace) -> dict[str, Any]:
         stats_interval_s=0,
     )
     events: list[dict[str, Any]] | None = [] if (args.trace or args.plot) else None
-    variants = overlap_variants(chunks)
-    rows = bench_configs(base, variants, args.num_requests, args.output_len, args.concurrency, events)
+    variants = overlap_variants(chunks, graphs=args.device.startswith("cuda"))
+    # keep_going: a variant that fails on the device is a row with its error, not the stage's end.
+    n, out_len, conc = args.num_requests, args.output_len, args.concurrency
+    rows = bench_configs(base, variants, n, out_len, conc, events, keep_going=True)
     big = max(chunks)
     sampled = {f"overlap, chunk {big}, sampled": variants[f"overlap, chunk {big}"]}
     sampling = {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 1234}
     rows |= bench_configs(
-        base, sampled, args.num_requests, args.output_len, args.concurrency, events, sampling=sampling
+        base, sampled, n, out_len, conc, events, sampling=sampling, first_pid=len(rows), keep_going=True
     )
     print(format_table(rows))
     if args.trace:
@@ -283,6 +313,75 @@ def overlap_rows(args: argparse.Namespace) -> dict[str, Any]:
         except ImportError as e:
             print(f"no plot: {e}")
     return {"device": args.device, "chunks": chunks, "rows": rows}
+
+
+def stress_rows(args: argparse.Namespace) -> dict[str, Any]:
+    """Lifetimes and scheduling on this device, on the tiny test model in float32 (made once in
+    `args.model` with `args.tokenizer`): the stress harness (tools/stress.py) with fenced reclaim,
+    where no completed request may differ from its solo run and every block must be FREE after the
+    drain, and with the unsafe debug switch, where the harness must find mismatches (its proof that
+    it sees the bug on this device); then the serial loop and the overlap scheduler on the same
+    greedy prompts, which must give the same tokens (their logprobs' largest difference is kept).
+    `ok` says whether all of that held."""
+    from minisgl_backend.bench.measure import random_prompts
+    from minisgl_backend.config import EngineConfig
+    from minisgl_backend.engine import Engine
+    from minisgl_backend.tools.stress import run_stress
+    from minisgl_backend.tools.tiny import make_tiny_llama
+    from minisgl_backend.types import SamplingParams
+
+    model = make_tiny_llama(Path(args.model), tokenizer=args.tokenizer)
+    # `minisgl stress`'s pool: blocks and rows reused constantly, prompt-only batches (the widest
+    # window for a block released too early).
+    base = EngineConfig(
+        model=str(model),
+        device=args.device,
+        dtype="float32",
+        num_blocks=40,
+        block_size=4,
+        chunk_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        max_model_len=64,
+        mixed_batches=False,
+        overlap=True,
+        stats_interval_s=0,
+    )
+    result: dict[str, Any] = {"device": args.device}
+    runs = {"fenced": {}, "unsafe": {"debug_unsafe_reclaim": True, "debug_delay_ms": 2.0}}
+    for name, overrides in runs.items():
+        r = run_stress(base.replace(**overrides), args.requests, seed=1)
+        result[name] = {
+            "requests": r.requests,
+            "completed": r.completed,
+            "aborted": r.aborted,
+            "mismatches": r.mismatches,
+            "kv_after_drain": r.kv_after_drain,
+            "leaked": r.leaked,
+            "wall_s": round(r.wall_s, 2),
+            "examples": r.examples[:3],
+        }
+        print(f"stress {name}: {json.dumps(result[name])}", flush=True)
+
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True)
+    outs = {}
+    orders: dict[str, dict[str, Any]] = {"serial": {"overlap": False}, "overlap": {"max_inflight": 4}}
+    for name, overrides in orders.items():
+        cfg = base.replace(num_blocks=256, max_num_seqs=8, mixed_batches=True, **overrides)
+        with Engine(cfg) as engine:
+            prompts = random_prompts(16, 24, engine.vocab_size, seed=2)
+            outs[name] = engine.generate(prompts, params, use_tqdm=False)
+    same = all(a.token_ids == b.token_ids for a, b in zip(outs["serial"], outs["overlap"]))
+    diff = max(
+        abs(x.logprob - y.logprob)
+        for a, b in zip(outs["serial"], outs["overlap"])
+        for x, y in zip(a.logprobs or [], b.logprobs or [])
+    )
+    result["serial_vs_overlap"] = {"prompts": len(prompts), "same_tokens": same, "max_logprob_diff": diff}
+    print(f"serial vs overlap: {json.dumps(result['serial_vs_overlap'])}", flush=True)
+    fenced, unsafe = result["fenced"], result["unsafe"]
+    result["ok"] = fenced["mismatches"] == 0 and not fenced["leaked"] and unsafe["mismatches"] > 0 and same
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,10 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--concurrency", type=int, default=16)
     o.add_argument("--trace")
     o.add_argument("--plot")
-    for s in (f, o):
+    st = sub.add_parser("stress", help="block lifetimes under overlap, and serial vs overlap, on the device")
+    st.add_argument("--model", required=True, help="where the tiny test model is made (once)")
+    st.add_argument("--tokenizer", help="its tokenizer files (default: the embedded model's)")
+    st.add_argument("--requests", type=int, default=1000, help="requests per stress run")
+    for s in (f, o, st):
         s.add_argument("--device", default="cuda")
-        s.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
         s.add_argument("--json", required=True)
+    for s in (f, o):
+        s.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     args = p.parse_args(argv)
     torch.manual_seed(0)
     if args.stage == "forward":
@@ -320,11 +424,13 @@ def main(argv: list[str] | None = None) -> int:
                 args.dtype,
                 args.steps,
             )
-    else:
+    elif args.stage == "overlap":
         result = overlap_rows(args)
+    else:
+        result = stress_rows(args)
     with open(args.json, "w") as fh:
         json.dump(result, fh, indent=2)
-    return 0
+    return 0 if not isinstance(result, dict) or result.get("ok", True) else 1
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from minisgl_backend import EngineConfig
+from minisgl_backend.bench import gpu_check
+from minisgl_backend.bench.configs import bench_configs
 from minisgl_backend.bench.gpu_check import overlap_variants
+from minisgl_backend.errors import ConfigError
+from minisgl_backend.model.llama import LayerLoop
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -73,6 +78,51 @@ def test_the_overlap_rows_are_the_designs():
     assert rows["overlap, chunk 768, python callbacks"]["callback_impl"] == "python"
 
 
+def test_a_gpu_adds_the_cuda_graph_row():
+    rows = overlap_variants([128, 768], graphs=True)
+    assert list(rows)[-1] == "overlap, chunk 768, cuda graphs"
+    assert rows["overlap, chunk 768, cuda graphs"] == rows["overlap, chunk 768"] | {"cuda_graphs": True}
+
+
+class _Broken:
+    """An attention back-end that fails the way a kernel that does not compile on a device would."""
+
+    def plan(self, *args, **kwargs):
+        raise RuntimeError("kernel failed to compile")
+
+
+def test_a_failing_forward_case_is_a_row_with_its_error(monkeypatch):
+    """One back-end that raises costs the forward stage none of the other back-end's rows: its
+    cases become rows holding the error, and every case still runs on the working back-end."""
+    monkeypatch.setattr(
+        gpu_check, "backends", lambda device: {"torch": LayerLoop(), "broken": LayerLoop(_Broken())}
+    )
+    rows = gpu_check.forward_rows(["tiny"], [1], ctx=8, chunk=8, device="cpu", dtype="float32", steps=1)
+    cases = [(r["backend"], r["case"], "error" in r) for r in rows]
+    assert cases == [
+        ("torch", "decode B=1 ctx=8", False),
+        ("torch", "decode B=1 ctx=8 graph", False),
+        ("broken", "decode B=1 ctx=8", True),
+        ("torch", "chunk 8 after 8", False),
+        ("broken", "chunk 8 after 8", True),
+    ]
+    assert all("kernel failed to compile" in r["error"] for r in rows if "error" in r)
+    assert all(r["ms"] > 0 for r in rows if "error" not in r)
+
+
+def test_a_failing_overlap_variant_is_a_row_with_its_error(tiny_model_dir):
+    """keep_going (the device check's overlap stage): a variant that fails is a row with its error
+    and the next one runs; without it the error reaches the caller, as `minisgl bench` wants."""
+    base = EngineConfig(model=str(tiny_model_dir), num_blocks=64, stats_interval_s=0)
+    variants = {"graphs on a CPU": {"cuda_graphs": True}, "serial": {"overlap": False}}
+    rows = bench_configs(base, variants, 4, 2, 2, keep_going=True)
+    assert list(rows) == ["graphs on a CPU", "serial"]
+    assert "cuda_graphs" in rows["graphs on a CPU"]["error"]
+    assert rows["serial"]["requests"] == 4 and rows["serial"]["req_per_s"] > 0
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        bench_configs(base, variants, 4, 2, 2)
+
+
 @pytest.mark.slow
 def test_the_small_mode_runs_every_stage_on_the_cpu(tmp_path, tiny_model_dir):
     """GPU_CHECK_SMALL=1: every stage passes on the CPU, at most 8 small files come back in OUT (big
@@ -80,7 +130,7 @@ def test_the_small_mode_runs_every_stage_on_the_cpu(tmp_path, tiny_model_dir):
     tokenizer = tiny_model_dir  # holds SmolLM2's tokenizer files, as .gpu_carry/tokenizer would
     proc, outcome = _run(tmp_path, MINISGL_TOKENIZER=str(tokenizer))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    stages = ["env", "tracker", "tests", "forward", "model", "overlap"]
+    stages = ["env", "tracker", "tests", "forward", "model", "overlap", "stress"]
     assert outcome == [(s, "ok") for s in stages], proc.stdout[-3000:]
     files = [p for p in (tmp_path / "out").iterdir() if p.is_file()]
     assert len(files) <= 8 and all(p.stat().st_size < 16 * 2**20 for p in files), files
@@ -92,3 +142,7 @@ def test_the_small_mode_runs_every_stage_on_the_cpu(tmp_path, tiny_model_dir):
     assert len(graphs) == 4 and all(not r["captured"] and r["max_logit_diff_vs_eager"] < 1e-4 for r in graphs)
     overlap = json.loads((tmp_path / "out" / "overlap_table.json").read_text())
     assert len(overlap["rows"]) == 6 and any("sampled" in name for name in overlap["rows"])
+    assert all("error" not in row for row in overlap["rows"].values())
+    stress = json.loads((tmp_path / "out" / "stress.json").read_text())
+    assert stress["ok"] and stress["fenced"]["mismatches"] == 0 and stress["unsafe"]["mismatches"] > 0
+    assert stress["serial_vs_overlap"]["same_tokens"]
