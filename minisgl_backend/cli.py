@@ -279,22 +279,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_stress(args: argparse.Namespace) -> int:
-    from minisgl_backend.tools.stress import run_stress
+    from minisgl_backend.tools.stress import STRESS_POOL, run_stress
     from minisgl_backend.tools.tiny import make_tiny_llama
 
-    # A pool small enough that blocks and rows are reused constantly (so a block released too early
-    # would be handed to another request while still read), and prompt-only batches
-    # (mixed_batches off) that do not wait for the copy stage: the widest race window. Overridable.
-    base = {
-        "model": str(make_tiny_llama()),
-        "num_blocks": 40,
-        "block_size": 4,
-        "chunk_size": 4,
-        "max_num_batched_tokens": 64,
-        "max_num_seqs": 4,
-        "max_model_len": 64,
-        "mixed_batches": False,
-    }
+    base = {"model": str(make_tiny_llama()), **STRESS_POOL}  # every key overridable
     cfg = _engine_config(args, base)
     report = run_stress(
         cfg,

@@ -326,26 +326,13 @@ def stress_rows(args: argparse.Namespace) -> dict[str, Any]:
     from minisgl_backend.bench.measure import random_prompts
     from minisgl_backend.config import EngineConfig
     from minisgl_backend.engine import Engine
-    from minisgl_backend.tools.stress import run_stress
+    from minisgl_backend.tools.stress import STRESS_POOL, run_stress
     from minisgl_backend.tools.tiny import make_tiny_llama
     from minisgl_backend.types import SamplingParams
 
     model = make_tiny_llama(Path(args.model), tokenizer=args.tokenizer)
-    # `minisgl stress`'s pool: blocks and rows reused constantly, prompt-only batches (the widest
-    # window for a block released too early).
     base = EngineConfig(
-        model=str(model),
-        device=args.device,
-        dtype="float32",
-        num_blocks=40,
-        block_size=4,
-        chunk_size=4,
-        max_num_batched_tokens=64,
-        max_num_seqs=4,
-        max_model_len=64,
-        mixed_batches=False,
-        overlap=True,
-        stats_interval_s=0,
+        model=str(model), device=args.device, dtype="float32", overlap=True, stats_interval_s=0, **STRESS_POOL
     )
     result: dict[str, Any] = {"device": args.device}
     runs = {"fenced": {}, "unsafe": {"debug_unsafe_reclaim": True, "debug_delay_ms": 2.0}}

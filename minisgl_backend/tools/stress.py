@@ -21,6 +21,20 @@ from typing import Any
 
 from minisgl_backend import Engine, EngineConfig, RequestHandle, SamplingParams
 
+# The engine shape the harness runs on (`minisgl stress`, the device check's stress stage): a pool
+# small enough that blocks and rows are reused constantly (so a block released too early would be
+# handed to another request while still read), and prompt-only batches (mixed_batches off) that do
+# not wait for the copy stage: the widest race window.
+STRESS_POOL: dict[str, Any] = {
+    "num_blocks": 40,
+    "block_size": 4,
+    "chunk_size": 4,
+    "max_num_batched_tokens": 64,
+    "max_num_seqs": 4,
+    "max_model_len": 64,
+    "mixed_batches": False,
+}
+
 
 @dataclass
 class StressReport:

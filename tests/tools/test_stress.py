@@ -6,14 +6,13 @@ debug switch must produce mismatches, proving the harness can see the bug."""
 import pytest
 
 from minisgl_backend import EngineConfig
-from minisgl_backend.tools.stress import run_stress
+from minisgl_backend.tools.stress import STRESS_POOL, run_stress
 
 pytestmark = pytest.mark.slow  # slow tier: thousands of requests per test
 
 
 def _config(tiny_model_dir, **kw) -> EngineConfig:
-    pool = dict(num_blocks=40, block_size=4, chunk_size=4, max_num_batched_tokens=64, max_num_seqs=4)
-    return EngineConfig(model=str(tiny_model_dir), **pool, max_model_len=64, overlap=True, **kw)
+    return EngineConfig(model=str(tiny_model_dir), **(STRESS_POOL | {"overlap": True} | kw))
 
 
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "prefill-first"])
