@@ -203,6 +203,11 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
             lasts[l] = l < n ? static_cast<int32_t>(pos[r]) : -1;
         }
         const __m512i first_v = _mm512_load_si512(firsts), last_v = _mm512_load_si512(lasts);
+        // The group's keys end at its last row's position: keys only the block's later rows see are
+        // neither scored nor summed here (no lane of the group would weigh them).
+        int64_t hi = lo;
+        for (int64_t l = 0; l < n; ++l) hi = std::max<int64_t>(hi, lasts[l]);
+        const int64_t gkeys = hi - lo + 1;
         T* lane_out[16];  // lane l's output vector: row (v0 + l) / g, head kvh * g + (v0 + l) % g
         for (int64_t l = 0; l < n; ++l) lane_out[l] = out + (v0 + l) / g * s.heads * d + (kvh * g + (v0 + l) % g) * d;
         float* sc = w.scores.data() - base * 16;  // sc[key * 16 + lane]
@@ -212,11 +217,11 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
                 auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
                 pack_query_pairs(q, q_stride, v0, n, kvh, s, qb);
                 if (scorer == SCORE_AMX) {
-                    amx_scores(kpool, table, s, kvh, lo, b.hi, qb, w.scores.data(), w.stage.data());
-                    for (int64_t key = lo; key <= b.hi; ++key)
+                    amx_scores(kpool, table, s, kvh, lo, hi, qb, w.scores.data(), w.stage.data());
+                    for (int64_t key = lo; key <= hi; ++key)
                         _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), scale));
                 } else {
-                    dp_scores(w.keys.data(), s, lo, b.hi, qb, w.scores.data());  // scaled as it stores them
+                    dp_scores(w.keys.data(), s, lo, hi, qb, w.scores.data());  // scaled as it stores them
                 }
             }
         }
@@ -226,14 +231,14 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
                 for (int64_t i = 0; i < d; ++i) w.q[i * 16 + l] = qv ? load(qv, i) : 0.0f;
             }
             int64_t j = 0;
-            for (; j + 2 <= keys; j += 2) {
+            for (; j + 2 <= gkeys; j += 2) {
                 const float* kk[2] = {w.kf.data() + j * d, w.kf.data() + (j + 1) * d};
                 __m512 two[2];
                 lane_scores<2>(w.q.data(), kk, chunks, two);
                 _mm512_storeu_ps(sc + (lo + j) * 16, _mm512_mul_ps(two[0], scale));
                 _mm512_storeu_ps(sc + (lo + j + 1) * 16, _mm512_mul_ps(two[1], scale));
             }
-            for (; j < keys; ++j) {
+            for (; j < gkeys; ++j) {
                 const float* kk[1] = {w.kf.data() + j * d};
                 __m512 one_key[1];
                 lane_scores<1>(w.q.data(), kk, chunks, one_key);
@@ -241,22 +246,21 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
             }
         }
         if (s.softcap > 0.0f)
-            for (int64_t i = lo * 16; i < (b.hi + 1) * 16; ++i) sc[i] = s.softcap * std::tanh(sc[i] / s.softcap);
+            for (int64_t i = lo * 16; i < (hi + 1) * 16; ++i) sc[i] = s.softcap * std::tanh(sc[i] / s.softcap);
         // Keys in [seen_lo, seen_hi] are seen by every used lane: there the softmax needs no mask. A
         // lane past n computes there on its zero query and stays finite; its sum's inverse is zero and
         // its output is never stored. Only the keys before a window's start or past the first rows'
         // positions (the causal diagonal) take the masked steps.
-        int64_t seen_lo = lo, seen_hi = b.hi;
+        int64_t seen_lo = lo, seen_hi = hi;
         for (int64_t l = 0; l < n; ++l) {
             seen_lo = std::max<int64_t>(seen_lo, firsts[l]);
             seen_hi = std::min<int64_t>(seen_hi, lasts[l]);
         }
-        if (seen_hi < seen_lo) seen_lo = seen_hi = b.hi + 1;      // none: every key takes the masked steps
+        if (seen_hi < seen_lo) seen_lo = seen_hi = hi + 1;        // none: every key takes the masked steps
         const auto in_key_order = [&](const auto& step) AVX512 {  // step(key, the lanes that see it)
-            for (int64_t key = lo; key < std::min(seen_lo, b.hi + 1); ++key) step(key, sees(first_v, last_v, key));
-            for (int64_t key = seen_lo; key <= std::min(seen_hi, b.hi); ++key) step(key, __mmask16(0xffff));
-            for (int64_t key = std::max(seen_hi + 1, seen_lo); key <= b.hi; ++key)
-                step(key, sees(first_v, last_v, key));
+            for (int64_t key = lo; key < std::min(seen_lo, hi + 1); ++key) step(key, sees(first_v, last_v, key));
+            for (int64_t key = seen_lo; key <= std::min(seen_hi, hi); ++key) step(key, __mmask16(0xffff));
+            for (int64_t key = std::max(seen_hi + 1, seen_lo); key <= hi; ++key) step(key, sees(first_v, last_v, key));
         };
         __m512 mx = _mm512_set1_ps(-INFINITY);
         in_key_order([&](int64_t key, __mmask16 m)
@@ -271,15 +275,15 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         const __m512 inv = _mm512_maskz_div_ps(used, one, vsum16(part));
         if constexpr (std::is_same_v<T, uint16_t>)
             if (dp) {
-                dp_lanes_value_sum(sc, inv, b, s, w, lane_out, n);
+                dp_lanes_value_sum(sc, inv, b, hi, s, w, lane_out, n);
                 continue;
             }
-        for (int64_t key = lo; key <= b.hi; ++key)
+        for (int64_t key = lo; key <= hi; ++key)
             _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), inv));
         for (int64_t c = 0; c < chunks; ++c) {
             __m512 acc[16];
             for (auto& a : acc) a = _mm512_setzero_ps();
-            for (int64_t j = 0; j < keys; ++j) {
+            for (int64_t j = 0; j < gkeys; ++j) {
                 const __m512 p = _mm512_loadu_ps(sc + (lo + j) * 16);
                 const float* vr = w.vf.data() + j * d + c * 16;
                 for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_set1_ps(vr[i]), acc[i]);
@@ -325,11 +329,23 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
                              ((scorer == SCORE_AMX && s.head_dim % 32 == 0) || scorer == SCORE_DP);
     const int used = bf16_scorer ? scorer : SCORE_FMA;
     const bool tiles = used == SCORE_AMX;
-    // Blocks: runs of up to ATTN_BLOCK consecutive rows on one table (one row each on the scalar path).
+    // Blocks: runs of up to `block` consecutive rows on one table (one row each on the scalar path).
+    // A block stages its keys' K and V once per KV head, so the longer the blocks of a prefill chunk,
+    // the fewer times each key is staged; the shorter, the more items the threads share. The AVX-512
+    // blocks take the longest of ATTN_BLOCK, halved down to ATTN_MIN_BLOCK, that leaves 4 items per
+    // thread; the avx2 family's keep ATTN_MIN_BLOCK (they hold every vector's scores at once). Which
+    // block a row lands in never changes its bits (attention.h).
     std::vector<int64_t> starts;
-    for (int64_t r = 0; r < n; ++r)
-        if (!vector || r == 0 || row_table[r] != row_table[r - 1] || r - starts.back() == ATTN_BLOCK)
-            starts.push_back(r);
+    const auto split = [&](int64_t block) {
+        starts.clear();
+        for (int64_t r = 0; r < n; ++r)
+            if (!vector || r == 0 || row_table[r] != row_table[r - 1] || r - starts.back() == block)
+                starts.push_back(r);
+    };
+    int64_t block = vector && !avx2 ? ATTN_BLOCK : ATTN_MIN_BLOCK;
+    split(block);
+    while (block > ATTN_MIN_BLOCK && static_cast<int64_t>(starts.size()) * s.kv_heads < 4 * int64_t{threads})
+        split(block /= 2);
     const int64_t blocks = static_cast<int64_t>(starts.size());
     starts.push_back(n);
     // One item at a time: a long prefill block costs many decode rows.

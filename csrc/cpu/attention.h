@@ -27,7 +27,10 @@ namespace minisgl::cpu {
 // query, its position and the cached keys: not on the other rows of the call, the block sizes, the
 // chunking, whether it is a decode or a prefill row or which of attend_vectors / attend_lanes ran.
 // That is what lets the batch-invariant forward use it for every row.
-constexpr int64_t ATTN_BLOCK = 16;
+//
+// Blocks hold ATTN_MIN_BLOCK to ATTN_BLOCK rows (paged_attention_t picks the length per call).
+constexpr int64_t ATTN_BLOCK = 64;
+constexpr int64_t ATTN_MIN_BLOCK = 16;
 
 struct AttnScratch {  // per thread, reused across its work items
     std::vector<float> q, scores, acc, kf, vf;

@@ -183,9 +183,9 @@ constexpr int LANES_SUM_VECTORS = 6;
 // A prefill block's V sum for one lane group (attend_lanes', with the dp scorer): sc[key * 16 + lane]
 // the exponentials of keys lo..hi, normalized (x inv, each lane's 1 / sum) as they are rounded to
 // bf16 pairs; the first n lanes' sums stored at lane_out[lane].
-DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, const AttnShape& s, AttnScratch& w,
-                               uint16_t* const* lane_out, int64_t n) {
-    const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = b.hi / 2 - p0 + 1;
+DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, int64_t hi, const AttnShape& s,
+                               AttnScratch& w, uint16_t* const* lane_out, int64_t n) {
+    const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = hi / 2 - p0 + 1;
     w.ppair.resize(static_cast<size_t>(pairs * 16));
     // vcvtne2ps2bf16 rounds both keys' 16 lanes at once (as vcvtneps2bf16 rounds each: the same bits),
     // key 2t's in the low 16 elements, 2t + 1's in the high; one word permute pairs them per lane.
@@ -195,7 +195,7 @@ DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, 
     for (int64_t t = 0; t < pairs; ++t) {
         const int64_t ke = 2 * (p0 + t), ko = ke + 1;
         const __m512 e = ke >= b.lo ? _mm512_mul_ps(_mm512_loadu_ps(sc + ke * 16), inv) : _mm512_setzero_ps();
-        const __m512 o = ko <= b.hi ? _mm512_mul_ps(_mm512_loadu_ps(sc + ko * 16), inv) : _mm512_setzero_ps();
+        const __m512 o = ko <= hi ? _mm512_mul_ps(_mm512_loadu_ps(sc + ko * 16), inv) : _mm512_setzero_ps();
         _mm512_storeu_si512(w.ppair.data() + t * 16,
                             _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(o, e)));
     }

@@ -155,8 +155,8 @@ DPBF16 void stage_value_pairs(const uint16_t* vpool, const BlockKeys& b, int64_t
 DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t rows, const int64_t* pos, int64_t kvh,
                                                   uint16_t* out, const AttnShape& s, const BlockKeys& b,
                                                   AttnScratch& w);
-DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, const AttnShape& s, AttnScratch& w,
-                               uint16_t* const* lane_out, int64_t n);
+DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, int64_t hi, const AttnShape& s,
+                               AttnScratch& w, uint16_t* const* lane_out, int64_t n);
 AMX void configure_score_tiles();
 AMX void release_tiles();
 AMX void amx_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
