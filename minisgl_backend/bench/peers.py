@@ -15,7 +15,7 @@ from minisgl_backend.bench.measure import random_prompts, summarize
 from minisgl_backend.config import EngineConfig
 from minisgl_backend.engine import Engine
 from minisgl_backend.model import cpu_kernels
-from minisgl_backend.model.layers import Linear
+from minisgl_backend.model.layers import MLP_PIECE_BYTES, Linear
 from minisgl_backend.model.spec import ModelSpec
 from minisgl_backend.types import SamplingParams
 
@@ -54,9 +54,12 @@ class LinearRoof:
     (packed where the kernel family packs), random bf16 weights, at torch's thread count. `probe()`
     times it (best of `repeat` calls) and `best` keeps the highest rate probed: probed beside each
     timed prefill run, the roof follows the machine through the same moments as the runs it bounds,
-    and a slow moment never lowers it."""
+    and a slow moment never lowers it. At most the rows the MLP computes in one piece
+    (MLP_PIECE_BYTES): a larger output would come from fresh pages the kernel zeroes on every call,
+    a cost the engine's MLP avoids, and a roof that paid it would sit below the linear's rate."""
 
     def __init__(self, spec: ModelSpec, rows: int = 1024) -> None:
+        rows = max(1, min(rows, MLP_PIECE_BYTES // (2 * spec.intermediate_size * 2)))
         self.lin = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False).to(torch.bfloat16)
         with torch.no_grad():
             self.lin.weight.normal_(0, 0.02)

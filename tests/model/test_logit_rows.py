@@ -150,6 +150,19 @@ def test_peers_bench_roof_is_the_gate_up_call_and_its_best_probe(monkeypatch):
     assert rates[1] == max(rates) and abs(roof.best - roof.gflop / 0.1) < 1e-9 * roof.best
 
 
+def test_peers_bench_roof_runs_no_more_rows_than_one_mlp_piece(monkeypatch):
+    """The roof times the gate/up projection at most at the rows the MLP runs in one piece: past
+    MLP_PIECE_BYTES its output would come from freshly zeroed pages on every call (about 7% of a
+    1B-shaped gate/up at 1024 rows), a cost the engine never pays, and the roof would sit low."""
+    from minisgl_backend.bench import peers
+
+    s = _model(deterministic=False).spec
+    piece_rows = 5
+    monkeypatch.setattr(peers, "MLP_PIECE_BYTES", piece_rows * 2 * s.intermediate_size * 2)
+    assert peers.LinearRoof(s, rows=8).x.shape[0] == piece_rows
+    assert peers.LinearRoof(s, rows=3).x.shape[0] == 3
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mlp_in_row_pieces_gives_the_bits_of_one_call(family, monkeypatch):
     """Past MLP_PIECE_BYTES of intermediate, the MLP runs its rows in pieces (so the allocator reuses
