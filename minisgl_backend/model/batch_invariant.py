@@ -264,10 +264,7 @@ class BatchInvariantForward:
         def attend_layer(attn: Attention, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
             return self._attention(attn, h, ropes[attn.rope_index], batch, kv, scratch, keep)
 
-        layers = model.model.layers
-        for layer in layers[:-1]:
-            x = layer(x, attend_layer)
-        return layers[-1](x, attend_layer, batch.logits_index)
+        return model.model.layers.run(x, attend_layer, batch.logits_index)
 
 
 def _row_invariant(lin: nn.Linear) -> bool:

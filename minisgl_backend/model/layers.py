@@ -458,14 +458,29 @@ class DecoderLayer(nn.Module):
         forward keeps only the rows that need logits: every row's K/V still goes into the cache, but
         the other rows skip attention, o_proj and the MLP (in a 512-token prefill chunk that is all
         of the layer but its qkv_proj, about 1/num_layers of the chunk's work)."""
-        a = attend(self.self_attn, self.input_layernorm(x), keep)
+        x, mlp_out = self.forward_deferred(x, None, attend, keep)
+        return x + mlp_out
+
+    def forward_deferred(
+        self, x: torch.Tensor, pending: torch.Tensor | None, attend: Attend, keep: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with the residual adds deferred: the residual stream is x + pending (pending:
+        the previous layer's MLP output, None: nothing), and the result is (the stream before this
+        layer's last add, what that add adds). The input norm adds pending as it reads the rows
+        (add_and_norm): one pass over the stream instead of an add and then a norm, with the same
+        rounding, so the same bits."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            h, x = self.input_layernorm.add_and_norm(x, pending)
+        a = attend(self.self_attn, h, keep)
         x = take_rows(x, keep)
         if not self.gemma:  # post_attention_layernorm is the MLP's input norm
             h, x = self.post_attention_layernorm.add_and_norm(x, a)
-            return x + self.mlp(h)
+            return x, self.mlp(h)
         # Gemma: post_attention_layernorm normalises the attention output; the MLP has its own pair.
         h, x = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(a))
-        return x + self.post_feedforward_layernorm(self.mlp(h))
+        return x, self.post_feedforward_layernorm(self.mlp(h))
 
 
 class DecoderLayers(nn.ModuleList):
@@ -474,6 +489,15 @@ class DecoderLayers(nn.ModuleList):
 
     def __init__(self, layers: Iterable[DecoderLayer]) -> None:
         super().__init__(layers)
+
+    def run(self, x: torch.Tensor, attend: Attend, keep: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream after every layer in turn at the rows `keep` (the last layer's, see
+        DecoderLayer.forward), each layer's MLP output added by the next one's input norm."""
+        pending = None
+        for layer in self[:-1]:
+            x, pending = layer.forward_deferred(x, pending, attend)
+        x, mlp_out = self[-1].forward_deferred(x, pending, attend, keep)
+        return x + mlp_out
 
     def __iter__(self) -> Iterator[DecoderLayer]:
         return cast(Iterator[DecoderLayer], super().__iter__())

@@ -85,9 +85,7 @@ class LayerLoop:
         def attend(attn: Attention, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
             return attn(h, ropes[attn.rope_index], batch, kv, keep=keep, backend=backend, plan=plan)
 
-        for layer in layers[:-1]:
-            x = layer(x, attend)
-        return layers[-1](x, attend, batch.logits_index)
+        return layers.run(x, attend, batch.logits_index)
 
 
 def build_rotary(spec: ModelSpec) -> nn.ModuleList:

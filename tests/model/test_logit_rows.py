@@ -85,6 +85,37 @@ def test_logit_rows_and_kv_are_the_bits_of_the_full_last_layer(family, determini
                 assert torch.equal(a, b), f"step {step}: the K/V written differ"
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deferred_residual_adds_give_the_bits_of_whole_layers(family, deterministic, monkeypatch):
+    """DecoderLayers.run hands each layer's MLP output to the next layer's input norm, which adds it
+    as it reads the rows: logits and every K/V written are the same bits as layer after layer, each
+    adding its own MLP output, on mixed batches (decode rows, first and later chunks)."""
+    from minisgl_backend.model.layers import DecoderLayers
+
+    def whole_layers(self, x, attend, keep):
+        for layer in self[:-1]:
+            x = layer(x, attend)
+        return self[-1](x, attend, keep)
+
+    with cpu_kernels.family_override(family):
+        model = _model(deterministic)
+        s = model.spec
+        tables = torch.arange(3 * 4).view(3, 4)
+        caches = [
+            KVCache(s.num_layers, 12, BLOCK, s.num_kv_heads, s.head_dim, torch.bfloat16, "cpu")
+            for _ in range(2)
+        ]
+        for step in range(2):
+            deferred = model(_batch(step, tables, all_rows=False), caches[0])
+            with monkeypatch.context() as m:
+                m.setattr(DecoderLayers, "run", whole_layers)
+                whole = model(_batch(step, tables, all_rows=False), caches[1])
+            assert torch.equal(deferred, whole), f"step {step}: logits differ"
+            for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+                assert torch.equal(a, b), f"step {step}: the K/V written differ"
+
+
 def test_prefill_forward_runs_the_linear_work_the_peers_bench_counts():
     """bench/peers.prefill_gflop (the `minisgl bench --scenario peers` compute roof line) against the
     multiply-adds the forward's linears actually run, counted by a hook on every Linear call: the
