@@ -370,6 +370,39 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("gate_up"), py::arg("out"), py::arg("threads"), py::arg("isa"),
         "out [..., dim] = silu(gate) * up for gate_up [..., 2 * dim] = [gate | up].");
     m.def(
+        "kv_write",
+        [](py::handle k_, py::handle v_, py::handle kpool_, py::handle vpool_, py::handle slots_, int threads) {
+            const char* op = "kv_write";
+            TensorArg k(op, "k", k_), v(op, "v", v_), kpool(op, "k_pool", kpool_), vpool(op, "v_pool", vpool_),
+                slots(op, "slots", slots_);
+            k.required().floating().shape({ANY, ANY, ANY}).inner_contiguous();
+            v.required().same_dtype(k).same_shape(k).inner_contiguous();
+            for (TensorArg* t : {&k, &v})  // a row's heads back to back, v's rows as far apart as k's
+                if ((t->size(1) > 1 && t->stride(1) != t->size(2)) || (t->size(0) > 1 && t->stride(0) != k.stride(0)))
+                    t->fail(
+                        "rows of kv_heads x head_dim elements without gaps, " + std::to_string(k.stride(0)) + " apart",
+                        "strides (" + std::to_string(t->stride(0)) + ", " + std::to_string(t->stride(1)) + ", 1)");
+            const int64_t row = k.size(1) * k.size(2);
+            kpool.required().same_dtype(k).rows_of(k.size(2)).contiguous();
+            if (row == 0 || kpool.numel() % row)
+                kpool.fail("whole slots of " + std::to_string(row) + " elements", std::to_string(kpool.numel()));
+            vpool.required().same_dtype(k).same_shape(kpool).contiguous();
+            slots.required().dtype(DType::I64).shape({k.size(0)}).contiguous();
+            const int64_t pool_slots = kpool.numel() / row;
+            const auto* sp = reinterpret_cast<const int64_t*>(slots.ptr());
+            for (int64_t i = 0; i < slots.size(0); ++i)
+                if (sp[i] < 0 || sp[i] >= pool_slots)
+                    throw py::index_error("minisgl.kv_write: slot " + std::to_string(sp[i]) +
+                                          " out of range for a pool of " + std::to_string(pool_slots) + " slots");
+            const int64_t elem = k.is(DType::BF16) ? 2 : 4;
+            py::gil_scoped_release nogil;
+            kv_write(k.ptr(), v.ptr(), k.stride(0) * elem, kpool.ptr(), vpool.ptr(), slots.ptr(), k.size(0), row * elem,
+                     threads);
+        },
+        py::arg("k"), py::arg("v"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"), py::arg("threads"),
+        "Slot slots[i] of k_pool / v_pool (kv_heads x head_dim elements a slot) = k[i] / v[i] ([N, kv_heads, "
+        "head_dim]).");
+    m.def(
         "stream_read",
         [](py::handle buf_, int threads, int isa) {
             TensorArg buf("stream_read", "buf", buf_);

@@ -58,13 +58,15 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
                        const int64_t* row_table, const int64_t* positions, uintptr_t out, int64_t n, const AttnShape& s,
                        int scorer, int threads, int isa);
 
-// ---- rowwise.cpp: RMSNorm (+ residual add), RoPE, SiLU x up, AVX-512 or AVX2 (isa); the typed forms
+// ---- rowwise.cpp: RMSNorm (+ residual add), RoPE, SiLU x up, AVX-512 or AVX2 (isa), the K/V write; the typed forms
 // for the decode stack (instantiated for bf16, uint16_t) ----
 void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t sum_out, uintptr_t weight, uintptr_t out, int64_t rows,
               int64_t dim, double eps, bool gemma, bool bf16, int threads, int isa);
 void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
           bool bf16, int threads, int isa);
 void silu_and_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, bool bf16, int threads, int isa);
+void kv_write(uintptr_t k, uintptr_t v, int64_t src_stride, uintptr_t kpool, uintptr_t vpool, uintptr_t slots,
+              int64_t rows, int64_t row_bytes, int threads);
 template <typename T>
 void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim, float eps,
                 bool gemma, int threads, int isa);

@@ -10,6 +10,7 @@
 // fixed tree (hsum16 or hsum8), so their bits differ between the AVX-512 and the avx2 family.
 
 #include <cmath>
+#include <cstring>
 
 #include "common.h"
 #include "kernels.h"
@@ -120,6 +121,24 @@ void silu_and_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, b
                        isa);
     else
         silu_and_mul_t(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), rows, dim, threads, isa);
+}
+
+// The K/V write: kpool row slots[i] = k row i and vpool's = v's, row_bytes each, source rows
+// src_stride bytes apart (k and v are views into the qkv projection's output). Plain row copies over
+// the threads, where torch's index_copy_ walked the strided source element by element on one.
+void kv_write(uintptr_t k, uintptr_t v, int64_t src_stride, uintptr_t kpool, uintptr_t vpool, uintptr_t slots,
+              int64_t rows, int64_t row_bytes, int threads) {
+    const auto* ks = reinterpret_cast<const char*>(k);
+    const auto* vs = reinterpret_cast<const char*>(v);
+    auto* kp = reinterpret_cast<char*>(kpool);
+    auto* vp = reinterpret_cast<char*>(vpool);
+    const auto* slot = reinterpret_cast<const int64_t*>(slots);
+    parallel_for(row_threads(rows, threads), rows, 0, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            std::memcpy(kp + slot[r] * row_bytes, ks + r * src_stride, static_cast<size_t>(row_bytes));
+            std::memcpy(vp + slot[r] * row_bytes, vs + r * src_stride, static_cast<size_t>(row_bytes));
+        }
+    });
 }
 
 }  // namespace minisgl::cpu

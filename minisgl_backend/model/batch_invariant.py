@@ -232,7 +232,7 @@ class BatchInvariantForward:
     ) -> torch.Tensor:
         n = batch.input_ids.shape[0]
         q, k, v = attn.qkv(x, rope, n)
-        kv.write(attn.layer_id, batch.slot_mapping, k, v)
+        attn.write_kv(kv, batch.slot_mapping, k, v)
         scale, window, cap = attn.scale, attn.window, attn.softcap
         if self.attention.row_invariant:  # every row of every call, or none
             if "plan" not in scratch:  # the same for every layer of the forward

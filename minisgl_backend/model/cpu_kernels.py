@@ -582,6 +582,30 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def kv_write(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> bool:
+    """Slot slots[i] of the pools ([..., kv_heads, head_dim], kv_heads x head_dim elements a slot)
+    = k[i] / v[i] ([N, kv_heads, head_dim]: views into the qkv projection's output), copied row by
+    row over the kernels' threads. False (nothing written) where the kernel cannot run; a slot
+    outside the pool is an IndexError."""
+    if not (
+        _rowwise_ok(k, v, k_pool, v_pool)
+        and k.dim() == 3
+        and v.shape == k.shape
+        and v.stride() == k.stride()
+        and k.stride(-1) == 1
+        and k.stride(1) == k.shape[2]
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+        and slots.is_cpu
+        and slots.dtype == torch.int64
+    ):
+        return False
+    _native.kv_write(k, v, k_pool, v_pool, slots.contiguous(), threads())
+    return True
+
+
 def linear_int8(
     x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
@@ -642,6 +666,7 @@ OP_SCHEMAS = {
     ),
     "rope": "(Tensor(a!) x, Tensor cos, Tensor sin, int threads, int isa) -> ()",
     "silu_and_mul": "(Tensor gate_up, Tensor(a!) out, int threads, int isa) -> ()",
+    "kv_write": "(Tensor k, Tensor v, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, int threads) -> ()",
 }
 OP_NAMESPACE = "minisgl"
 

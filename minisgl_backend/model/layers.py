@@ -345,6 +345,12 @@ class Attention(nn.Module):
         qk = apply_rotary(qkv[:, : self.h + self.kvh], cos, sin)  # q and k heads in one pass
         return qk[:, : self.h], qk[:, self.h :], v
 
+    def write_kv(self, kv: KVCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This layer's new K/V rows into their slots of the pool: the native row copy where it runs
+        (torch's index_copy_ walks the strided rows element by element on one thread), else torch's."""
+        if not cpu_kernels.kv_write(kv.k[self.layer_id], kv.v[self.layer_id], slots, k, v):
+            kv.write(self.layer_id, slots, k, v)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -367,7 +373,7 @@ class Attention(nn.Module):
         mask) for torch's. K/V are written for every row."""
         n = x.shape[0]
         q, k, v = self.qkv(x, rope, n)
-        kv.write(self.layer_id, batch.slot_mapping, k, v)
+        self.write_kv(kv, batch.slot_mapping, k, v)
         if backend is None:
             if rows is not None:
                 backend, plan = PagedAttention(), rows

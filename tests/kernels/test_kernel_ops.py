@@ -164,6 +164,33 @@ def test_paged_attention_takes_query_rows_at_a_stride():
         _run("paged_attention", args | {"q": torch.zeros(3, 4, 32).bfloat16()[:, :, :16]})
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_write_puts_each_row_in_its_slot_and_checks_them(dtype):
+    """The K/V write copies row i of k and v (views into a fused qkv output, rows apart) into slot
+    slots[i] of each pool, as torch's index_copy_ does, and leaves every other slot alone; a gap
+    between a row's heads, a slot outside the pool or a pool of another dtype is a clear error
+    before anything is written."""
+    h, kvh, d, n = 4, 2, 16, 5
+    qkv = torch.randn(n, h + 2 * kvh, d).to(dtype)
+    k, v = qkv[:, h : h + kvh], qkv[:, h + kvh :]
+    pools = [torch.randn(6, 4, kvh, d).to(dtype) for _ in range(2)]
+    expect = [p.clone() for p in pools]
+    slots = torch.tensor([9, 2, 23, 0, 14])
+    expect[0].view(-1, kvh, d).index_copy_(0, slots, k)
+    expect[1].view(-1, kvh, d).index_copy_(0, slots, v)
+    assert cpu_kernels.kv_write(pools[0], pools[1], slots, k, v)
+    assert torch.equal(pools[0], expect[0]) and torch.equal(pools[1], expect[1])
+    with pytest.raises(IndexError, match=r"minisgl\.kv_write: slot 24 out of range for a pool of 24 slots"):
+        native.kv_write(k, v, *pools, torch.tensor([0, 1, 2, 3, 24]), 2)
+    gapped = torch.zeros(n, kvh, 2 * d).to(dtype)[:, :, :d]
+    gap = r"minisgl\.kv_write: argument 'k' must be rows of kv_heads x head_dim"
+    with pytest.raises(ValueError, match=gap):
+        native.kv_write(gapped, gapped, *pools, slots, 2)
+    with pytest.raises(ValueError, match=r"argument 'v_pool' must be dtype"):
+        native.kv_write(k, v, pools[0], pools[1].to(torch.float16), slots, 2)
+    assert torch.equal(pools[0], expect[0]) and torch.equal(pools[1], expect[1])
+
+
 @pytest.mark.parametrize("op,arg", [("linear_bf16", "x"), ("paged_attention", "q"), ("rms_norm", "weight")])
 def test_a_tensor_on_another_device_is_a_clear_error(op, arg):
     args = CASES[op]()
