@@ -106,6 +106,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = torch default
     weight_dtype: str | None = None  # None = dtype; int8 = weight-only int8 for decode (bf16, CPU)
     cuda_graphs: bool = False  # CUDA: decode batches replay CUDA graphs at batch-size buckets
+    switch_interval_ms: float | None = None  # Python's GIL switch interval while running; None = leave it
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -278,4 +279,5 @@ _SPECS: dict[str, Spec] = {
     "num_threads": Spec("int", lo=1, optional=True, note="None = torch default"),
     "weight_dtype": Spec("choice", choices=("int8",), optional=True, note="None = dtype"),
     "cuda_graphs": Spec("bool"),
+    "switch_interval_ms": Spec("float", lo=0, lo_open=True, optional=True, note="None = the process's own"),
 }

@@ -12,6 +12,7 @@ import atexit
 import copy
 import logging
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -51,6 +52,41 @@ log = logging.getLogger("minisgl")
 
 
 _LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+class _SwitchIntervals:
+    """Python's GIL switch interval (process-wide) while engines that ask for one run: the shortest
+    asked for, and the process's own value back once the last of them closes. A thread that wants
+    the GIL waits up to this long for a busy thread to hand it over, and the engine's three threads
+    hand work to each other every iteration."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, float] = {}
+        self._base = 0.0
+
+    def hold(self, key: int, seconds: float | None) -> None:
+        if seconds is None:
+            return
+        with self._lock:
+            if not self._held:
+                self._base = sys.getswitchinterval()
+            self._held[key] = seconds
+            sys.setswitchinterval(min(self._held.values()))
+
+    def release(self, key: int) -> None:
+        with self._lock:
+            if self._held.pop(key, None) is None:
+                return
+            sys.setswitchinterval(min(self._held.values()) if self._held else self._base)
+
+
+_SWITCH_INTERVALS = _SwitchIntervals()
+
+
+def _shutdown(loop: SchedulerLoop, key: int) -> None:
+    loop.shutdown()
+    _SWITCH_INTERVALS.release(key)
 
 
 @atexit.register
@@ -156,7 +192,9 @@ class Engine:
         )
         # The loop holds the Engine only while work is pending (SchedulerLoop._keepalive), so an
         # Engine dropped without close() is collected once idle, and this stops its threads.
-        self._finalizer = weakref.finalize(self, self._loop.shutdown)
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, id(self))
+        ms = config.switch_interval_ms
+        _SWITCH_INTERVALS.hold(id(self), None if ms is None else ms / 1000)
         self._loop.thread.start()
         _LIVE_ENGINES.add(self)
 

@@ -12,9 +12,9 @@ same code so the script itself is tested:
   broken by a host sync) is a row holding its error; the other cases still run.
 - `overlap`: the design's table on one random-weight model directory: the serial loop, overlap with
   prefill chunks of 128 and 768, one iteration in flight, the Python completion callbacks, and the
-  768 row again with seeded sampling instead of greedy draws; on a GPU also the 768 row with its
-  decode batches replayed as CUDA graphs. A row that fails on the device holds its error, and the
-  other rows still run.
+  768 row again with seeded sampling instead of greedy draws; on a GPU also the serial and the 768
+  rows with their decode batches replayed as CUDA graphs, and rows with a shorter GIL switch
+  interval. A row that fails on the device holds its error, and the other rows still run.
 - `stress`: block lifetimes under overlap on the device (the stress harness with fenced reclaim
   and with the unsafe debug switch, which it must catch) and the serial loop against the overlap
   scheduler on the same greedy prompts; exits 1 unless all of that held.
@@ -157,7 +157,7 @@ def _time_steps(
 
 def time_forward(model: CausalLM, fb: ForwardBatch, kv: KVCache, steps: int) -> dict[str, Any]:
     logits, times = _time_steps(lambda: model(fb, kv), str(model.device), steps)
-    return {**times, "kernels": _kernels_per_forward(model, fb, kv), "logits": logits.float()}
+    return {**times, "logits": logits.float()}
 
 
 def time_graphs(model: CausalLM, fb: ForwardBatch, kv: KVCache, steps: int, pad_block: int) -> dict[str, Any]:
@@ -215,6 +215,9 @@ def forward_rows(
     block_size: int = 16,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    # Kernels are counted only once every case is timed: a process that has run torch's profiler
+    # keeps its CUDA activity tracing attached, and that slows every later launch on the host.
+    to_count: list[tuple[dict[str, Any], CausalLM, LayerLoop, ForwardBatch, KVCache]] = []
     for shape in shapes:
         model = random_model(shape, DTYPES[dtype], device)
         cases = [(f"decode B={b} ctx={ctx}", decode_batch(b, ctx, block_size, device)) for b in batches]
@@ -228,6 +231,7 @@ def forward_rows(
                 logits = _measured(rows, row, partial(time_forward, model, fb, kv, steps))
                 if logits is None:
                     continue
+                to_count.append((row, model, strategy, fb, kv))
                 if ref is None:
                     ref = logits
                 else:
@@ -240,17 +244,18 @@ def forward_rows(
                     if g is not None:
                         row["max_logit_diff_vs_eager"] = float((g - logits).abs().max())
                         print(json.dumps(row), flush=True)
-            del kv
-        del model
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+    for row, model, strategy, fb, kv in to_count:
+        model.forward_strategy = strategy
+        row["kernels"] = _kernels_per_forward(model, fb, kv)
+    counted = [{k: r[k] for k in ("shape", "case", "backend", "kernels")} for r, *_ in to_count]
+    print(json.dumps({"kernels_per_forward": counted}), flush=True)
     return rows
 
 
 def overlap_variants(chunks: list[int], graphs: bool = False) -> dict[str, dict[str, Any]]:
     """The design's rows: serial, overlap per chunk size, then at the largest chunk one iteration in
-    flight and the Python completion callbacks; with `graphs` (a GPU), the largest chunk again with
-    its decode batches replayed as CUDA graphs."""
+    flight and the Python completion callbacks; with `graphs` (a GPU), the serial loop and the
+    largest chunk again with their decode batches replayed as CUDA graphs."""
     big = max(chunks)
     rows: dict[str, dict[str, Any]] = {
         "serial, no chunking": {
@@ -272,7 +277,19 @@ def overlap_variants(chunks: list[int], graphs: bool = False) -> dict[str, dict[
         "callback_impl": "python"
     }
     if graphs:
+        # The serial loop replays the same graphs, so the graph rows compare with each other: eager
+        # launches cost the host more than the device's work, and overlap cannot hide a host bound.
+        rows["serial, cuda graphs"] = rows["serial, no chunking"] | {"cuda_graphs": True}
         rows[f"overlap, chunk {big}, cuda graphs"] = rows[f"overlap, chunk {big}"] | {"cuda_graphs": True}
+        # A thread that wants the GIL waits up to the switch interval (5 ms by default) for a busy
+        # one; the engine's threads hand each iteration on, so the interval may set the step's pace.
+        for name, ms in (
+            ("serial, cuda graphs", 0.5),
+            (f"overlap, chunk {big}", 0.5),
+            (f"overlap, chunk {big}, cuda graphs", 0.5),
+            (f"overlap, chunk {big}, cuda graphs", 0.1),
+        ):
+            rows[f"{name}, switch {ms} ms"] = rows[name] | {"switch_interval_ms": ms}
     return rows
 
 

@@ -281,3 +281,24 @@ def test_waiting_requests_of_different_owners_are_admitted_in_turn(tiny_model_di
         outs = [h.result(60) for h in many]
         ahead = sum(o.timings.scheduled < one.result(60).timings.scheduled for o in outs)
     assert ahead == (1 if fair else 8), ahead
+
+
+def test_switch_interval_is_held_while_engines_run_and_given_back(tiny_model_dir):
+    """switch_interval_ms sets Python's GIL switch interval for as long as an engine asking for it
+    runs (the shortest of several), and the process's own value returns when the last one closes;
+    an engine that asks for none leaves it alone, and a value <= 0 is a ConfigError."""
+    import sys
+
+    base = sys.getswitchinterval()
+    cfg = EngineConfig(model=str(tiny_model_dir), **SMALL_POOL)
+    with Engine(cfg.replace(switch_interval_ms=2.0)):
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        with Engine(cfg.replace(switch_interval_ms=0.5)) as short:
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+            with Engine(cfg):
+                assert sys.getswitchinterval() == pytest.approx(0.0005)
+            assert short.generate(token_prompts(1), SamplingParams(max_tokens=2), use_tqdm=False)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+    assert sys.getswitchinterval() == base
+    with pytest.raises(ConfigError, match="switch_interval_ms"):
+        EngineConfig(switch_interval_ms=0)

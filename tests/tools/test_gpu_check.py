@@ -78,9 +78,12 @@ def test_the_overlap_rows_are_the_designs():
     assert rows["overlap, chunk 768, python callbacks"]["callback_impl"] == "python"
 
 
-def test_a_gpu_adds_the_cuda_graph_row():
+def test_a_gpu_adds_the_cuda_graph_rows():
+    """Serial and overlap both replay graphs, so the overlap gain is read between graph rows."""
     rows = overlap_variants([128, 768], graphs=True)
-    assert list(rows)[-1] == "overlap, chunk 768, cuda graphs"
+    assert list(rows)[5:7] == ["serial, cuda graphs", "overlap, chunk 768, cuda graphs"]
+    assert rows["overlap, chunk 768, cuda graphs, switch 0.5 ms"]["switch_interval_ms"] == 0.5
+    assert rows["serial, cuda graphs"] == rows["serial, no chunking"] | {"cuda_graphs": True}
     assert rows["overlap, chunk 768, cuda graphs"] == rows["overlap, chunk 768"] | {"cuda_graphs": True}
 
 
@@ -134,7 +137,7 @@ def test_the_small_mode_runs_every_stage_on_the_cpu(tmp_path, tiny_model_dir):
     assert outcome == [(s, "ok") for s in stages], proc.stdout[-3000:]
     files = [p for p in (tmp_path / "out").iterdir() if p.is_file()]
     assert len(files) <= 8 and all(p.stat().st_size < 16 * 2**20 for p in files), files
-    assert (tmp_path / "scratch" / "trace.json").is_file()
+    assert (tmp_path / "out" / "trace.json").is_file()
     forward = json.loads((tmp_path / "out" / "forward.json").read_text())
     kernels = [r for r in forward if r["backend"] == "triton" and not r["case"].endswith(" graph")]
     assert kernels and all(r["argmax_agree_vs_torch"] == 1.0 for r in kernels)
