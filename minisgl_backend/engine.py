@@ -98,6 +98,14 @@ def _close_live_engines() -> None:
         engine.close()
 
 
+def _device_free_bytes(dev: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of the device, counting as free what torch's allocator holds cached but
+    unused in this process (memory that an earlier engine or model gave back keeps the device's own
+    count low until the cache is emptied)."""
+    free, total = torch.cuda.mem_get_info(dev)
+    return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev), total
+
+
 def _load(config: EngineConfig, executor: DualWorkerExecutor) -> tuple[LoadedModel, KVCache]:
     """Load the model and size + allocate the KV cache, on the compute thread: heavy torch work runs
     there, the only thread with an OpenMP team (see executor/base.py)."""
@@ -113,7 +121,7 @@ def _load(config: EngineConfig, executor: DualWorkerExecutor) -> tuple[LoadedMod
         num_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // per_block)
     else:  # CUDA (a CPU config always has kv_cache_memory_gb): what the weights left of the device
         dev = torch.device(config.device)
-        free, total = executor.run_on_compute(lambda: torch.cuda.mem_get_info(dev))
+        free, total = executor.run_on_compute(lambda: _device_free_bytes(dev))
         num_blocks = kv_blocks_from_device_memory(free, total, config.gpu_memory_utilization, per_block)
     pool_blocks = num_blocks + executor.reserved_kv_blocks  # the reserved ones last, never handed out
     shape = (spec.num_layers, pool_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)

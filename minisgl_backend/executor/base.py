@@ -149,6 +149,15 @@ class DualWorkerExecutor:
         self._compute_q.put(STOP)
         for t in self._threads:
             t.join(timeout=60)
+        if not any(t.is_alive() for t in self._threads):
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the model, the KV pool and the token table once no worker can read them: a closed
+        engine that its caller still holds gives their memory back (on a GPU, to the next engine
+        that sizes its pool from the device's free memory)."""
+        for name in ("model", "kv", "table"):
+            self.__dict__.pop(name, None)
 
     # ---- compute worker ----
     def _wait_sampled(self, iteration: int) -> bool:

@@ -203,3 +203,12 @@ class CUDAExecutor(DualWorkerExecutor):
     def _stop_copy(self) -> None:
         self._stopping = True
         self._copied.wake()
+
+    def _release(self) -> None:
+        # The graphs hold the model, the pool and their own memory pool; the pending entries hold
+        # device logits. The allocator's cache goes back too, so that the device's free memory,
+        # which sizes the next engine's pool, counts what this engine held.
+        self._graphs = None
+        self._pending.clear()
+        super()._release()
+        self._ops.release_cached()

@@ -58,6 +58,7 @@ class DeviceOps(Protocol):
     def host_callback(self, stream: Any, tracker: InflightTracker, iteration: int) -> None: ...
     def synchronize(self) -> None: ...
     def capture(self, graphs: DecodeGraphs, stream: Any) -> None: ...  # the buckets' CUDA graphs
+    def release_cached(self) -> None: ...  # the allocator's unused cached memory back to the device
 
 
 class CudaOps:
@@ -109,6 +110,9 @@ class CudaOps:
 
     def capture(self, graphs: DecodeGraphs, stream: torch.cuda.Stream) -> None:
         graphs.capture(stream)
+
+    def release_cached(self) -> None:
+        torch.cuda.empty_cache()
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
@@ -274,6 +278,9 @@ class SimulatedOps:
 
     def capture(self, graphs: DecodeGraphs, stream: SimStream) -> None:
         """Nothing to capture: the buckets run eagerly over their static buffers."""
+
+    def release_cached(self) -> None:
+        """CPU tensors have no cache to give back."""
 
     def close(self) -> None:
         for s in self.streams:

@@ -302,3 +302,17 @@ def test_switch_interval_is_held_while_engines_run_and_given_back(tiny_model_dir
     assert sys.getswitchinterval() == base
     with pytest.raises(ConfigError, match="switch_interval_ms"):
         EngineConfig(switch_interval_ms=0)
+
+
+def test_a_closed_engine_gives_back_its_model_and_kv_pool(tiny_model_dir):
+    """An Engine its caller still holds after close() keeps neither its weights nor its KV pool."""
+    import gc
+    import weakref
+
+    eng = Engine(EngineConfig(model=str(tiny_model_dir), **SMALL_POOL))
+    eng.generate(token_prompts(2), SamplingParams(max_tokens=2), use_tqdm=False)
+    held = [weakref.ref(eng._executor.kv.k[0]), weakref.ref(next(eng._executor.model.parameters()))]
+    eng.close()
+    gc.collect()
+    assert [r() is None for r in held] == [True, True]
+    assert eng.dead is not None or not eng.is_alive  # closed for good, not just emptied

@@ -51,3 +51,15 @@ def test_kv_blocks_take_the_share_left_after_what_is_in_use():
 def test_kv_blocks_refuse_a_share_that_leaves_no_block():
     with pytest.raises(ConfigError, match="gpu_memory_utilization=0.5.*kv_cache_memory_gb or num_blocks"):
         kv_blocks_from_device_memory(30 * GIB, 80 * GIB, 0.5, 2**20)  # 50 GiB in use > 40 GiB share
+
+
+def test_memory_the_allocator_holds_cached_counts_as_free(monkeypatch):
+    """A pool sized after an earlier engine or model let go of device memory sees that memory as
+    free, although torch's allocator keeps it reserved (the device's own count does not)."""
+    from minisgl_backend import engine
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (10 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev: 100 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 4 * gib)
+    assert engine._device_free_bytes(torch.device("cuda")) == (106 * gib, 140 * gib)

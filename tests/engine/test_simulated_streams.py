@@ -134,3 +134,20 @@ def test_simulated_copies_are_poisoned_until_they_land_and_event_waits_wait() ->
             ops.d2h(torch.ones(3), out)
     finally:
         ops.close()
+
+
+@pytest.mark.parametrize("simulated", [True], indirect=True, ids=["graphs"])
+def test_a_closed_engine_drops_its_model_pool_and_graphs(tiny_model_dir, simulated) -> None:
+    """close() lets go of the KV pool, the weights and the decode graphs (which hold both) while the
+    caller still holds the Engine: on a GPU the next engine sizes its pool from the device's free
+    memory, so what a closed engine kept would be taken from it."""
+    import gc
+    import weakref
+
+    with Engine(EngineConfig(model=str(tiny_model_dir), **EXACT)) as eng:
+        ex = eng._executor
+        assert isinstance(ex, CUDAExecutor) and ex._graphs is not None
+        eng.generate(token_prompts(2), PARAMS[0], use_tqdm=False)
+        held = [weakref.ref(t) for t in (ex.kv.k[0], next(ex.model.parameters()), ex._graphs)]
+    gc.collect()
+    assert [r() is None for r in held] == [True, True, True]
