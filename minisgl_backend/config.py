@@ -105,7 +105,7 @@ class EngineConfig:
     # --- runtime ---
     num_threads: int | None = None  # torch intra-op threads; None = torch default
     weight_dtype: str | None = None  # None = dtype; int8 = weight-only int8 for decode (bf16, CPU)
-    cuda_graphs: bool = False  # CUDA: decode batches replay CUDA graphs at batch-size buckets
+    cuda_graphs: bool | None = None  # decode batches replay CUDA graphs at buckets; None = on a GPU only
     switch_interval_ms: float | None = None  # Python's GIL switch interval while running; None = leave it
 
     def __post_init__(self) -> None:
@@ -128,6 +128,9 @@ class EngineConfig:
                 object.__setattr__(self, "dtype", "float32")
             if self.kv_cache_memory_gb is None:
                 object.__setattr__(self, "kv_cache_memory_gb", CPU_KV_CACHE_GB)
+        if self.cuda_graphs is None and device_type == "cuda":
+            # Left None on a CPU (off), so that a CPU config replaced onto a GPU turns them on.
+            object.__setattr__(self, "cuda_graphs", True)
         mem = machine_memory_gb()
         if (
             device_type == "cpu"
@@ -278,6 +281,6 @@ _SPECS: dict[str, Spec] = {
     "max_logprobs": Spec("int", lo=0),
     "num_threads": Spec("int", lo=1, optional=True, note="None = torch default"),
     "weight_dtype": Spec("choice", choices=("int8",), optional=True, note="None = dtype"),
-    "cuda_graphs": Spec("bool"),
+    "cuda_graphs": Spec("bool", optional=True, note="None = on a GPU, off on a CPU"),
     "switch_interval_ms": Spec("float", lo=0, lo_open=True, optional=True, note="None = the process's own"),
 }

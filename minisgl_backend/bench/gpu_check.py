@@ -257,12 +257,14 @@ def overlap_variants(chunks: list[int], graphs: bool = False) -> dict[str, dict[
     flight and the Python completion callbacks; with `graphs` (a GPU), the serial loop and the
     largest chunk again with their decode batches replayed as CUDA graphs."""
     big = max(chunks)
+    # Every row names its graphs: on a GPU they are on unless a config turns them off.
     rows: dict[str, dict[str, Any]] = {
         "serial, no chunking": {
             "overlap": False,
             "chunk_size": None,
             "mixed_batches": False,
             "max_inflight": 1,
+            "cuda_graphs": False,
         }
     }
     for c in chunks:
@@ -271,6 +273,7 @@ def overlap_variants(chunks: list[int], graphs: bool = False) -> dict[str, dict[
             "chunk_size": c,
             "mixed_batches": True,
             "max_inflight": 4,
+            "cuda_graphs": False,
         }
     rows[f"overlap, chunk {big}, max_inflight 1"] = rows[f"overlap, chunk {big}"] | {"max_inflight": 1}
     rows[f"overlap, chunk {big}, python callbacks"] = rows[f"overlap, chunk {big}"] | {

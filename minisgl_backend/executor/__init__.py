@@ -55,7 +55,7 @@ def make_executor(
             metrics,
             tracer,
             debug_delay_ms=config.debug_delay_ms,
-            decode_graphs=config.cuda_graphs,
+            decode_graphs=bool(config.cuda_graphs),
         )
     from minisgl_backend.executor.cpu import CPUExecutor
 

@@ -149,10 +149,15 @@ def test_batches_that_fit_no_bucket_are_left_to_the_eager_forward() -> None:
         DecodeGraphs(model, _kv(model), [1], MAX_BLOCKS, REAL_BLOCKS + 1)
 
 
-def test_cuda_graphs_on_a_cpu_is_a_config_error() -> None:
+def test_cuda_graphs_are_on_by_default_on_a_gpu_and_refused_on_a_cpu() -> None:
+    """Unset, they are on for a CUDA device (also for a CPU config replaced onto one) and off on a
+    CPU; false turns them off on a GPU; true on a CPU is a ConfigError."""
     from minisgl_backend.config import EngineConfig
     from minisgl_backend.errors import ConfigError
 
-    assert EngineConfig().cuda_graphs is False
+    assert not EngineConfig().cuda_graphs
+    assert EngineConfig(device="cuda").cuda_graphs is True
+    assert EngineConfig().replace(device="cuda").cuda_graphs is True
+    assert EngineConfig(device="cuda", cuda_graphs=False).cuda_graphs is False
     with pytest.raises(ConfigError, match="cuda_graphs: true needs device: cuda"):
         EngineConfig(cuda_graphs=True)

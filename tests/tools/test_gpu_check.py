@@ -76,6 +76,7 @@ def test_the_overlap_rows_are_the_designs():
     assert rows["serial, no chunking"]["overlap"] is False
     assert rows["overlap, chunk 768, max_inflight 1"] | {"max_inflight": 4} == rows["overlap, chunk 768"]
     assert rows["overlap, chunk 768, python callbacks"]["callback_impl"] == "python"
+    assert all(row["cuda_graphs"] is False for row in rows.values())  # eager, also on a GPU
 
 
 def test_a_gpu_adds_the_cuda_graph_rows():
