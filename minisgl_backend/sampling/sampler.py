@@ -23,6 +23,7 @@ from minisgl_backend.errors import RequestFailedError
 from minisgl_backend.types import SamplingParams, TokenLogprob
 
 _PREFILTER = 1024  # top-p / min-p look at the best 1024 tokens first; exact fallback to a full sort
+_CUT_STRIDE = 16  # _best_ids guesses its cut from every this-many-th token
 
 
 def _mix64(h: np.ndarray) -> np.ndarray:
@@ -175,17 +176,46 @@ def _draw(logits: np.ndarray, row: SampleRow) -> int:
     return int(ids[np.argmax(vals - np.log(-np.log(u)))])
 
 
+def _best_ids(x: np.ndarray, width: int) -> np.ndarray:
+    """The `width` token ids of largest x, in descending x and, among equal values, ascending id (of
+    the ids tied at the cut, the lowest). A cut is guessed from every 16th token, and only the tokens
+    at or above it are partitioned, if there are at least `width` of them (every token below is
+    smaller than every token above, so the best `width` are among them); else a lower guess, then
+    the whole row. The answer is the same whichever guess served."""
+    vocab = x.shape[0]
+    near = np.arange(vocab)
+    sample = x[::_CUT_STRIDE]
+    guess = width // _CUT_STRIDE + width // (2 * _CUT_STRIDE) + 2  # ~1.5x the share of the sample
+    while width < vocab // 4 and guess < sample.size:
+        cut = np.partition(sample, sample.size - guess)[sample.size - guess]
+        found = np.flatnonzero(x >= cut)
+        if found.size >= width:
+            near = found
+            break
+        guess *= 4
+    if near.size > width:
+        xs = x[near]
+        kth = np.partition(xs, near.size - width)[near.size - width]
+        above = near[xs > kth]
+        # Each part is in ascending id order, and their values differ: the stable sort below
+        # keeps equal values in ascending id order.
+        near = np.concatenate([above, near[xs == kth][: width - above.size]])
+    return near[np.argsort(-x[near], kind="stable")]
+
+
 def _candidates(x: np.ndarray, p: SamplingParams) -> np.ndarray:
     """Token ids allowed by top-k, then top-p, then min-p, in descending order of x."""
     vocab = x.shape[0]
-    logp = _log_softmax(x[None, :])[0]
+    # top-p and min-p act on the top-k renormalised distribution, which needs no full softmax.
+    logp = None if p.top_k else _log_softmax(x[None, :])[0]
     width = min(vocab, p.top_k) if p.top_k else min(vocab, _PREFILTER)
     while True:
-        ids = np.argpartition(-x, width - 1)[:width] if width < vocab else np.arange(vocab)
-        ids = ids[np.argsort(-x[ids], kind="stable")]
-        probs = np.exp(logp[ids])
-        if p.top_k:
-            probs = probs / probs.sum()  # top-p and min-p act on the top-k renormalised distribution
+        ids = _best_ids(x, width)
+        if logp is None:
+            probs = np.exp(x[ids] - x[ids[0]])
+            probs = probs / probs.sum()
+        else:
+            probs = np.exp(logp[ids])
         keep = np.ones(len(ids), dtype=bool)
         if p.top_p < 1.0:
             keep &= (np.cumsum(probs) - probs) < p.top_p

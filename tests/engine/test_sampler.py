@@ -110,3 +110,41 @@ def test_unknown_sampling_key_lists_valid_ones():
         InvalidSamplingParamsError, match="unknown sampling parameter.*temprature.*valid:.*temperature"
     ):
         SamplingParams.from_dict({"temprature": 0.5})
+
+
+def test_best_ids_are_the_full_sorts_on_adversarial_rows():
+    """The top-k / prefilter selection partitions only the tokens above a cut guessed from a strided
+    sample. It must give exactly the full sort's first `width` ids (descending value, ascending id
+    among equals): wide and narrow spreads, ties everywhere and at the cut, flat rows, masked
+    (-inf) tokens, more width than finite tokens, one huge outlier, and the best tokens all on the
+    sampled positions (the guessed cut too high: fewer than `width` above it)."""
+    from minisgl_backend.sampling.sampler import _best_ids
+
+    rng = np.random.default_rng(7)
+    for trial in range(3000):
+        vocab = int(rng.integers(1, 300)) if trial % 2 else int(rng.integers(1000, 6000))
+        width = (
+            int(rng.integers(1, vocab + 1)) if trial % 3 == 0 else int(rng.integers(1, min(vocab, 200) + 1))
+        )
+        kind = trial % 6
+        if kind == 5:
+            x = rng.standard_normal(vocab)
+            x[::16] += 100.0
+            want = np.lexsort((np.arange(vocab), -x))[:width]
+            assert np.array_equal(_best_ids(x, width), want), (kind, vocab, width)
+            continue
+        if kind == 0:
+            x = rng.standard_normal(vocab) * rng.choice([1e-3, 1.0, 30.0, 1e5])
+        elif kind == 1:
+            x = rng.integers(0, 4, vocab).astype(np.float64)
+        elif kind == 2:
+            x = np.full(vocab, -2.5)
+        elif kind == 3:
+            x = rng.standard_normal(vocab)
+            x[rng.random(vocab) < 0.6] = -np.inf
+        else:
+            x = rng.standard_normal(vocab) * 40
+            x[int(rng.integers(vocab))] = 1e7
+        want = np.lexsort((np.arange(vocab), -x))[:width]
+        got = _best_ids(x, width)
+        assert np.array_equal(got, want), (kind, vocab, width)
