@@ -403,6 +403,23 @@ PYBIND11_MODULE(_kernels, m) {
         "Slot slots[i] of k_pool / v_pool (kv_heads x head_dim elements a slot) = k[i] / v[i] ([N, kv_heads, "
         "head_dim]).");
     m.def(
+        "keyed_draw_screen",
+        [](py::handle x_, double temperature, int64_t seed, int64_t position, int isa) {
+            TensorArg x("keyed_draw_screen", "x", x_);
+            x.required().dtype(DType::F32).shape({ANY}).contiguous();
+            if (!(temperature > 0.0)) x.fail("a positive temperature", std::to_string(temperature));
+            if (position < 0) x.fail("a position of at least 0", std::to_string(position));
+            ScreenedDraw r;
+            {
+                py::gil_scoped_release nogil;
+                r = keyed_draw_screen(x.ptr(), x.size(0), temperature, static_cast<uint64_t>(seed), position, isa);
+            }
+            return py::make_tuple(r.token, r.score, r.second, r.u, r.nan);  // with the GIL held again
+        },
+        py::arg("x"), py::arg("temperature"), py::arg("seed"), py::arg("position"), py::arg("isa"),
+        "The keyed Gumbel-max draw's scores over one float32 logits row x [vocab] (seed: the uint64 key's "
+        "bits as int64): (best token, its score, the best other score, its uniform noise, whether a logit was NaN).");
+    m.def(
         "stream_read",
         [](py::handle buf_, int threads, int isa) {
             TensorArg buf("stream_read", "buf", buf_);

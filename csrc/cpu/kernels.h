@@ -76,6 +76,17 @@ void rope_t(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64
 template <typename T>
 void silu_and_mul_t(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads, int isa);
 
+// ---- sampling.cpp: the keyed draw's scores over a vocabulary row, screened for its best two ----
+struct ScreenedDraw {
+    int64_t token;  // the best score's token (-1: none, see keyed_draw_screen)
+    double score;   // its score, and the best of every other token's (-inf: none)
+    double second;
+    double u;  // the token's uniform noise, bit for bit sampler.hash_uniform's
+    bool nan;  // some logit was NaN: the caller draws in full
+};
+ScreenedDraw keyed_draw_screen(uintptr_t x, int64_t vocab, double temperature, uint64_t seed, int64_t position,
+                               int isa);
+
 // ---- probes.cpp ----
 double stream_read(uintptr_t buf, int64_t bytes, int threads, int isa);
 

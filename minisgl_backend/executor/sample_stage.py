@@ -13,11 +13,12 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from minisgl_backend.arith import int_bits
 from minisgl_backend.errors import RequestFailedError
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.iteration import IterationInputs, IterationOutput
 from minisgl_backend.sampling.penalties import apply_penalties
-from minisgl_backend.sampling.reduce import Candidates, draw_reduced, int_bits, reduce_for_draw, reducible
+from minisgl_backend.sampling.reduce import Candidates, draw_reduced, reduce_for_draw, reducible
 from minisgl_backend.sampling.sampler import SampleRow, apply_processors, sample, token_logprobs
 from minisgl_backend.types import TokenLogprob
 

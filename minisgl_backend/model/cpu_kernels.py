@@ -28,10 +28,11 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minisgl_backend.arith import cdiv
+from minisgl_backend.arith import cdiv, int_bits
 
 try:  # built by setup.py when a C++ compiler is present (optional, like the in-flight tracker)
     from minisgl_backend.native import _kernels as _native  # type: ignore[attr-defined]
@@ -620,6 +621,25 @@ def linear_int8(
     out = torch.empty(m, n, dtype=x.dtype)
     _native.linear_int8(x, qweight, qscale, bias, out, threads())
     return out
+
+
+def keyed_draw_screen(
+    x: np.ndarray, temperature: float, seed: int, position: int
+) -> tuple[int, float, float, float, bool] | None:
+    """The keyed Gumbel-max draw's scores over one float32 logits row x [vocab] (sampling/sampler.py's
+    draw without filters), screened in one native pass on the calling thread: (best token, its
+    score, a bound on every other token's score, the token's uniform noise bit for bit as
+    sampler.hash_uniform gives it, whether a logit was NaN), every score and bound within ~1e-14 of
+    numpy's. Token -1: no finite largest logit (a NaN, +inf, or nothing but -inf). None where the
+    AVX-512 kernels do not run (without 64-bit vector multiplies the pass is slower than numpy's), x
+    is not a contiguous float32 row, or the sampling key does not fit 64 bits."""
+    if not (_ACTIVE.native and _ACTIVE.isa == ISA_AVX512 and x.dtype == np.float32 and x.ndim == 1):
+        return None
+    if not x.flags.c_contiguous or not -(1 << 63) <= seed < 1 << 64:  # the full draw reports a bad key
+        return None
+    return _native.keyed_draw_screen(
+        torch.from_numpy(x), float(temperature), int_bits(seed), position, ISA_AVX512
+    )
 
 
 def stream_read_gbps(megabytes: int = 512, repeat: int = 5) -> float | None:

@@ -21,23 +21,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from minisgl_backend.sampling.sampler import SampleRow, hash_uniform
-
-# A score is x / T - log(-log(u)): the division rounds the same everywhere (IEEE), the logs may differ
-# in their last bits between the device and the CPU. The noise term is below 40, so the scores differ
-# by far less than MARGIN plus a few units in the last place of the score itself.
-MARGIN = 1e-9
-
-
-def margin(bound: float) -> float:
-    """How far a candidate's exact score must clear the device's bound to beat every token left out."""
-    return MARGIN + 4 * float(np.spacing(abs(bound)))
-
-
-def int_bits(c: int) -> int:
-    """The int64 whose bits are the uint64 `c` (how a device tensor holds a seed)."""
-    c &= (1 << 64) - 1
-    return c - (1 << 64) if c >= 1 << 63 else c
+from minisgl_backend.arith import int_bits
+from minisgl_backend.sampling.sampler import SampleRow, hash_uniform, margin
 
 
 def _shr(h: torch.Tensor, s: int) -> torch.Tensor:

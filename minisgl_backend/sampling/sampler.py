@@ -20,10 +20,22 @@ import numpy as np
 import torch
 
 from minisgl_backend.errors import RequestFailedError
+from minisgl_backend.model import cpu_kernels
 from minisgl_backend.types import SamplingParams, TokenLogprob
 
+# A score is x / T - log(-log(u)): the division rounds the same everywhere (IEEE), the logs may differ
+# in their last bits between numpy, the native screen (cpu_kernels.keyed_draw_screen) and a device.
+# The noise term is below 40, so the scores differ by far less than MARGIN plus a few units in the
+# last place of the score itself.
+MARGIN = 1e-9
 _PREFILTER = 1024  # top-p / min-p look at the best 1024 tokens first; exact fallback to a full sort
 _CUT_STRIDE = 16  # _best_ids guesses its cut from every this-many-th token
+
+
+def margin(bound: float) -> float:
+    """How far a candidate's exact score must clear a screened bound (the best score of every token
+    left out, computed elsewhere) to beat every token left out."""
+    return MARGIN + 4 * float(np.spacing(abs(bound)))
 
 
 def _mix64(h: np.ndarray) -> np.ndarray:
@@ -161,8 +173,11 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def _draw(logits: np.ndarray, row: SampleRow) -> int:
     p = row.params
+    filtered = bool(p.top_k or p.top_p < 1.0 or p.min_p > 0.0)
+    if not filtered and (token := _screened_draw(logits, row)) is not None:
+        return token
     x = logits.astype(np.float64) / p.temperature
-    if p.top_k or p.top_p < 1.0 or p.min_p > 0.0:
+    if filtered:
         ids = _candidates(x, p)
         vals = x[ids]
     else:
@@ -174,6 +189,23 @@ def _draw(logits: np.ndarray, row: SampleRow) -> int:
         )
     u = hash_uniform(np.array([row.seed]), np.array([row.position]), ids[None, :])[0]
     return int(ids[np.argmax(vals - np.log(-np.log(u)))])
+
+
+def _screened_draw(logits: np.ndarray, row: SampleRow) -> int | None:
+    """The token _draw gives a row without filters, from the native screen of the whole row: its best
+    token's score, recomputed here as _draw computes every score, when it clears the bound on every
+    other token's score by the margin. None (draw in full) where the screen does not run, the row's
+    largest logit is not finite, or two scores are too close to tell apart."""
+    p = row.params
+    got = cpu_kernels.keyed_draw_screen(logits, p.temperature, row.seed, row.position)
+    if got is None:
+        return None
+    token, _, bound, u, _ = got
+    if token < 0:
+        return None
+    exact = np.float64(logits[token]) / p.temperature - np.log(-np.log(np.float64(u)))
+    slack = margin(bound) if np.isfinite(bound) else 0.0
+    return int(token) if exact > bound + slack else None
 
 
 def _best_ids(x: np.ndarray, width: int) -> np.ndarray:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from minisgl_backend import InvalidSamplingParamsError, SamplingParams
+from minisgl_backend.model import cpu_kernels
 from minisgl_backend.sampling.sampler import SampleRow, apply_processors, hash_uniform, sample, token_logprobs
 
 
@@ -148,3 +149,120 @@ def test_best_ids_are_the_full_sorts_on_adversarial_rows():
         want = np.lexsort((np.arange(vocab), -x))[:width]
         got = _best_ids(x, width)
         assert np.array_equal(got, want), (kind, vocab, width)
+
+
+def _full_draw(x32: np.ndarray, temperature: float, seed: int, position: int) -> int:
+    """The keyed draw without filters over the whole row, as numpy computes every score."""
+    x = x32.astype(np.float64) / temperature
+    u = hash_uniform(np.array([seed]), np.array([position]), np.arange(x.size)[None, :])[0]
+    return int(np.argmax(x - np.log(-np.log(u))))
+
+
+def _adversarial_row(rng: np.random.Generator, kind: int, vocab: int) -> np.ndarray:
+    if kind == 0:
+        x = rng.standard_normal(vocab) * rng.choice([1e-3, 1.0, 30.0, 1e4])
+    elif kind == 1:  # integer logits: ties everywhere, the noise alone breaks them
+        x = rng.integers(0, 4, vocab).astype(np.float64)
+    elif kind == 2:  # flat
+        x = np.full(vocab, -2.5)
+    elif kind == 3:  # masked (a grammar, logit_bias)
+        x = rng.standard_normal(vocab) * 5
+        keep = int(rng.integers(vocab))
+        x[(rng.random(vocab) < 0.9) & (np.arange(vocab) != keep)] = -np.inf
+    elif kind == 4:  # one token far ahead, the rest a peaked model's tail
+        x = rng.standard_normal(vocab) * 2
+        x[int(rng.integers(vocab))] = 40.0
+    elif kind == 5:  # a few near the top
+        x = rng.standard_normal(vocab) - 20
+        x[rng.integers(0, vocab, 4)] = rng.standard_normal(4) * 0.01
+    else:  # every token masked but one
+        x = np.full(vocab, -np.inf)
+        x[int(rng.integers(vocab))] = 1.5
+    return x.astype(np.float32)
+
+
+@pytest.mark.skipif(
+    not cpu_kernels.avx512_available(),
+    reason="the native screen of the keyed draw runs under the AVX-512 kernel families",
+)
+def test_screened_draw_is_the_full_draw_on_adversarial_rows():
+    """A sampled row without filters is drawn from the native screen of its scores (one pass over the
+    vocabulary) instead of numpy's ~20. Its token must be exactly the full draw's on every row:
+    wide and narrow spreads, ties, flat and masked rows, one token far ahead, a near tie at the top,
+    vocabularies from 1 to 256k, tiny and large temperatures, keys past 2**63. The screen reports
+    its winner's noise bit for bit as hash_uniform, and a bound at or above every other token's
+    score; and it must serve nearly every row (not hand them all back to the full draw)."""
+    from minisgl_backend.sampling.sampler import _screened_draw
+
+    rng = np.random.default_rng(11)
+    served = 0
+    trials = 700
+    for trial in range(trials):
+        sizes = [1, 2, 17, 512, 513, 3000, 49152, 262144]
+        vocab = sizes[trial % 8] if trial < 640 else int(rng.integers(1, 5000))
+        x = _adversarial_row(rng, trial % 7, vocab)
+        temperature = float(rng.choice([1e-4, 0.3, 0.7, 1.0, 5.0]))
+        seed = int(rng.integers(0, 2**63)) + (2**63 if trial % 3 == 0 else 0)
+        position = int(rng.integers(0, 2**40))
+        row = _row(SamplingParams(temperature=temperature), seed, position)
+        want = _full_draw(x, temperature, seed, position)
+        assert sample(x[None, :], [row])[0] == want, (trial, vocab, temperature)
+        token, score, bound, u, nan = cpu_kernels.keyed_draw_screen(x, temperature, seed, position)
+        assert token == want and not nan, (trial, vocab)
+        assert u == hash_uniform(np.array([seed]), np.array([position]), np.array([[token]]))[0, 0]
+        scores = x.astype(np.float64) / temperature - np.log(
+            -np.log(hash_uniform(np.array([seed]), np.array([position]), np.arange(vocab)[None, :])[0])
+        )
+        assert abs(score - scores[token]) <= 1e-12 * max(1.0, abs(score))
+        others = np.delete(scores, token)
+        if others.size and np.isfinite(others).any():
+            assert bound >= others.max() - 1e-12 * max(1.0, abs(bound)), (trial, vocab, bound, others.max())
+        served += _screened_draw(x, row) is not None
+    assert served >= 0.98 * trials
+
+
+@pytest.mark.parametrize("bad", [(float("nan"), 0), (float("inf"), 1), (float("-inf"), 2)])
+def test_screened_draw_hands_nan_infinite_and_empty_rows_to_the_full_draw(bad):
+    """A NaN or +inf logit, or a row of -inf only, takes the full draw (which picks the NaN, picks
+    the +inf, or fails the row), whether or not the screen runs."""
+    value, where = bad
+    x = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
+    x[where * 100] = value
+    if value == float("-inf"):
+        x[:] = value
+    row = _row(SamplingParams(temperature=0.8), 5, 9)
+    errors: dict = {}
+    got = sample(x[None, :], [row], errors)[0]
+    if errors:
+        assert value == float("-inf") and "no token to draw" in str(errors[0])
+    else:
+        assert got == where * 100 == _full_draw(x, 0.8, 5, 9)
+
+
+def test_draw_takes_a_screened_token_only_when_its_score_proves_it(monkeypatch):
+    """The draw recomputes the screened winner's score exactly and keeps it only when it clears the
+    bound the screen reports on every other token: a screen that names the runner-up, or reports a
+    bound above the winner, must still give the full draw's token; a right answer is taken without
+    the full draw."""
+    from minisgl_backend.sampling import sampler
+
+    x = (np.random.default_rng(5).standard_normal(5000) * 3).astype(np.float32)
+    seed, position, t = 77, 12, 0.9
+    u_all = hash_uniform(np.array([seed]), np.array([position]), np.arange(x.size)[None, :])[0]
+    scores = x.astype(np.float64) / t - np.log(-np.log(u_all))
+    order = np.argsort(-scores)
+    best, runner = int(order[0]), int(order[1])
+    row = _row(SamplingParams(temperature=t), seed, position)
+    answers = {
+        "runner-up named": (runner, scores[runner], scores[best], u_all[runner], False),
+        "bound above the winner": (best, scores[best], scores[best] + 1.0, u_all[best], False),
+        "right": (best, scores[best], scores[runner], u_all[best], False),
+    }
+    full_draws = []
+    real_hash = sampler.hash_uniform
+    monkeypatch.setattr(sampler, "hash_uniform", lambda *a: full_draws.append(1) or real_hash(*a))
+    for name, answer in answers.items():
+        monkeypatch.setattr(cpu_kernels, "keyed_draw_screen", lambda *a, answer=answer: answer)
+        full_draws.clear()
+        assert sample(x[None, :], [row])[0] == best, name
+        assert bool(full_draws) == (name != "right"), name
