@@ -28,8 +28,9 @@ from minisgl_backend.types import SamplingParams, TokenLogprob
 # The noise term is below 40, so the scores differ by far less than MARGIN plus a few units in the
 # last place of the score itself.
 MARGIN = 1e-9
-_PREFILTER = 1024  # top-p / min-p look at the best 1024 tokens first; exact fallback to a full sort
+_PREFILTER = 1024  # top-p / min-p look at the best 1024 tokens first, then wider until the cut falls inside
 _CUT_STRIDE = 16  # _best_ids guesses its cut from every this-many-th token
+_WIDEN = 4  # a prefilter too narrow for top-p / min-p grows by this factor
 
 
 def margin(bound: float) -> float:
@@ -254,9 +255,11 @@ def _candidates(x: np.ndarray, p: SamplingParams) -> np.ndarray:
         if p.min_p > 0.0:
             keep &= probs >= p.min_p * probs[0]
         # Exact once the cut falls inside the prefilter (or the prefilter is top-k / the whole vocab).
+        # A flat distribution's nucleus can hold thousands of tokens: widen by steps, since selecting
+        # the best 4x as many costs far less than sorting the whole vocabulary.
         if p.top_k or width == vocab or not keep[-1]:
             return ids[keep]
-        width = vocab
+        width = min(vocab, width * _WIDEN)
 
 
 def token_logprobs(logits: np.ndarray, token_ids: Sequence[int], num_top: int) -> list[TokenLogprob]:

@@ -266,3 +266,28 @@ def test_draw_takes_a_screened_token_only_when_its_score_proves_it(monkeypatch):
         full_draws.clear()
         assert sample(x[None, :], [row])[0] == best, name
         assert bool(full_draws) == (name != "right"), name
+
+
+def test_top_p_and_min_p_keep_the_full_sorts_nucleus_however_wide():
+    """top-p / min-p look at the best 1,024 tokens first and widen by steps until their cut falls
+    inside: on rows flat enough that the nucleus holds a few, thousands or most of a 49k vocabulary,
+    the kept tokens are exactly those of a full sort of the row."""
+    from minisgl_backend.sampling.sampler import _candidates, _log_softmax
+
+    rng = np.random.default_rng(2)
+    vocab = 49152
+    for scale in (4.0, 1.0, 0.3, 0.05, 0.0):
+        x = rng.standard_normal(vocab) * scale
+        order = np.lexsort((np.arange(vocab), -x))
+        probs = np.exp(_log_softmax(x[None, :])[0][order])
+        for p in (
+            SamplingParams(top_p=0.9),
+            SamplingParams(top_p=0.5, min_p=0.2),
+            SamplingParams(min_p=0.01),
+        ):
+            keep = np.ones(vocab, dtype=bool)
+            if p.top_p < 1.0:
+                keep &= (np.cumsum(probs) - probs) < p.top_p
+            if p.min_p > 0.0:
+                keep &= probs >= p.min_p * probs[0]
+            assert np.array_equal(_candidates(x, p), order[keep]), (scale, p)
