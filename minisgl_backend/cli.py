@@ -42,7 +42,7 @@ _FIELD_FLAGS = {
 
 # `minisgl bench --scenario` values. `seed-table` is the old name of `overlap-table`: still accepted
 # so existing scripts keep working, left out of the help and announced as deprecated when used.
-SCENARIOS = ["overlap-table", "prefix", "peers", "memory"]
+SCENARIOS = ["overlap-table", "prefix", "peers", "memory", "sampling"]
 _SCENARIO_ALIASES = {"seed-table": "overlap-table"}
 
 
@@ -555,7 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
         "off / sync / async on a shared-prefix (few-shot) workload; peers: output tok/s of the "
         "default and deterministic configs on the peer harness's workloads (batch 1, 8, 32 and a "
         "prefill one; best of --repeat runs, default 3); memory: RSS and its peak against the "
-        "weights + KV pool bound, and the batch-1 decode step against the machine's read rate",
+        "weights + KV pool bound, and the batch-1 decode step against the machine's read rate; "
+        "sampling: output tok/s under greedy, temperature, top-k and top-p sampling (32 x 100 -> 64) "
+        "and one draw's time per mode, with and without the native screen of the keyed draw",
     )
     b.add_argument(
         "--sweep",

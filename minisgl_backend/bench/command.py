@@ -1,6 +1,6 @@
-"""The bodies of `minisgl bench` (the default engine-vs-HF run, `--scenario overlap-table|prefix|peers`,
-`--sweep`) and `minisgl bench-serve`: the command line parses the flags and hands them here with a
-way to build the engine config from them."""
+"""The bodies of `minisgl bench` (the default engine-vs-HF run, `--scenario
+overlap-table|prefix|peers|memory|sampling`, `--sweep`) and `minisgl bench-serve`: the command line
+parses the flags and hands them here with a way to build the engine config from them."""
 
 from __future__ import annotations
 
@@ -50,6 +50,15 @@ def run_bench(args: argparse.Namespace, config: ConfigFromFlags) -> int:
 
         result = bench_memory(config(base), repeat=args.repeat or 3)
         print(format_memory(result))
+    elif args.scenario == "sampling":
+        if args.sweep or args.trace or args.plot or args.busy:
+            raise MiniSGLError("--scenario sampling takes none of --sweep, --trace, --plot, --busy")
+        from minisgl_backend.bench.measure import format_table
+        from minisgl_backend.bench.sampling import bench_sampling
+
+        result = bench_sampling(config(base), repeat=args.repeat or 2)
+        print(format_table(result["rows"], columns=list(next(iter(result["rows"].values())))))
+        print(f"kernels: {result['kernels']}; draws over a vocabulary of {result['vocab']}")
     elif args.scenario == "peers":
         if args.sweep or args.trace or args.plot:
             raise MiniSGLError("--scenario peers takes none of --sweep, --trace, --plot")

@@ -276,6 +276,25 @@ def test_bench_memory_sets_rss_against_the_weights(tiny_model_dir, tmp_path):
     assert bad.returncode != 0 and "--scenario memory takes none of" in bad.stderr
 
 
+def test_bench_sampling_sets_each_mode_against_greedy(tiny_model_dir, tmp_path):
+    """`minisgl bench --scenario sampling`: the engine's tok/s under each sampling mode, its ratio to
+    greedy's, and one draw's time per mode with this process's kernels and with numpy alone; flags
+    it cannot use are refused."""
+    out = tmp_path / "sampling.json"
+    args = ("bench", "--scenario", "sampling", "--model", str(tiny_model_dir), "--dtype", "bfloat16")
+    r = _minisgl(*args, "--repeat", "1", "--json", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    modes = ["greedy", "temperature 0.8", "temperature 0.8, top_k 50", "temperature 0.8, top_p 0.95"]
+    assert list(rows) == modes
+    assert rows["greedy"]["vs greedy"] == 1.0
+    for row in rows.values():
+        assert row["tok/s"] > 0 and row["draw us"] > 0 and row["draw us, numpy"] > 0
+    assert "draws over a vocabulary of" in r.stdout
+    bad = _minisgl(*args, "--sweep", "chunk_size=32,64", timeout=120)
+    assert bad.returncode != 0 and "--scenario sampling takes none of" in bad.stderr
+
+
 def test_serve_tells_a_port_in_use_before_loading_the_model(monkeypatch, capsys):
     import socket
 
