@@ -420,6 +420,20 @@ PYBIND11_MODULE(_kernels, m) {
         "The keyed Gumbel-max draw's scores over one float32 logits row x [vocab] (seed: the uint64 key's "
         "bits as int64): (best token, its score, the best other score, its uniform noise, whether a logit was NaN).");
     m.def(
+        "keyed_best_ids",
+        [](py::handle x_, double temperature, int64_t width, py::handle out_, int isa) {
+            const char* op = "keyed_best_ids";
+            TensorArg x(op, "x", x_), out(op, "out", out_);
+            x.required().dtype(DType::F32).shape({ANY}).contiguous();
+            if (!(temperature > 0.0)) x.fail("a positive temperature", std::to_string(temperature));
+            out.required().dtype(DType::I64).shape({width}).contiguous();
+            py::gil_scoped_release nogil;
+            return keyed_best_ids(x.ptr(), x.size(0), temperature, width, out.ptr(), isa);
+        },
+        py::arg("x"), py::arg("temperature"), py::arg("width"), py::arg("out"), py::arg("isa"),
+        "out [width] = the ids of the width largest x / T of one float32 logits row x [vocab] (float64, by "
+        "x / T descending then id ascending); returns width, or -1 where the caller must select itself.");
+    m.def(
         "stream_read",
         [](py::handle buf_, int threads, int isa) {
             TensorArg buf("stream_read", "buf", buf_);

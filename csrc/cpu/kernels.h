@@ -76,7 +76,7 @@ void rope_t(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64
 template <typename T>
 void silu_and_mul_t(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads, int isa);
 
-// ---- sampling.cpp: the keyed draw's scores over a vocabulary row, screened for its best two ----
+// ---- sampling.cpp: the keyed draw's scores over a vocabulary row, screened for its best two; the prefilter's ids ----
 struct ScreenedDraw {
     int64_t token;  // the best score's token (-1: none, see keyed_draw_screen)
     double score;   // its score, and the best of every other token's (-inf: none)
@@ -86,6 +86,9 @@ struct ScreenedDraw {
 };
 ScreenedDraw keyed_draw_screen(uintptr_t x, int64_t vocab, double temperature, uint64_t seed, int64_t position,
                                int isa);
+// The `width` tokens of largest x / T (float64, as numpy divides) by x / T descending then id ascending,
+// into out [width]; returns width, or -1 where the caller selects in numpy (see sampling.cpp).
+int64_t keyed_best_ids(uintptr_t x, int64_t vocab, double temperature, int64_t width, uintptr_t out, int isa);
 
 // ---- probes.cpp ----
 double stream_read(uintptr_t buf, int64_t bytes, int threads, int isa);

@@ -7,11 +7,16 @@
 // The caller recomputes the winner's score exactly (numpy, as the full draw does) and keeps it only
 // when it clears that runner-up by more than any error here could move a score: the token is then
 // the full draw's, whatever the last bits of these logs are, and a near tie takes the full draw.
+//
+// keyed_best_ids: the top-k / top-p prefilter's selection (sampler._best_ids) without numpy's
+// passes over the row: the `width` tokens of largest x / T, in its order.
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
+#include <vector>
 
 #include "common.h"
 #include "kernels.h"
@@ -159,7 +164,68 @@ AVX512 ScreenedDraw screen_avx512(const float* x, int64_t vocab, double temperat
     return screen_body(x, vocab, temperature, seed, position);
 }
 
+// Token ids t with x[t] >= cut into ids (room for vocab + 16); returns their count, or -1 if the row
+// holds a NaN.
+AVX512 int64_t at_or_above(const float* x, int64_t vocab, float cut, int32_t* ids) {
+    const __m512 c = _mm512_set1_ps(cut);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i t = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int64_t n = 0;
+    __mmask16 nan = 0;
+    for (int64_t t0 = 0; t0 < vocab; t0 += 16, t = _mm512_add_epi32(t, step)) {
+        const __mmask16 lanes = first_lanes(vocab - t0);
+        const __m512 v = _mm512_maskz_loadu_ps(lanes, x + t0);
+        nan |= _mm512_mask_cmp_ps_mask(lanes, v, v, _CMP_UNORD_Q);
+        const __mmask16 in = _mm512_mask_cmp_ps_mask(lanes, v, c, _CMP_GE_OQ);
+        // compress into a register, then a full store (ids has 16 spare slots): the compressing
+        // store to memory is microcoded, and far slower, on some CPUs
+        _mm512_storeu_si512(ids + n, _mm512_maskz_compress_epi32(in, t));
+        n += __builtin_popcount(in);
+    }
+    return nan ? -1 : n;
+}
+
+struct Scored {
+    double v;
+    int64_t id;
+};
+
+// sampler._best_ids' order: larger x / T first, then the lower id.
+inline bool before(const Scored& a, const Scored& b) { return a.v > b.v || (a.v == b.v && a.id < b.id); }
+
 }  // namespace
+
+// A cut is guessed in float32 from every 16th logit, the tokens at or above it are gathered and
+// divided by T as numpy divides (so two logits that round to one x / T tie, as in numpy), and the
+// first `width` of them by _best_ids' order are the answer, unless the width-th one ties with the
+// cut itself (a token below the cut could then tie with it too): the caller then selects in numpy,
+// as it does for a NaN, a width of a quarter of the row or more, or a guess that keeps too few.
+int64_t keyed_best_ids(uintptr_t x, int64_t vocab, double temperature, int64_t width, uintptr_t out, int isa) {
+    if (require_isa(isa) != ISA_AVX512) throw std::invalid_argument("keyed_best_ids runs on AVX-512 only");
+    const auto* xp = reinterpret_cast<const float*>(x);
+    auto* op = reinterpret_cast<int64_t*>(out);
+    if (width < 1 || width >= vocab / 4) return -1;
+    std::vector<float> sample;
+    for (int64_t t = 0; t < vocab; t += 16) sample.push_back(xp[t]);
+    const int64_t stride_sample = static_cast<int64_t>(sample.size());
+    thread_local std::vector<int32_t> ids;  // a decode step selects for every row: keep the buffer
+    ids.resize(static_cast<size_t>(vocab + 16));
+    for (int64_t guess = width / 16 + width / 32 + 2; guess < stride_sample; guess *= 4) {
+        std::nth_element(sample.begin(), sample.begin() + (guess - 1), sample.end(), std::greater<float>());
+        const float cut = sample[guess - 1];
+        const int64_t n = at_or_above(xp, vocab, cut, ids.data());
+        if (n < 0) return -1;
+        if (n < width) continue;
+        std::vector<Scored> s(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) s[i] = {static_cast<double>(xp[ids[i]]) / temperature, ids[i]};
+        std::nth_element(s.begin(), s.begin() + (width - 1), s.end(), before);
+        std::sort(s.begin(), s.begin() + width, before);
+        if (!(s[width - 1].v > static_cast<double>(cut) / temperature)) return -1;
+        for (int64_t i = 0; i < width; ++i) op[i] = s[i].id;
+        return width;
+    }
+    return -1;
+}
 
 // AVX-512 only (isa): the 64-bit multiplies and conversions of the hash vectorise there alone, and
 // without them the pass is slower than numpy's.

@@ -642,6 +642,23 @@ def keyed_draw_screen(
     )
 
 
+def keyed_best_ids(x: np.ndarray, temperature: float, width: int) -> np.ndarray | None:
+    """The ids of the `width` largest x / T of one float32 logits row x [vocab] (float64, divided as
+    numpy divides), by x / T descending then id ascending: sampling/sampler.py's _best_ids, selected
+    natively. None where the AVX-512 kernels do not run, x is not a contiguous float32 row, or the
+    native selection hands the row back (a NaN, a width of a quarter of the row or more, a tie at its
+    cut): the caller then selects in numpy."""
+    if not (_ACTIVE.native and _ACTIVE.isa == ISA_AVX512 and x.dtype == np.float32 and x.ndim == 1):
+        return None
+    if not x.flags.c_contiguous or width < 1:
+        return None
+    out = np.empty(width, dtype=np.int64)
+    got = _native.keyed_best_ids(
+        torch.from_numpy(x), float(temperature), width, torch.from_numpy(out), ISA_AVX512
+    )
+    return out if got == width else None
+
+
 def stream_read_gbps(megabytes: int = 512, repeat: int = 5) -> float | None:
     """The machine's streaming read rate in GB/s at torch's thread count: the best of `repeat`
     single reads of a fresh `megabytes` buffer (larger than any cache), as a weight stream reads.

@@ -177,12 +177,11 @@ def _draw(logits: np.ndarray, row: SampleRow) -> int:
     filtered = bool(p.top_k or p.top_p < 1.0 or p.min_p > 0.0)
     if not filtered and (token := _screened_draw(logits, row)) is not None:
         return token
-    x = logits.astype(np.float64) / p.temperature
     if filtered:
-        ids = _candidates(x, p)
-        vals = x[ids]
+        ids, vals = _candidates(logits, p)
     else:
-        ids, vals = np.arange(x.shape[0]), x
+        vals = logits.astype(np.float64) / p.temperature
+        ids = np.arange(vals.shape[0])
     if ids.size == 0 or not np.isfinite(vals).any():
         raise RequestFailedError(
             f"no token to draw at position {row.position}: the filters (temperature={p.temperature}, "
@@ -236,16 +235,24 @@ def _best_ids(x: np.ndarray, width: int) -> np.ndarray:
     return near[np.argsort(-x[near], kind="stable")]
 
 
-def _candidates(x: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """Token ids allowed by top-k, then top-p, then min-p, in descending order of x."""
-    vocab = x.shape[0]
-    # top-p and min-p act on the top-k renormalised distribution, which needs no full softmax.
-    logp = None if p.top_k else _log_softmax(x[None, :])[0]
+def _candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids allowed by top-k, then top-p, then min-p, in descending order of x = logits / T
+    (float64), and their x."""
+    vocab = logits.shape[0]
+    # top-p and min-p act on the top-k renormalised distribution, which needs no full softmax; without
+    # top-k their probabilities need the whole row's log-softmax.
+    x = None if p.top_k else logits.astype(np.float64) / p.temperature
+    logp = None if x is None else _log_softmax(x[None, :])[0]
     width = min(vocab, p.top_k) if p.top_k else min(vocab, _PREFILTER)
     while True:
-        ids = _best_ids(x, width)
+        ids = cpu_kernels.keyed_best_ids(logits, p.temperature, width)
+        if ids is None:
+            if x is None:
+                x = logits.astype(np.float64) / p.temperature
+            ids = _best_ids(x, width)
+        vals = x[ids] if x is not None else logits[ids].astype(np.float64) / p.temperature
         if logp is None:
-            probs = np.exp(x[ids] - x[ids[0]])
+            probs = np.exp(vals - vals[0])
             probs = probs / probs.sum()
         else:
             probs = np.exp(logp[ids])
@@ -258,7 +265,7 @@ def _candidates(x: np.ndarray, p: SamplingParams) -> np.ndarray:
         # A flat distribution's nucleus can hold thousands of tokens: widen by steps, since selecting
         # the best 4x as many costs far less than sorting the whole vocabulary.
         if p.top_k or width == vocab or not keep[-1]:
-            return ids[keep]
+            return ids[keep], vals[keep]
         width = min(vocab, width * _WIDEN)
 
 

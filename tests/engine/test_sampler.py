@@ -8,7 +8,14 @@ import torch
 
 from minisgl_backend import InvalidSamplingParamsError, SamplingParams
 from minisgl_backend.model import cpu_kernels
-from minisgl_backend.sampling.sampler import SampleRow, apply_processors, hash_uniform, sample, token_logprobs
+from minisgl_backend.sampling.sampler import (
+    SampleRow,
+    _candidates,
+    apply_processors,
+    hash_uniform,
+    sample,
+    token_logprobs,
+)
 
 
 def _row(params, seed=1, pos=10):
@@ -272,12 +279,13 @@ def test_top_p_and_min_p_keep_the_full_sorts_nucleus_however_wide():
     """top-p / min-p look at the best 1,024 tokens first and widen by steps until their cut falls
     inside: on rows flat enough that the nucleus holds a few, thousands or most of a 49k vocabulary,
     the kept tokens are exactly those of a full sort of the row."""
-    from minisgl_backend.sampling.sampler import _candidates, _log_softmax
+    from minisgl_backend.sampling.sampler import _log_softmax
 
     rng = np.random.default_rng(2)
     vocab = 49152
     for scale in (4.0, 1.0, 0.3, 0.05, 0.0):
-        x = rng.standard_normal(vocab) * scale
+        logits = (rng.standard_normal(vocab) * scale).astype(np.float32)
+        x = logits.astype(np.float64)  # the default temperature, 1
         order = np.lexsort((np.arange(vocab), -x))
         probs = np.exp(_log_softmax(x[None, :])[0][order])
         for p in (
@@ -290,4 +298,58 @@ def test_top_p_and_min_p_keep_the_full_sorts_nucleus_however_wide():
                 keep &= (np.cumsum(probs) - probs) < p.top_p
             if p.min_p > 0.0:
                 keep &= probs >= p.min_p * probs[0]
-            assert np.array_equal(_candidates(x, p), order[keep]), (scale, p)
+            ids, vals = _candidates(logits, p)
+            assert np.array_equal(ids, order[keep]) and np.array_equal(vals, x[ids]), (scale, p)
+
+
+@pytest.mark.skipif(
+    not cpu_kernels.avx512_available(),
+    reason="the native prefilter selection runs under the AVX-512 kernel families",
+)
+def test_native_best_ids_are_the_full_sorts_on_adversarial_float32_rows():
+    """The top-k / top-p prefilter's selection runs natively on the float32 logits: the `width` ids
+    of largest logits / T by value, then the lower id, exactly as a full sort of numpy's float64
+    x / T orders them. Spreads wide and narrow, integer ties, flat rows, masked rows, a huge
+    outlier, and a temperature at which distinct float32 logits divide to the same float64 (ties
+    made by the division, below the selection's cut too); a row it hands back (a NaN, a tie at its
+    cut) is selected in numpy, with the same answer; and it serves nearly every row of continuous
+    logits."""
+    rng = np.random.default_rng(17)
+    served = spread = 0
+    for trial in range(1500):
+        vocab = int(rng.integers(64, 6000)) if trial % 3 else 49152
+        width = int(rng.integers(1, vocab // 4))
+        kind = trial % 6
+        if kind == 0:
+            logits = rng.standard_normal(vocab) * rng.choice([1e-3, 1.0, 30.0, 1e5])
+        elif kind == 1:
+            logits = rng.integers(0, 4, vocab).astype(np.float64)
+        elif kind == 2:
+            logits = np.full(vocab, -2.5)
+        elif kind == 3:
+            logits = rng.standard_normal(vocab)
+            logits[rng.random(vocab) < 0.6] = -np.inf
+        elif kind == 4:
+            logits = rng.standard_normal(vocab) * 40
+            logits[int(rng.integers(vocab))] = 1e7
+        else:  # distinct tiny logits, which a huge temperature divides onto one float64 (0), and a few larger
+            logits = (np.arange(vocab) % 7 + 1) * 1e-30
+            logits[rng.random(vocab) < 0.05] = rng.uniform(1, 100)
+        logits = logits.astype(np.float32)
+        if trial % 50 == 7:
+            logits[int(rng.integers(vocab))] = np.nan
+        temperature = 1e300 if kind == 5 else float(rng.choice([1e-5, 0.7, 1.0, 3.0, 1e30]))
+        x = logits.astype(np.float64) / temperature
+        got = cpu_kernels.keyed_best_ids(logits, temperature, width)
+        if np.isnan(logits).any():
+            assert got is None
+            continue
+        want = np.lexsort((np.arange(vocab), -x))[:width]
+        if got is not None:
+            assert np.array_equal(got, want), (trial, kind, vocab, width, temperature)
+        if kind in (0, 4):  # continuous rows: ties at the cut are rare
+            spread += 1
+            served += got is not None
+        p = SamplingParams(temperature=temperature, top_k=width)
+        assert np.array_equal(_candidates(logits, p)[0], want), (trial, kind, vocab, width, temperature)
+    assert served >= 0.95 * spread
