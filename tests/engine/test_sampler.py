@@ -120,6 +120,23 @@ def test_unknown_sampling_key_lists_valid_ones():
         SamplingParams.from_dict({"temprature": 0.5})
 
 
+def _ranking_row(rng: np.random.Generator, kind: int, vocab: int) -> np.ndarray:
+    """A float64 row for the top-k selection tests, by kind 0-4: a normal spread at one of four
+    scales, integer ties, flat, 60% masked, one huge outlier."""
+    if kind == 0:
+        return rng.standard_normal(vocab) * rng.choice([1e-3, 1.0, 30.0, 1e5])
+    if kind == 1:
+        return rng.integers(0, 4, vocab).astype(np.float64)
+    if kind == 2:
+        return np.full(vocab, -2.5)
+    x = rng.standard_normal(vocab) * (1 if kind == 3 else 40)
+    if kind == 3:
+        x[rng.random(vocab) < 0.6] = -np.inf
+    else:
+        x[int(rng.integers(vocab))] = 1e7
+    return x
+
+
 def test_best_ids_are_the_full_sorts_on_adversarial_rows():
     """The top-k / prefilter selection partitions only the tokens above a cut guessed from a strided
     sample. It must give exactly the full sort's first `width` ids (descending value, ascending id
@@ -141,18 +158,7 @@ def test_best_ids_are_the_full_sorts_on_adversarial_rows():
             want = np.lexsort((np.arange(vocab), -x))[:width]
             assert np.array_equal(_best_ids(x, width), want), (kind, vocab, width)
             continue
-        if kind == 0:
-            x = rng.standard_normal(vocab) * rng.choice([1e-3, 1.0, 30.0, 1e5])
-        elif kind == 1:
-            x = rng.integers(0, 4, vocab).astype(np.float64)
-        elif kind == 2:
-            x = np.full(vocab, -2.5)
-        elif kind == 3:
-            x = rng.standard_normal(vocab)
-            x[rng.random(vocab) < 0.6] = -np.inf
-        else:
-            x = rng.standard_normal(vocab) * 40
-            x[int(rng.integers(vocab))] = 1e7
+        x = _ranking_row(rng, kind, vocab)
         want = np.lexsort((np.arange(vocab), -x))[:width]
         got = _best_ids(x, width)
         assert np.array_equal(got, want), (kind, vocab, width)
@@ -320,18 +326,8 @@ def test_native_best_ids_are_the_full_sorts_on_adversarial_float32_rows():
         vocab = int(rng.integers(64, 6000)) if trial % 3 else 49152
         width = int(rng.integers(1, vocab // 4))
         kind = trial % 6
-        if kind == 0:
-            logits = rng.standard_normal(vocab) * rng.choice([1e-3, 1.0, 30.0, 1e5])
-        elif kind == 1:
-            logits = rng.integers(0, 4, vocab).astype(np.float64)
-        elif kind == 2:
-            logits = np.full(vocab, -2.5)
-        elif kind == 3:
-            logits = rng.standard_normal(vocab)
-            logits[rng.random(vocab) < 0.6] = -np.inf
-        elif kind == 4:
-            logits = rng.standard_normal(vocab) * 40
-            logits[int(rng.integers(vocab))] = 1e7
+        if kind < 5:
+            logits = _ranking_row(rng, kind, vocab)
         else:  # distinct tiny logits, which a huge temperature divides onto one float64 (0), and a few larger
             logits = (np.arange(vocab) % 7 + 1) * 1e-30
             logits[rng.random(vocab) < 0.05] = rng.uniform(1, 100)
