@@ -434,6 +434,23 @@ PYBIND11_MODULE(_kernels, m) {
         "out [width] = the ids of the width largest x / T of one float32 logits row x [vocab] (float64, by "
         "x / T descending then id ascending); returns width, or -1 where the caller must select itself.");
     m.def(
+        "log_sum_exp",
+        [](py::handle x_, double temperature, int isa) -> py::object {
+            TensorArg x("log_sum_exp", "x", x_);
+            x.required().dtype(DType::F32).shape({ANY}).contiguous();
+            if (!(temperature > 0.0)) x.fail("a positive temperature", std::to_string(temperature));
+            LogSumExp r;
+            {
+                py::gil_scoped_release nogil;
+                r = log_sum_exp(x.ptr(), x.size(0), temperature, isa);
+            }
+            if (!r.ok) return py::none();
+            return py::make_tuple(r.max, r.log_sum);
+        },
+        py::arg("x"), py::arg("temperature"), py::arg("isa"),
+        "(max, log(sum(exp(x / T - max)))) of one float32 logits row x [vocab] in float64, the sum to ~1e-15; "
+        "None for a NaN or no finite maximum.");
+    m.def(
         "stream_read",
         [](py::handle buf_, int threads, int isa) {
             TensorArg buf("stream_read", "buf", buf_);

@@ -89,6 +89,13 @@ ScreenedDraw keyed_draw_screen(uintptr_t x, int64_t vocab, double temperature, u
 // The `width` tokens of largest x / T (float64, as numpy divides) by x / T descending then id ascending,
 // into out [width]; returns width, or -1 where the caller selects in numpy (see sampling.cpp).
 int64_t keyed_best_ids(uintptr_t x, int64_t vocab, double temperature, int64_t width, uintptr_t out, int isa);
+// The whole row's softmax normaliser in float64: max of x / T and log(sum exp(x / T - max)); ok false
+// for a NaN or no finite maximum (the caller takes numpy's log-softmax).
+struct LogSumExp {
+    double max, log_sum;
+    bool ok;
+};
+LogSumExp log_sum_exp(uintptr_t x, int64_t vocab, double temperature, int isa);
 
 // ---- probes.cpp ----
 double stream_read(uintptr_t buf, int64_t bytes, int threads, int isa);

@@ -10,6 +10,9 @@
 //
 // keyed_best_ids: the top-k / top-p prefilter's selection (sampler._best_ids) without numpy's
 // passes over the row: the `width` tokens of largest x / T, in its order.
+//
+// log_sum_exp: top-p's and min-p's normaliser of the whole row, its max m and log(sum exp(x / T - m)),
+// the sum to about 1e-15; the sampler takes it only where no filter decision lies within 1e-9 of it.
 
 #include <algorithm>
 #include <cmath>
@@ -185,6 +188,50 @@ AVX512 int64_t at_or_above(const float* x, int64_t vocab, float cut, int32_t* id
     return nan ? -1 : n;
 }
 
+// exp(y) for y <= 0 (-inf included), to a few units in the last place: y = n ln 2 + r, |r| <= ln 2 / 2,
+// exp(r) by its series to r^13, times 2^n built in the exponent bits; results below 2^-1022 are 0.
+__attribute__((always_inline)) inline double exp_nonpositive(double y) {
+    y = y < -745.0 ? -745.0 : y;
+    const double n = std::nearbyint(y * 1.4426950408889634);
+    const double r = (y - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;
+    double p = 1.0 / 6227020800.0;  // 1 / 13!
+    const double inv_fact[13] = {1.0 / 479001600.0,
+                                 1.0 / 39916800.0,
+                                 1.0 / 3628800.0,
+                                 1.0 / 362880.0,
+                                 1.0 / 40320.0,
+                                 1.0 / 5040.0,
+                                 1.0 / 720.0,
+                                 1.0 / 120.0,
+                                 1.0 / 24.0,
+                                 1.0 / 6.0,
+                                 0.5,
+                                 1.0,
+                                 1.0};
+    for (int i = 0; i < 13; ++i) p = p * r + inv_fact[i];
+    const int64_t e = static_cast<int64_t>(n) + 1023;
+    const uint64_t bits = static_cast<uint64_t>(e > 0 ? e : 0) << 52;
+    double scale;
+    std::memcpy(&scale, &bits, 8);
+    return e > 0 ? p * scale : 0.0;
+}
+
+AVX512 LogSumExp log_sum_exp_avx512(const float* x, int64_t vocab, double temperature) {
+    double m = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int64_t t = 0; t < vocab; ++t) {
+        const double v = static_cast<double>(x[t]) / temperature;
+        m = v > m ? v : m;
+        nan |= v != v;
+    }
+    if (nan || !std::isfinite(m)) return {m, NAN, false};
+    double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < vocab; ++t) sum += exp_nonpositive(static_cast<double>(x[t]) / temperature - m);
+    return {m, std::log(sum), true};
+}
+
 struct Scored {
     double v;
     int64_t id;
@@ -225,6 +272,11 @@ int64_t keyed_best_ids(uintptr_t x, int64_t vocab, double temperature, int64_t w
         return width;
     }
     return -1;
+}
+
+LogSumExp log_sum_exp(uintptr_t x, int64_t vocab, double temperature, int isa) {
+    if (require_isa(isa) != ISA_AVX512) throw std::invalid_argument("log_sum_exp runs on AVX-512 only");
+    return log_sum_exp_avx512(reinterpret_cast<const float*>(x), vocab, temperature);
 }
 
 // AVX-512 only (isa): the 64-bit multiplies and conversions of the hash vectorise there alone, and

@@ -659,6 +659,18 @@ def keyed_best_ids(x: np.ndarray, temperature: float, width: int) -> np.ndarray 
     return out if got == width else None
 
 
+def log_sum_exp(x: np.ndarray, temperature: float) -> tuple[float, float] | None:
+    """The softmax normaliser of one float32 logits row x [vocab] over x / T in float64: (max, log of
+    the sum of exp(x / T - max)), the max exact and the log-sum within ~1e-15 of numpy's. None where
+    the AVX-512 kernels do not run, x is not a contiguous float32 row, or the row has a NaN or no
+    finite maximum: the caller then takes numpy's log-softmax."""
+    if not (_ACTIVE.native and _ACTIVE.isa == ISA_AVX512 and x.dtype == np.float32 and x.ndim == 1):
+        return None
+    if not x.flags.c_contiguous:
+        return None
+    return _native.log_sum_exp(torch.from_numpy(x), float(temperature), ISA_AVX512)
+
+
 def stream_read_gbps(megabytes: int = 512, repeat: int = 5) -> float | None:
     """The machine's streaming read rate in GB/s at torch's thread count: the best of `repeat`
     single reads of a fresh `megabytes` buffer (larger than any cache), as a weight stream reads.

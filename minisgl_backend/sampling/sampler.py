@@ -31,6 +31,9 @@ MARGIN = 1e-9
 _PREFILTER = 1024  # top-p / min-p look at the best 1024 tokens first, then wider until the cut falls inside
 _CUT_STRIDE = 16  # _best_ids guesses its cut from every this-many-th token
 _WIDEN = 4  # a prefilter too narrow for top-p / min-p grows by this factor
+# A top-p / min-p decision this close to its cut under the native normaliser goes to numpy's: the two
+# differ by ~1e-15 in a probability, so farther from the cut they decide alike.
+_CUT_MARGIN = 1e-9
 
 
 def margin(bound: float) -> float:
@@ -239,34 +242,62 @@ def _candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.n
     """Token ids allowed by top-k, then top-p, then min-p, in descending order of x = logits / T
     (float64), and their x."""
     vocab = logits.shape[0]
+    row: list[np.ndarray] = []  # x of the whole row, made once where numpy needs it
+
+    def whole() -> np.ndarray:
+        if not row:
+            row.append(logits.astype(np.float64) / p.temperature)
+        return row[0]
+
     # top-p and min-p act on the top-k renormalised distribution, which needs no full softmax; without
-    # top-k their probabilities need the whole row's log-softmax.
-    x = None if p.top_k else logits.astype(np.float64) / p.temperature
-    logp = None if x is None else _log_softmax(x[None, :])[0]
+    # top-k, on the whole row's: its normaliser from the native pass where it runs, else numpy's
+    # log-softmax (also where a filter's cut lies within the native normaliser's rounding).
+    norm = None if p.top_k else cpu_kernels.log_sum_exp(logits, p.temperature)
+    logp = None if p.top_k or norm is not None else _log_softmax(whole()[None, :])[0]
     width = min(vocab, p.top_k) if p.top_k else min(vocab, _PREFILTER)
     while True:
         ids = cpu_kernels.keyed_best_ids(logits, p.temperature, width)
         if ids is None:
-            if x is None:
-                x = logits.astype(np.float64) / p.temperature
-            ids = _best_ids(x, width)
-        vals = x[ids] if x is not None else logits[ids].astype(np.float64) / p.temperature
-        if logp is None:
-            probs = np.exp(vals - vals[0])
-            probs = probs / probs.sum()
-        else:
-            probs = np.exp(logp[ids])
-        keep = np.ones(len(ids), dtype=bool)
-        if p.top_p < 1.0:
-            keep &= (np.cumsum(probs) - probs) < p.top_p
-        if p.min_p > 0.0:
-            keep &= probs >= p.min_p * probs[0]
+            ids = _best_ids(whole(), width)
+        vals = whole()[ids] if row else logits[ids].astype(np.float64) / p.temperature
+        keep, unsure = _filtered(p, vals, norm, None if logp is None else logp[ids])
+        if unsure:
+            norm, logp = None, _log_softmax(whole()[None, :])[0]
+            keep, _ = _filtered(p, vals, None, logp[ids])
         # Exact once the cut falls inside the prefilter (or the prefilter is top-k / the whole vocab).
         # A flat distribution's nucleus can hold thousands of tokens: widen by steps, since selecting
         # the best 4x as many costs far less than sorting the whole vocabulary.
         if p.top_k or width == vocab or not keep[-1]:
             return ids[keep], vals[keep]
         width = min(vocab, width * _WIDEN)
+
+
+def _filtered(
+    p: SamplingParams, vals: np.ndarray, norm: tuple[float, float] | None, logp: np.ndarray | None
+) -> tuple[np.ndarray, bool]:
+    """Which of the candidates (x = vals, descending) top-p and min-p keep, and whether a decision
+    lies within _CUT_MARGIN of its cut under the native normaliser `norm` (then only numpy's own
+    log-softmax decides it). Probabilities: exp(logp) (the whole row's log-softmax), exp(x - max -
+    log-sum) from `norm` (numpy's order of operations, its log-sum within ~1e-15), or, with top-k,
+    the candidates' own renormalised distribution."""
+    if norm is not None:
+        probs = np.exp(vals - norm[0] - norm[1])
+    elif logp is not None:
+        probs = np.exp(logp)
+    else:
+        probs = np.exp(vals - vals[0])
+        probs = probs / probs.sum()
+    keep = np.ones(len(vals), dtype=bool)
+    unsure = False
+    if p.top_p < 1.0:
+        before = np.cumsum(probs) - probs
+        keep &= before < p.top_p
+        unsure = norm is not None and bool((np.abs(before - p.top_p) < _CUT_MARGIN).any())
+    if p.min_p > 0.0:
+        floor = p.min_p * probs[0]
+        keep &= probs >= floor
+        unsure = unsure or (norm is not None and bool((np.abs(probs - floor) < _CUT_MARGIN * probs[0]).any()))
+    return keep, unsure
 
 
 def token_logprobs(logits: np.ndarray, token_ids: Sequence[int], num_top: int) -> list[TokenLogprob]:

@@ -349,3 +349,42 @@ def test_native_best_ids_are_the_full_sorts_on_adversarial_float32_rows():
         p = SamplingParams(temperature=temperature, top_k=width)
         assert np.array_equal(_candidates(logits, p)[0], want), (trial, kind, vocab, width, temperature)
     assert served >= 0.95 * spread
+
+
+def test_top_p_decides_a_cut_within_the_native_normalisers_rounding_with_numpy(monkeypatch):
+    """Without top-k, top-p's probabilities come from the whole row's normaliser, computed natively
+    where the AVX-512 kernels run (within ~1e-15 of numpy's). A nucleus whose cut lies within that
+    rounding must be decided by numpy's own log-softmax: a normaliser off by 1e-12 either way, on a
+    row whose cumulative mass meets top_p exactly at a token, keeps what numpy keeps."""
+    from minisgl_backend.sampling import sampler
+
+    logits = np.full(5000, -np.inf, dtype=np.float32)
+    logits[[3, 10, 400, 4000]] = 0.0  # four equal tokens: 0.25 each, the cut at 0.5 on the third
+    p = SamplingParams(top_p=0.5)
+    monkeypatch.setattr(cpu_kernels, "log_sum_exp", lambda x, t: None)
+    want = sampler._candidates(logits, p)[0]
+    for off in (1e-12, -1e-12):
+        monkeypatch.setattr(cpu_kernels, "log_sum_exp", lambda x, t, off=off: (0.0, float(np.log(4.0)) + off))
+        assert np.array_equal(sampler._candidates(logits, p)[0], want), off
+
+
+@pytest.mark.skipif(
+    not cpu_kernels.avx512_available(), reason="the native normaliser runs under the AVX-512 kernel families"
+)
+def test_native_normaliser_is_numpys_log_softmax_to_rounding():
+    """The whole row's max of x / T is numpy's exactly and its log-sum within 1e-14: spreads at four
+    scales, masked rows, tiny and huge temperatures, one token; a NaN or no finite maximum is None."""
+    rng = np.random.default_rng(23)
+    for trial in range(300):
+        vocab = [1, 7, 4999, 49152, 262144][trial % 5]
+        logits = _ranking_row(rng, trial % 5, vocab).astype(np.float32)
+        if not np.isfinite(logits).any():
+            logits[0] = 0.5
+        temperature = float(rng.choice([1e-5, 0.7, 1.0, 3.0, 1e30]))
+        m, log_sum = cpu_kernels.log_sum_exp(logits, temperature)
+        x = logits.astype(np.float64) / temperature
+        assert m == x.max(), trial
+        want = float(np.log(np.exp(x - m).sum()))  # _log_softmax's log-sum
+        assert abs(log_sum - want) <= 1e-14 * max(1.0, abs(want)), (trial, log_sum, want)
+    assert cpu_kernels.log_sum_exp(np.array([0.0, np.nan], dtype=np.float32), 1.0) is None
+    assert cpu_kernels.log_sum_exp(np.full(9, -np.inf, dtype=np.float32), 1.0) is None
