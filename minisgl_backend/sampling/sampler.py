@@ -8,7 +8,10 @@ under any scheduling, and requests never share RNG state.
 
 numpy, not torch: torch would start an OpenMP team on this (copy-stage) thread, and two teams contend
 for the same cores, slowing the forward pass on the compute thread. numpy is single-threaded and
-releases the GIL inside its loops.
+releases the GIL inside its loops. Where the AVX-512 kernels run, the passes over a whole vocabulary
+row (the draw without filters, the top-k selection, top-p's normaliser) are native single-threaded
+passes on this thread instead (model/cpu_kernels.py), each checked against or decided as numpy
+would, so the tokens are the same with or without them.
 """
 
 from __future__ import annotations
