@@ -1,12 +1,13 @@
 // keyed_draw_screen: the keyed Gumbel-max draw's scores over a whole vocabulary row, to screen it
 // (minisgl_backend/sampling/sampler.py draws with it). A draw is the argmax over tokens t of
 // x[t] / T - log(-log(u(seed, position, t))), u a stateless 64-bit hash; in numpy that is ~20
-// full-row passes, most of a sampled decode row's time on the CPU. Here one pass computes every
-// score in float64, the hash bit for bit as sampler.hash_uniform computes it and the logs to about
-// 1e-15 relative, and returns the best token, its score and the best score of every other token.
-// The caller recomputes the winner's score exactly (numpy, as the full draw does) and keeps it only
-// when it clears that runner-up by more than any error here could move a score: the token is then
-// the full draw's, whatever the last bits of these logs are, and a near tie takes the full draw.
+// full-row passes, most of a sampled decode row's time on the CPU. Here one pass bounds every
+// token's score without a log, scores in float64 only the tokens whose bound reaches the largest
+// logit's score (the hash bit for bit as sampler.hash_uniform computes it, the logs to about 1e-15
+// relative), and returns the best token, its score, its noise, and a bound on every other token's
+// score. The caller recomputes the winner's score exactly (numpy, as the full draw does) and keeps
+// it only when it clears that bound by more than any error here could move a score: the token is
+// then the full draw's, whatever the last bits of these logs are, and a near tie takes the full draw.
 //
 // keyed_best_ids: the top-k / top-p prefilter's selection (sampler._best_ids) without numpy's
 // passes over the row: the `width` tokens of largest x / T, in its order.
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -232,6 +234,12 @@ AVX512 LogSumExp log_sum_exp_avx512(const float* x, int64_t vocab, double temper
     return {m, std::log(sum), true};
 }
 
+// The three entry points run AVX-512 code only: the hash's 64-bit multiplies and conversions
+// vectorise there alone, and without them these passes are slower than numpy's.
+void require_avx512(int isa, const char* op) {
+    if (require_isa(isa) != ISA_AVX512) throw std::invalid_argument(std::string(op) + " runs on AVX-512 only");
+}
+
 struct Scored {
     double v;
     int64_t id;
@@ -248,7 +256,7 @@ inline bool before(const Scored& a, const Scored& b) { return a.v > b.v || (a.v 
 // cut itself (a token below the cut could then tie with it too): the caller then selects in numpy,
 // as it does for a NaN, a width of a quarter of the row or more, or a guess that keeps too few.
 int64_t keyed_best_ids(uintptr_t x, int64_t vocab, double temperature, int64_t width, uintptr_t out, int isa) {
-    if (require_isa(isa) != ISA_AVX512) throw std::invalid_argument("keyed_best_ids runs on AVX-512 only");
+    require_avx512(isa, "keyed_best_ids");
     const auto* xp = reinterpret_cast<const float*>(x);
     auto* op = reinterpret_cast<int64_t*>(out);
     if (width < 1 || width >= vocab / 4) return -1;
@@ -275,15 +283,13 @@ int64_t keyed_best_ids(uintptr_t x, int64_t vocab, double temperature, int64_t w
 }
 
 LogSumExp log_sum_exp(uintptr_t x, int64_t vocab, double temperature, int isa) {
-    if (require_isa(isa) != ISA_AVX512) throw std::invalid_argument("log_sum_exp runs on AVX-512 only");
+    require_avx512(isa, "log_sum_exp");
     return log_sum_exp_avx512(reinterpret_cast<const float*>(x), vocab, temperature);
 }
 
-// AVX-512 only (isa): the 64-bit multiplies and conversions of the hash vectorise there alone, and
-// without them the pass is slower than numpy's.
 ScreenedDraw keyed_draw_screen(uintptr_t x, int64_t vocab, double temperature, uint64_t seed, int64_t position,
                                int isa) {
-    if (require_isa(isa) != ISA_AVX512) throw std::invalid_argument("keyed_draw_screen runs on AVX-512 only");
+    require_avx512(isa, "keyed_draw_screen");
     return screen_avx512(reinterpret_cast<const float*>(x), vocab, temperature, seed, position);
 }
 

@@ -623,6 +623,18 @@ def linear_int8(
     return out
 
 
+def _vocab_row(x: np.ndarray) -> bool:
+    """Whether the sampler's native passes take x: a contiguous float32 logits row, under the AVX-512
+    kernels (without 64-bit vector multiplies the passes are slower than numpy's)."""
+    return (
+        _ACTIVE.native
+        and _ACTIVE.isa == ISA_AVX512
+        and x.dtype == np.float32
+        and x.ndim == 1
+        and x.flags.c_contiguous
+    )
+
+
 def keyed_draw_screen(
     x: np.ndarray, temperature: float, seed: int, position: int
 ) -> tuple[int, float, float, float, bool] | None:
@@ -633,9 +645,7 @@ def keyed_draw_screen(
     numpy's. Token -1: no finite largest logit (a NaN, +inf, or nothing but -inf). None where the
     AVX-512 kernels do not run (without 64-bit vector multiplies the pass is slower than numpy's), x
     is not a contiguous float32 row, or the sampling key does not fit 64 bits."""
-    if not (_ACTIVE.native and _ACTIVE.isa == ISA_AVX512 and x.dtype == np.float32 and x.ndim == 1):
-        return None
-    if not x.flags.c_contiguous or not -(1 << 63) <= seed < 1 << 64:  # the full draw reports a bad key
+    if not _vocab_row(x) or not -(1 << 63) <= seed < 1 << 64:  # the full draw reports a bad key
         return None
     return _native.keyed_draw_screen(
         torch.from_numpy(x), float(temperature), int_bits(seed), position, ISA_AVX512
@@ -648,9 +658,7 @@ def keyed_best_ids(x: np.ndarray, temperature: float, width: int) -> np.ndarray 
     natively. None where the AVX-512 kernels do not run, x is not a contiguous float32 row, or the
     native selection hands the row back (a NaN, a width of a quarter of the row or more, a tie at its
     cut): the caller then selects in numpy."""
-    if not (_ACTIVE.native and _ACTIVE.isa == ISA_AVX512 and x.dtype == np.float32 and x.ndim == 1):
-        return None
-    if not x.flags.c_contiguous or width < 1:
+    if not _vocab_row(x) or width < 1:
         return None
     out = np.empty(width, dtype=np.int64)
     got = _native.keyed_best_ids(
@@ -664,9 +672,7 @@ def log_sum_exp(x: np.ndarray, temperature: float) -> tuple[float, float] | None
     the sum of exp(x / T - max)), the max exact and the log-sum within ~1e-15 of numpy's. None where
     the AVX-512 kernels do not run, x is not a contiguous float32 row, or the row has a NaN or no
     finite maximum: the caller then takes numpy's log-softmax."""
-    if not (_ACTIVE.native and _ACTIVE.isa == ISA_AVX512 and x.dtype == np.float32 and x.ndim == 1):
-        return None
-    if not x.flags.c_contiguous:
+    if not _vocab_row(x):
         return None
     return _native.log_sum_exp(torch.from_numpy(x), float(temperature), ISA_AVX512)
 
