@@ -15,6 +15,11 @@
 
 namespace minisgl::cpu::attn {
 
+// 16 output elements rounded to bf16 (round_to_bf16_dp: round_to_bf16's bits in one instruction).
+DPBF16 inline void store_bf16(uint16_t* p, __m512 v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round_to_bf16_dp(v));
+}
+
 // ---- the V sum on vdpbf16ps (the avx512bf16 family's attention) ----
 //
 // With the dp scorer the probabilities are rounded to bf16 and each output element is one vdpbf16ps
@@ -114,8 +119,8 @@ DPBF16 void dp_value_sum_in_place(const uint16_t* vpool, int64_t rows, const int
                     uint16_t* o = out + r * s.heads * d + (kvh * g + h0 + v) * d + c0;
                     for (int half = 0; half < 2; ++half) {
                         const __m512 lo = acc[v][2 * half], hi = acc[v][2 * half + 1];
-                        store16m(o + half * 32, _mm512_permutex2var_ps(lo, lo_idx, hi), 0xffff);
-                        store16m(o + half * 32 + 16, _mm512_permutex2var_ps(lo, hi_idx, hi), 0xffff);
+                        store_bf16(o + half * 32, _mm512_permutex2var_ps(lo, lo_idx, hi));
+                        store_bf16(o + half * 32 + 16, _mm512_permutex2var_ps(lo, hi_idx, hi));
                     }
                 }
             }
@@ -165,7 +170,7 @@ DPBF16 void lanes_value_chunks(const uint32_t* vpair, const uint32_t* ppair, int
         }
     }
     for (int v = 0; v < NV; ++v)
-        for (int c = 0; c < NC; ++c) store16m(out[v] + c0 + c * 16, acc[v][c], 0xffff);
+        for (int c = 0; c < NC; ++c) store_bf16(out[v] + c0 + c * 16, acc[v][c]);
 }
 
 using LanesValueChunks = void (*)(const uint32_t*, const uint32_t*, int64_t, int64_t, int64_t, uint16_t* const*);

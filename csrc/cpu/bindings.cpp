@@ -174,7 +174,7 @@ PYBIND11_MODULE(_kernels, m) {
             linear_bf16(x.ptr(), w.ptr(), bias.ptr(), y.ptr(), x.size(0), w.size(0), w.size(1), threads, isa);
         },
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("threads"), py::arg("isa"),
-        "out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N], or None); bfloat16; isa 1 AVX2, 2 AVX-512.");
+        "out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N], or None); bfloat16; isa 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16.");
     m.def("packed_amx_elems", &packed_amx_elems, py::arg("n"), py::arg("k"), "bf16 elements of pack_amx's output.");
     m.def(
         "pack_amx",

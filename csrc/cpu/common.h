@@ -90,20 +90,24 @@ inline bool cpu_has_avx2() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-// Which vector code a kernel entry point runs: the process's kernel family's, passed from Python
-// (cpu_kernels.py), so that MINISGL_KERNELS=avx2 runs the 8-lane code on a CPU that has AVX-512 too.
-// Never more than the CPU has: require_isa throws before any such instruction runs.
-enum Isa : int { ISA_AVX2 = 1, ISA_AVX512 = 2 };
-
-inline Isa require_isa(int isa) {
-    static const bool avx2 = cpu_has_avx2(), avx512 = cpu_has_avx512();
-    if ((isa == ISA_AVX512 && avx512) || (isa == ISA_AVX2 && avx2)) return static_cast<Isa>(isa);
-    throw std::invalid_argument("this CPU does not run the requested kernel ISA (cpu_kernels.family())");
-}
-
 inline bool cpu_has_avx512_bf16() {
     __builtin_cpu_init();
     return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+// Which vector code a kernel entry point runs: the process's kernel family's, passed from Python
+// (cpu_kernels.py), so that MINISGL_KERNELS=avx2 runs the 8-lane code on a CPU that has AVX-512 too.
+// ISA_AVX512_BF16 is the AVX-512 code with the bf16 conversions of AVX512-BF16 (the amx and
+// avx512bf16 families), which round as the plain AVX-512 code does (common.h round_to_bf16_dp): the
+// same bits, so MINISGL_KERNELS=avx512 on such a CPU still runs, and tests, the plain code.
+// Never more than the CPU has: require_isa throws before any such instruction runs.
+enum Isa : int { ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3 };
+
+inline Isa require_isa(int isa) {
+    static const bool avx2 = cpu_has_avx2(), avx512 = cpu_has_avx512(), bf16 = cpu_has_avx512_bf16();
+    if ((isa == ISA_AVX512_BF16 && bf16) || (isa == ISA_AVX512 && avx512) || (isa == ISA_AVX2 && avx2))
+        return static_cast<Isa>(isa);
+    throw std::invalid_argument("this CPU does not run the requested kernel ISA (cpu_kernels.family())");
 }
 
 // The tile unit's configuration (ldtilecfg's 64-byte operand): linear_amx and the AMX scorer.
@@ -226,6 +230,21 @@ AVX512 inline __m512 round16(__m512 v) {  // to the dtype and back, as storing a
     }
 }
 
+// round_to_bf16 and round16<uint16_t> in one instruction on AVX512-BF16 (the epilogues of the
+// avx512bf16 family's GEMMs). vcvtneps2bf16 rounds to nearest even and quiets a NaN exactly as
+// round_to_bf16 does, but it flushes a float32 denormal to zero, where round_to_bf16 keeps it: a
+// vector with one (a nonzero element whose exponent field is zero, below 1.2e-38) takes the integer
+// rounding instead, so the bits are round_to_bf16's on every input and the family's bits do not
+// depend on which of the two ran.
+DPBF16 inline bool has_denormal(__m512 v) { return _mm512_fpclass_ps_mask(v, 0x20) != 0; }  // 0x20: denormal
+DPBF16 inline __m256i round_to_bf16_dp(__m512 v) {
+    if (__builtin_expect(has_denormal(v), 0)) return round_to_bf16(v);
+    return (__m256i)_mm512_cvtneps_pbh(v);
+}
+DPBF16 inline __m512 round16_dp(__m512 v) {  // round16<uint16_t>'s bits (the bf16 in each lane's high half)
+    if (__builtin_expect(has_denormal(v), 0)) return round16<uint16_t>(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
 // exp(x): 2^(x log2 e) split into 2^n (scalef) times 2^f, |f| <= 1/2, from its degree-7 Taylor
 // polynomial (relative error below 1e-8 before rounding). Softmax calls it on scores minus their
 // maximum (x <= 0), SiLU on any x: past 89 it is inf, below -87 it stays at exp(-87).
@@ -419,6 +438,36 @@ struct Lanes16 {
             _mm512_storeu_si512(p, w);
         else
             _mm512_mask_storeu_epi16(p, (__mmask32(1) << n) - 1, w);
+    }
+};
+
+// Lanes16 whose bf16 roundings take vcvtneps2bf16 (round_to_bf16_dp, round16_dp): the row-wise
+// kernels of the AVX-512 families that have AVX512-BF16 (ISA_AVX512_BF16), with Lanes16's bits.
+struct Lanes16Bf16 : Lanes16 {
+    template <typename T>
+    DPBF16 static void storen(T* p, F v, int64_t n) {
+        if constexpr (std::is_same_v<T, float>)
+            Lanes16::storen(p, v, n);
+        else if (n >= 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round_to_bf16_dp(v));
+        else
+            _mm256_mask_storeu_epi16(p, first_lanes(n), round_to_bf16_dp(v));
+    }
+    template <typename T>
+    DPBF16 static F round(F v) {
+        if constexpr (std::is_same_v<T, float>)
+            return v;
+        else
+            return round16_dp(v);
+    }
+    // Lanes16::join's bits: both halves rounded by one vcvtne2ps2bf16 (even in the low 16 words, odd in
+    // the high), then one word permute interleaves them.
+    DPBF16 static W join(F even, F odd) {
+        if (__builtin_expect(has_denormal(even) || has_denormal(odd), 0)) return Lanes16::join(even, odd);
+        alignas(64) static constexpr int16_t pair_up[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                            21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                            11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+        return _mm512_permutexvar_epi16(_mm512_load_si512(pair_up), (__m512i)_mm512_cvtne2ps_pbh(odd, even));
     }
 };
 

@@ -31,7 +31,7 @@ enum PackKind : int { PACK_NONE = 0, PACK_AMX = 1, PACK_DPBF16 = 2 };
 void stack_linear(const StackLinear& l, int pack_kind, const uint16_t* x, uint16_t* y, int64_t m, int threads,
                   int isa) {
     const auto xp = reinterpret_cast<uintptr_t>(x), yp = reinterpret_cast<uintptr_t>(y);
-    if (l.qweight && isa == ISA_AVX512 && (!l.packed || m == 1) && m <= 4)
+    if (l.qweight && isa != ISA_AVX2 && (!l.packed || m == 1) && m <= 4)
         linear_int8(xp, l.qweight, l.qscale, l.bias, yp, m, l.n, l.k, threads);
     else if (l.packed && pack_kind == PACK_AMX)
         linear_amx(xp, l.packed, l.bias, yp, m, l.n, l.k, threads);

@@ -215,7 +215,10 @@ DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr
                       for (int64_t r = c0; r < c1; ++r) {
                           __m512 s = _mm512_load_ps(sums + (r - c0) * 64 + v * 16);
                           if (bp) s = _mm512_add_ps(s, b);
-                          store16m(yp + r * N + n, s, lanes);
+                          if (lanes == 0xffff)
+                              _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + r * N + n), round_to_bf16_dp(s));
+                          else
+                              _mm256_mask_storeu_epi16(yp + r * N + n, lanes, round_to_bf16_dp(s));
                       }
                   }
               });
@@ -234,12 +237,12 @@ DPBF16 void linear_dpbf16_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64
                   for (int64_t r = c0; r < c1; ++r)
                       for (int h = 0; h < 2; ++h) {
                           const float* sr = sums + (r - c0) * 64 + h * 16;
-                          const __m512 g = round16<uint16_t>(_mm512_load_ps(sr));
-                          const __m512 u = round16<uint16_t>(_mm512_load_ps(sr + 32));
+                          const __m512 g = round16_dp(_mm512_load_ps(sr));
+                          const __m512 u = round16_dp(_mm512_load_ps(sr + 32));
                           const __m512 e = exp16(_mm512_sub_ps(zero, g));
-                          const __m512 act = round16<uint16_t>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+                          const __m512 act = round16_dp(_mm512_div_ps(g, _mm512_add_ps(one, e)));
                           _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + r * I + n0 / 2 + h * 16),
-                                              round_to_bf16(_mm512_mul_ps(act, u)));
+                                              round_to_bf16_dp(_mm512_mul_ps(act, u)));
                       }
               });
 }

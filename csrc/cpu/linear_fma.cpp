@@ -41,7 +41,7 @@ void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t 
     const auto* wp = reinterpret_cast<const uint16_t*>(w);
     const auto* bp = reinterpret_cast<const uint16_t*>(bias);
     auto* yp = reinterpret_cast<uint16_t*>(y);
-    if (require_isa(isa) == ISA_AVX512)
+    if (require_isa(isa) != ISA_AVX2)
         avx512::linear(xp, wp, bp, yp, M, N, K, threads);
     else
         avx2::linear(xp, wp, bp, yp, M, N, K, threads);

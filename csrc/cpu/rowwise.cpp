@@ -1,6 +1,8 @@
 // Row-wise ops: RMSNorm (with the residual add fused), RoPE in place, SiLU x up. One pass per row
 // instead of 2-8 torch ops, each of which costs more in dispatch than in arithmetic at decode sizes;
-// 16 elements at a time on AVX-512, 8 on AVX2 (the avx2 family), from one source (rowwise_lanes.h).
+// 16 elements at a time on AVX-512, 8 on AVX2 (the avx2 family), from one source (rowwise_lanes.h),
+// compiled three times: AVX-512, AVX-512 with AVX512-BF16's conversions (the same bits, fewer
+// instructions per rounding) and AVX2.
 //
 // Bit-exactness: each row is computed alone in a fixed order, so its bits never depend on the other
 // rows or the thread count: these are shared by the default and the batch-invariant forward.
@@ -26,6 +28,15 @@ using V = Lanes16;
 }  // namespace
 }  // namespace avx512
 
+namespace avx512bf16 {
+namespace {
+using V = Lanes16Bf16;
+#define LANES_TARGET DPBF16
+#include "rowwise_lanes.h"
+#undef LANES_TARGET
+}  // namespace
+}  // namespace avx512bf16
+
 namespace avx2 {
 namespace {
 using V = Lanes8;
@@ -42,12 +53,14 @@ inline int row_threads(int64_t rows, int threads) { return rows >= 32 ? threads 
 template <typename T>
 void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim, float eps,
                 bool gemma, int threads, int isa) {
-    const bool wide = require_isa(isa) == ISA_AVX512;
+    const Isa code = require_isa(isa);
     parallel_for(row_threads(rows, threads), rows, 0, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
             T* sr = sum_out ? sum_out + r * dim : nullptr;
             const T* res = residual ? residual + r * dim : nullptr;
-            if (wide)
+            if (code == ISA_AVX512_BF16)
+                avx512bf16::rms_norm_row(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
+            else if (code == ISA_AVX512)
                 avx512::rms_norm_row(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
             else
                 avx2::rms_norm_row(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
@@ -75,11 +88,13 @@ void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t sum_out, uintptr_t weig
 template <typename T>
 void rope_t(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
             int threads, int isa) {
-    const bool wide = require_isa(isa) == ISA_AVX512;
+    const Isa code = require_isa(isa);
     parallel_for(row_threads(rows, threads), rows, 0, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
             for (int64_t h = 0; h < heads; ++h) {
-                if (wide)
+                if (code == ISA_AVX512_BF16)
+                    avx512bf16::rope_head(x + r * sr + h * sh, cos + r * rot, sin + r * rot, rot / 2);
+                else if (code == ISA_AVX512)
                     avx512::rope_head(x + r * sr + h * sh, cos + r * rot, sin + r * rot, rot / 2);
                 else
                     avx2::rope_head(x + r * sr + h * sh, cos + r * rot, sin + r * rot, rot / 2);
@@ -102,11 +117,13 @@ void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads
 // out[r, i] = silu(gate[r, i]) * up[r, i] with gate_up = [gate | up] per row.
 template <typename T>
 void silu_and_mul_t(const T* gate_up, T* out, int64_t rows, int64_t dim, int threads, int isa) {
-    const bool wide = require_isa(isa) == ISA_AVX512;
+    const Isa code = require_isa(isa);
     parallel_for(row_threads(rows, threads), rows, 0, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
             const T* g = gate_up + r * 2 * dim;
-            if (wide)
+            if (code == ISA_AVX512_BF16)
+                avx512bf16::silu_and_mul_row(g, g + dim, out + r * dim, dim);
+            else if (code == ISA_AVX512)
                 avx512::silu_and_mul_row(g, g + dim, out + r * dim, dim);
             else
                 avx2::silu_and_mul_row(g, g + dim, out + r * dim, dim);

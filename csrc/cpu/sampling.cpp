@@ -237,7 +237,7 @@ AVX512 LogSumExp log_sum_exp_avx512(const float* x, int64_t vocab, double temper
 // The three entry points run AVX-512 code only: the hash's 64-bit multiplies and conversions
 // vectorise there alone, and without them these passes are slower than numpy's.
 void require_avx512(int isa, const char* op) {
-    if (require_isa(isa) != ISA_AVX512) throw std::invalid_argument(std::string(op) + " runs on AVX-512 only");
+    if (require_isa(isa) == ISA_AVX2) throw std::invalid_argument(std::string(op) + " runs on AVX-512 only");
 }
 
 struct Scored {

@@ -60,8 +60,9 @@ MAX_KERNEL_ROWS = 4
 # at torch (KERNEL_ALIASES).
 FAMILIES = ("amx", "avx512bf16", "avx512", "avx2", "torch")
 
-# The vector code each native family's entry points run (csrc/cpu/common.h Isa).
-ISA_AVX2, ISA_AVX512 = 1, 2
+# The vector code each native family's entry points run (csrc/cpu/common.h Isa): AVX2, AVX-512, and
+# AVX-512 with AVX512-BF16's conversions (amx, avx512bf16: the same bits as plain AVX-512's).
+ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 = 1, 2, 3
 
 
 def machine_family() -> str:
@@ -85,8 +86,8 @@ KERNEL_ALIASES = {"MINISGL_AMX": "avx512bf16", "MINISGL_CPU_KERNELS": "torch"}
 class KernelFamily:
     """What every wrapper below runs under one kernel family, decided once from its name (one of
     FAMILIES) and never changed: whether any native kernel runs, the AMX tile kernels, which packed
-    linear pack()/linear_packed() run ("amx", "dpbf16" or None) and the vector code (ISA_AVX2 or
-    ISA_AVX512) of the native entry points. Build one with KernelFamily.named."""
+    linear pack()/linear_packed() run ("amx", "dpbf16" or None) and the vector code (ISA_AVX2,
+    ISA_AVX512 or ISA_AVX512_BF16) of the native entry points. Build one with KernelFamily.named."""
 
     name: str
     native: bool
@@ -99,7 +100,8 @@ class KernelFamily:
         if name not in FAMILIES:
             raise ValueError(f"{name!r} is not a kernel family; valid: {', '.join(FAMILIES)}")
         packs = {"amx": "amx", "avx512bf16": "dpbf16"}.get(name)
-        return cls(name, name != "torch", name == "amx", packs, ISA_AVX2 if name == "avx2" else ISA_AVX512)
+        isa = {"avx2": ISA_AVX2, "amx": ISA_AVX512_BF16, "avx512bf16": ISA_AVX512_BF16}.get(name, ISA_AVX512)
+        return cls(name, name != "torch", name == "amx", packs, isa)
 
     @property
     def lanes(self) -> int:
@@ -236,8 +238,8 @@ def available() -> bool:
 
 
 def isa() -> int:
-    """The vector code this process's native entry points run (ISA_AVX512 or ISA_AVX2; the
-    DecodeStack's too)."""
+    """The vector code this process's native entry points run (ISA_AVX512_BF16, ISA_AVX512 or
+    ISA_AVX2; the DecodeStack's too)."""
     return _ACTIVE.isa
 
 
@@ -250,7 +252,7 @@ def lanes() -> int:
 def avx512_available() -> bool:
     """True if this process runs the AVX-512 kernels (amx, avx512bf16 or avx512: the int8 linear,
     the packed linears' families), not the avx2 family's."""
-    return _ACTIVE.native and _ACTIVE.isa == ISA_AVX512
+    return _ACTIVE.native and _ACTIVE.isa != ISA_AVX2
 
 
 def amx_available() -> bool:
@@ -614,7 +616,7 @@ def linear_int8(
     float32 per-output-channel scales [N] (`weight_dtype: int8`). None where the kernel cannot run,
     the avx2 family included (the caller runs `linear` on its dequantized bf16 weight)."""
     m = x.shape[0]
-    if not (_ACTIVE.isa == ISA_AVX512 and _few_bf16_rows(x, bias)):
+    if not (avx512_available() and _few_bf16_rows(x, bias)):
         return None
     x = x.contiguous()
     n, k = qweight.shape
@@ -628,7 +630,7 @@ def _vocab_row(x: np.ndarray) -> bool:
     kernels (without 64-bit vector multiplies the passes are slower than numpy's)."""
     return (
         _ACTIVE.native
-        and _ACTIVE.isa == ISA_AVX512
+        and _ACTIVE.isa != ISA_AVX2
         and x.dtype == np.float32
         and x.ndim == 1
         and x.flags.c_contiguous

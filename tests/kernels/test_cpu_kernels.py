@@ -26,9 +26,10 @@ pytestmark = pytest.mark.skipif(
     reason="minisgl_backend.native._kernels not built, disabled, or this CPU lacks AVX2",
 )
 
-# The two widths of the few-row linear, the FMA attention and the row-wise ops: the avx512 family's
-# (16 lanes; the amx and avx512bf16 families run the same code for these) and avx2's (8 lanes).
-VECTOR_FAMILIES = [f for f in ("avx512", "avx2") if cpu_kernels.runs_family(f)]
+# The vector codes of the few-row linear, the FMA attention and the row-wise ops: the avx512 family's
+# (16 lanes), avx512bf16's (the same, its bf16 roundings on AVX512-BF16's conversions: the amx family
+# runs it too) and avx2's (8 lanes).
+VECTOR_FAMILIES = [f for f in ("avx512bf16", "avx512", "avx2") if cpu_kernels.runs_family(f)]
 
 
 @pytest.fixture(params=VECTOR_FAMILIES)
@@ -686,6 +687,36 @@ def test_stream_read_probe_reads(family):
     """minisgl bench's read-rate probe (the batch-1 weight stream is reported against it)."""
     with cpu_kernels.family_override(family):
         assert cpu_kernels.stream_read_gbps(megabytes=64, repeat=2) > 0.5
+
+
+def test_packed_linear_outputs_keep_their_subnormals():
+    """The AVX512-BF16 GEMMs round their outputs with vcvtneps2bf16, which flushes float32 subnormals
+    to zero: a vector holding one must take the exact rounding instead. Outputs that are a
+    subnormal bias (rows of zeros), and SiLU x up of tiny gates and ups (silu(g) = g / 2 exactly,
+    then a product below the smallest normal), bitwise against torch's."""
+    if not cpu_kernels.runs_family("avx512bf16"):
+        pytest.skip("this CPU has no AVX512-BF16")
+    g = _gen(41)
+    tiny = torch.finfo(torch.float32).smallest_normal
+    w = (torch.randn(64, 32, generator=g) * 0.1).bfloat16()
+    bias = (torch.randn(64, generator=g) * tiny / 3).bfloat16()  # float32 subnormals, kept by bf16
+    bias[::5] = torch.randn(13, generator=g).bfloat16()  # most vectors mix normal and subnormal lanes
+    x = torch.randn(9, 32, generator=g).bfloat16()
+    x[::2] = 0.0
+    gate_up = torch.zeros(64, 32).bfloat16()
+    gate_up[:32, 0] = (torch.rand(32, generator=g) * 2.0**-64 + 2.0**-66).bfloat16()  # tiny gates
+    gate_up[32:, 0] = (torch.rand(32, generator=g) * 2.0**-64 + 2.0**-66).bfloat16()  # tiny ups
+    ones = torch.ones(3, 32).bfloat16()
+    with cpu_kernels.family_override("avx512bf16"), torch.inference_mode():
+        out = cpu_kernels.linear_packed(x, cpu_kernels.pack(w), w.shape, bias)
+        act = cpu_kernels.linear_packed_silu(ones, cpu_kernels.pack(gate_up, gated=True), gate_up.shape)
+    ref = F.linear(x.float(), w.float(), bias.float())
+    assert torch.equal(out[::2], bias.expand(5, -1))  # zero rows: the bias, subnormals and all
+    assert ((out.float() - ref).abs() <= 2**-7 * ref.abs() + 1e-30).all()
+    gate, up = F.linear(ones, gate_up).chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert (want[0].float().abs() < tiny).any() and (want[0] != 0).all()  # the case this test is for
+    assert torch.equal(act, want)
 
 
 @pytest.mark.parametrize("inter,k", [(1536, 576), (64, 96), (96, 33)])
