@@ -61,9 +61,10 @@ struct BoundLinear {
 class BoundStack {
    public:
     BoundStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
-               double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind, int isa)
+               double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind, int isa,
+               int64_t mlp_rows)
         : stack_(heads, kv_heads, head_dim, hidden, intermediate, eps, scale, softcap, block_size, num_blocks, scorer,
-                 pack_kind, isa),
+                 pack_kind, isa, mlp_rows),
           h_(heads),
           kvh_(kv_heads),
           d_(head_dim),
@@ -101,15 +102,18 @@ class BoundStack {
     }
 
     void run(py::handle x_, py::handle mlp_out_, py::handle positions_, py::handle slots_, py::handle tables_,
-             const std::vector<py::handle>& cos_, const std::vector<py::handle>& sin_, int threads) const {
+             py::handle row_table_, py::handle keep_, const std::vector<py::handle>& cos_,
+             const std::vector<py::handle>& sin_, int threads) const {
         const char* op = "DecodeStack.run";
         TensorArg x(op, "x", x_), mlp_out(op, "mlp_out", mlp_out_), positions(op, "positions", positions_),
-            slots(op, "slots", slots_), tables(op, "tables", tables_);
+            slots(op, "slots", slots_), tables(op, "tables", tables_), row_table(op, "row_table", row_table_),
+            keep(op, "keep", keep_);
         x.required().dtype(DType::BF16).shape({ANY, hidden_}).contiguous();
         const int64_t n = x.size(0);
         mlp_out.required().dtype(DType::BF16).shape({n, hidden_}).contiguous();
-        for (TensorArg* t : {&positions, &slots}) t->required().dtype(DType::I64).shape({n}).contiguous();
-        tables.required().dtype(DType::I64).shape({n, ANY}).contiguous();
+        for (TensorArg* t : {&positions, &slots, &row_table}) t->required().dtype(DType::I64).shape({n}).contiguous();
+        tables.required().dtype(DType::I64).shape({ANY, ANY}).contiguous();
+        keep.dtype(DType::I64).shape({ANY}).contiguous();
         if (cos_.size() != sin_.size())
             throw py::value_error("minisgl.DecodeStack.run: one 'sin' per 'cos', got " + std::to_string(cos_.size()) +
                                   " and " + std::to_string(sin_.size()));
@@ -126,8 +130,9 @@ class BoundStack {
             cos_p.push_back(cos.back().ptr()), sin_p.push_back(sin.back().ptr()), rot.push_back(r);
         }
         py::gil_scoped_release nogil;
-        stack_.run(x.ptr(), mlp_out.ptr(), n, positions.ptr(), slots.ptr(), tables.ptr(), tables.size(1), cos_p, sin_p,
-                   rot, threads);
+        stack_.run(x.ptr(), mlp_out.ptr(), n, positions.ptr(), slots.ptr(), tables.ptr(), tables.size(0),
+                   tables.size(1), row_table.ptr(), keep.ptr(), keep.present() ? keep.size(0) : -1, cos_p, sin_p, rot,
+                   threads);
     }
 
    private:
@@ -495,18 +500,20 @@ PYBIND11_MODULE(_kernels, m) {
              py::arg("k"));
     py::class_<BoundStack>(m, "DecodeStack")
         .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t, int, int,
-                      int>(),
+                      int, int64_t>(),
              py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"),
              py::arg("eps"), py::arg("scale"), py::arg("softcap"), py::arg("block_size"), py::arg("num_blocks"),
-             py::arg("scorer"), py::arg("pack_kind"), py::arg("isa"))
+             py::arg("scorer"), py::arg("pack_kind"), py::arg("isa"), py::arg("mlp_rows"))
         .def("add_layer", &BoundStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
              py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("kpool"),
              py::arg("vpool"), py::arg("window"), py::arg("rope"), py::arg("gated"),
              "One layer: its four StackLinears, norms [hidden] (q/k norms [head_dim] or None) and K/V pools "
              "[num_blocks, block_size, kv_heads, head_dim]; the stack keeps every tensor alive.")
         .def("run", &BoundStack::run, py::arg("x"), py::arg("mlp_out"), py::arg("positions"), py::arg("slots"),
-             py::arg("tables"), py::arg("cos"), py::arg("sin"), py::arg("threads"),
-             "Every layer over decode rows: x [rows, hidden] in (embeddings) and out (residual stream), "
-             "mlp_out [rows, hidden] the last layer's MLP output; positions, slots int64 [rows], tables int64 "
-             "[rows, nb]; cos/sin [rows, rot] bf16 per RoPE.");
+             py::arg("tables"), py::arg("row_table"), py::arg("keep"), py::arg("cos"), py::arg("sin"),
+             py::arg("threads"),
+             "Every layer over a batch's rows: x [rows, hidden] in (embeddings) and out (residual stream), "
+             "mlp_out [rows, hidden] the last layer's MLP output, both at the rows `keep` (int64 [m], in rows "
+             "0..m-1; None: every row); positions, slots, row_table int64 [rows], tables int64 [tables, nb] "
+             "(row r reads tables[row_table[r]]); cos/sin [rows, rot] bf16 per RoPE.");
 }

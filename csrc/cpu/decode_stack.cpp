@@ -1,15 +1,17 @@
-// DecodeStack: every layer of a decode-only batch in one call. A decode step calls ~11 kernels per
-// layer, each through its Python wrapper and torch's tensor glue, and for a small model on a few cores
-// that glue is a large share of the step (docs/performance.md). For a
-// decode-only bf16 batch of a Llama-style layer (pre-norm, fused qkv and gate/up, SiLU, Qwen3's q/k
-// norm; not Gemma's block) DecodeStack::run calls the same kernels (the other files' entry points) on
-// the same operands, in the same order, with each linear taking the kernel Linear.forward would take
-// at that row count (model/layers.py). Python builds it per model and KV pool, again when the weights
-// change (DecodeStackForward, model/decode_stack.py), and keeps every tensor it points into alive.
+// DecodeStack: every layer of a batch (decode rows, prompt chunks or both) in one call. A decode step
+// calls ~11 kernels per layer, each through its Python wrapper and torch's tensor glue, and for a small
+// model on a few cores that glue is a large share of the step; in a prefill forward the pool's threads
+// wait through it between every two kernels (docs/performance.md). For a bf16 batch of a Llama-style
+// layer (pre-norm, fused qkv and gate/up, SiLU, Qwen3's q/k norm; not Gemma's block) DecodeStack::run
+// calls the same kernels (the other files' entry points) on the same operands, in the same order, with
+// each linear taking the kernel Linear.forward would take at that row count (model/layers.py). Python
+// builds it per model and KV pool, again when the weights change (DecodeStackForward,
+// model/decode_stack.py), and keeps every tensor it points into alive.
 //
 // Bit-exactness: its bits are those of the layer-by-layer forward (tests/kernels/test_decode_stack.py): it
 // adds no arithmetic of its own, only the calls and the K/V copies.
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -45,7 +47,7 @@ void stack_linear(const StackLinear& l, int pack_kind, const uint16_t* x, uint16
 
 DecodeStack::DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
                          double eps, double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer,
-                         int pack_kind, int isa)
+                         int pack_kind, int isa, int64_t mlp_rows)
     : h_(heads),
       kvh_(kv_heads),
       d_(head_dim),
@@ -58,7 +60,8 @@ DecodeStack::DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int6
       blocks_(num_blocks),
       scorer_(scorer),
       pack_kind_(pack_kind),
-      isa_(require_isa(isa)) {
+      isa_(require_isa(isa)),
+      mlp_rows_(std::max<int64_t>(1, mlp_rows)) {
     if (heads % kv_heads != 0 || head_dim % (isa_ == ISA_AVX2 ? 8 : 16) != 0 || head_dim > 256)
         throw std::invalid_argument(
             "DecodeStack: heads must be a multiple of kv_heads, head_dim of the lane width (16, avx2 8; <= 256)");
@@ -73,70 +76,118 @@ void DecodeStack::add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up,
         {qkv, o, gate_up, down, input_norm, post_norm, q_norm, k_norm, kpool, vpool, window, rope, gated});
 }
 
-// x [n, hidden] (the embeddings; overwritten with the residual stream) and mlp_out [n, hidden]:
-// on return the last layer's input to its final add, as DecoderLayer.forward's `x` and `mlp(h)`.
-// Row i is a decode row at positions[i], writing its K/V at slots[i], reading table i.
+namespace {
+
+// Rows `ids` of src (row stride `stride` elements, `width` of them copied) into dst, packed.
+template <typename T>
+void take_rows(const T* src, int64_t stride, const int64_t* ids, int64_t count, int64_t width, T* dst) {
+    for (int64_t i = 0; i < count; ++i) std::memcpy(dst + i * width, src + ids[i] * stride, width * sizeof(T));
+}
+
+template <typename T>
+T* grown(std::vector<T>& buf, int64_t elems) {
+    if (static_cast<int64_t>(buf.size()) < elems) buf.resize(static_cast<size_t>(elems));
+    return buf.data();
+}
+
+}  // namespace
+
+// x [n, hidden] (the embeddings; overwritten with the residual stream) and mlp_out [n, hidden]: on
+// return the last layer's input to its final add, as DecoderLayer.forward's `x` and `mlp(h)`, at the
+// rows `keep` (kept of them, in rows 0..kept - 1 of both; kept < 0: every row, in place). Row i sits
+// at positions[i], writes its K/V at slots[i] and reads table row_table[i] of the num_tables tables:
+// a decode row a table of its own, a prefill chunk's rows one between them (row_tables in
+// model/batch.py). The last layer runs past its K/V only for the rows `keep` (DecoderLayer.forward).
 void DecodeStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots, uintptr_t tables,
-                      int64_t table_stride, std::vector<uintptr_t> cos, std::vector<uintptr_t> sin,
-                      std::vector<int64_t> rot, int threads) const {
+                      int64_t num_tables, int64_t table_stride, uintptr_t row_table, uintptr_t keep, int64_t kept,
+                      std::vector<uintptr_t> cos, std::vector<uintptr_t> sin, std::vector<int64_t> rot,
+                      int threads) const {
     const auto* pos = reinterpret_cast<const int64_t*>(positions);
     const auto* slot = reinterpret_cast<const int64_t*>(slots);
     const auto* tab = reinterpret_cast<const int64_t*>(tables);
-    std::vector<int64_t> row_table(static_cast<size_t>(n));
-    for (int64_t r = 0; r < n; ++r) {
-        row_table[r] = r;
+    const auto* rows_table = reinterpret_cast<const int64_t*>(row_table);
+    const auto* keep_ids = reinterpret_cast<const int64_t*>(keep);
+    for (int64_t r = 0; r < n; ++r)
         if (slot[r] < 0 || slot[r] >= blocks_ * bs_)
             throw std::out_of_range("DecodeStack: a KV slot lies outside the pool");
-    }
-    if (!tables_in_bounds(tab, row_table.data(), pos, n, n, table_stride, bs_, blocks_))
-        throw std::out_of_range("DecodeStack: a row's position or block id lies outside its table or the pool");
+    if (!tables_in_bounds(tab, rows_table, pos, n, num_tables, table_stride, bs_, blocks_))
+        throw std::out_of_range("DecodeStack: a row's table, position or block id lies outside the tables or the pool");
+    for (int64_t i = 0; i < kept; ++i)
+        if (keep_ids[i] < 0 || keep_ids[i] >= n)
+            throw std::out_of_range("DecodeStack: a kept row lies outside the batch");
     for (const auto& l : layers_)
         if (l.rope < 0 || l.rope >= static_cast<int64_t>(cos.size()) || cos.size() != sin.size() ||
             sin.size() != rot.size())
             throw std::invalid_argument("DecodeStack: a layer's RoPE index has no cos/sin pair");
+    const std::lock_guard<std::mutex> hold(mu_);
+    Scratch& w = scratch_;
     const int64_t width = (h_ + 2 * kvh_) * d_, kv_row = kvh_ * d_;
-    std::vector<uint16_t> normed(n * hidden_), qkv(n * width), attn(n * h_ * d_), attn_out(n * hidden_),
-        gate_up(n * 2 * inter_), act(n * inter_);
+    uint16_t* normed = grown(w.normed, n * hidden_);
+    uint16_t* qkv = grown(w.qkv, n * width);
+    uint16_t* attn = grown(w.attn, n * h_ * d_);
+    uint16_t* attn_out = grown(w.attn_out, n * hidden_);
+    uint16_t* act = grown(w.act, std::min(n, mlp_rows_) * inter_);
     auto* xs = reinterpret_cast<uint16_t*>(x);
     auto* mlp = reinterpret_cast<uint16_t*>(mlp_out);
     const AttnShape shape{h_, kvh_, d_, bs_, table_stride, scale_, softcap_, 0};
     for (size_t i = 0; i < layers_.size(); ++i) {
         const StackLayer& l = layers_[i];
         // The previous layer's `x + mlp(h)` fused into this layer's input norm (as add_and_norm).
-        rms_norm_t(xs, i ? mlp : nullptr, i ? xs : nullptr, reinterpret_cast<const uint16_t*>(l.input_norm),
-                   normed.data(), n, hidden_, eps_, false, threads, isa_);
-        stack_linear(l.qkv, pack_kind_, normed.data(), qkv.data(), n, threads, isa_);
+        rms_norm_t(xs, i ? mlp : nullptr, i ? xs : nullptr, reinterpret_cast<const uint16_t*>(l.input_norm), normed, n,
+                   hidden_, eps_, false, threads, isa_);
+        stack_linear(l.qkv, pack_kind_, normed, qkv, n, threads, isa_);
         for (int64_t r = 0; l.q_norm && r < n; ++r) {  // Qwen3: each head's q and k normed, in place
-            uint16_t *qr = qkv.data() + r * width, *kr = qr + h_ * d_;
+            uint16_t *qr = qkv + r * width, *kr = qr + h_ * d_;
             const auto* qw = reinterpret_cast<const uint16_t*>(l.q_norm);
             const auto* kw = reinterpret_cast<const uint16_t*>(l.k_norm);
             rms_norm_t<uint16_t>(qr, nullptr, nullptr, qw, qr, h_, d_, eps_, false, threads, isa_);
             rms_norm_t<uint16_t>(kr, nullptr, nullptr, kw, kr, kvh_, d_, eps_, false, threads, isa_);
         }
-        rope_t(qkv.data(), reinterpret_cast<const uint16_t*>(cos[l.rope]),
-               reinterpret_cast<const uint16_t*>(sin[l.rope]), n, h_ + kvh_, rot[l.rope], width, d_, threads, isa_);
-        auto* kp = reinterpret_cast<uint16_t*>(l.kpool);
-        auto* vp = reinterpret_cast<uint16_t*>(l.vpool);
-        for (int64_t r = 0; r < n; ++r) {  // KVCache.write
-            std::memcpy(kp + slot[r] * kv_row, qkv.data() + r * width + h_ * d_, kv_row * 2);
-            std::memcpy(vp + slot[r] * kv_row, qkv.data() + r * width + (h_ + kvh_) * d_, kv_row * 2);
+        rope_t(qkv, reinterpret_cast<const uint16_t*>(cos[l.rope]), reinterpret_cast<const uint16_t*>(sin[l.rope]), n,
+               h_ + kvh_, rot[l.rope], width, d_, threads, isa_);
+        kv_write(reinterpret_cast<uintptr_t>(qkv + h_ * d_), reinterpret_cast<uintptr_t>(qkv + (h_ + kvh_) * d_),
+                 width * 2, l.kpool, l.vpool, reinterpret_cast<uintptr_t>(slot), n, kv_row * 2, threads);
+        // The rest of the layer for the rows it serves: all of them, or in the last layer the kept
+        // ones, gathered (their queries, tables, positions and residual rows) into rows 0..m - 1.
+        const bool gather = kept >= 0 && i + 1 == layers_.size();
+        const int64_t m = gather ? kept : n;
+        if (m == 0) break;  // no row wants logits: the K/V were all this forward had to leave
+        const uint16_t* q = qkv;
+        int64_t q_stride = width;
+        const int64_t *m_table = rows_table, *m_pos = pos;
+        uint16_t* res = xs;
+        if (gather) {
+            uint16_t* kq = grown(w.kept_q, m * h_ * d_);
+            take_rows(qkv, width, keep_ids, m, h_ * d_, kq);
+            q = kq, q_stride = h_ * d_;
+            int64_t* kt = grown(w.kept_table, m);
+            int64_t* kp = grown(w.kept_pos, m);
+            for (int64_t j = 0; j < m; ++j) kt[j] = rows_table[keep_ids[j]], kp[j] = pos[keep_ids[j]];
+            m_table = kt, m_pos = kp;
+            res = grown(w.kept_x, m * hidden_);
+            take_rows(xs, hidden_, keep_ids, m, hidden_, res);
         }
         AttnShape ls = shape;
         ls.window = l.window;
-        paged_attention_t<uint16_t>(reinterpret_cast<uintptr_t>(qkv.data()), width, l.kpool, l.vpool, tables,
-                                    row_table.data(), pos, reinterpret_cast<uintptr_t>(attn.data()), n, ls, scorer_,
-                                    threads, isa_);
-        stack_linear(l.o, pack_kind_, attn.data(), attn_out.data(), n, threads, isa_);
-        rms_norm_t(xs, attn_out.data(), xs, reinterpret_cast<const uint16_t*>(l.post_norm), normed.data(), n, hidden_,
-                   eps_, false, threads, isa_);
-        if (l.gated) {  // MLP.forward's fused path
-            linear_dpbf16_silu(reinterpret_cast<uintptr_t>(normed.data()), l.gate_up.packed,
-                               reinterpret_cast<uintptr_t>(act.data()), n, inter_, hidden_, threads);
-        } else {
-            stack_linear(l.gate_up, pack_kind_, normed.data(), gate_up.data(), n, threads, isa_);
-            silu_and_mul_t(gate_up.data(), act.data(), n, inter_, threads, isa_);
+        paged_attention_t<uint16_t>(reinterpret_cast<uintptr_t>(q), q_stride, l.kpool, l.vpool, tables, m_table, m_pos,
+                                    reinterpret_cast<uintptr_t>(attn), m, ls, scorer_, threads, isa_);
+        stack_linear(l.o, pack_kind_, attn, attn_out, m, threads, isa_);
+        rms_norm_t(res, attn_out, res, reinterpret_cast<const uint16_t*>(l.post_norm), normed, m, hidden_, eps_, false,
+                   threads, isa_);
+        for (int64_t r0 = 0; r0 < m; r0 += mlp_rows_) {  // MLP.forward's pieces of rows
+            const int64_t rows = std::min(mlp_rows_, m - r0);
+            const uint16_t* in = normed + r0 * hidden_;
+            if (l.gated) {  // MLP.forward's fused path
+                linear_dpbf16_silu(reinterpret_cast<uintptr_t>(in), l.gate_up.packed, reinterpret_cast<uintptr_t>(act),
+                                   rows, inter_, hidden_, threads);
+            } else {
+                uint16_t* gate_up = grown(w.gate_up, rows * 2 * inter_);
+                stack_linear(l.gate_up, pack_kind_, in, gate_up, rows, threads, isa_);
+                silu_and_mul_t(gate_up, act, rows, inter_, threads, isa_);
+            }
+            stack_linear(l.down, pack_kind_, act, mlp + r0 * hidden_, rows, threads, isa_);
         }
-        stack_linear(l.down, pack_kind_, act.data(), mlp, n, threads, isa_);
+        if (gather) std::memcpy(xs, res, static_cast<size_t>(m * hidden_) * sizeof(uint16_t));
     }
 }
 

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "pool.h"
@@ -100,7 +101,7 @@ LogSumExp log_sum_exp(uintptr_t x, int64_t vocab, double temperature, int isa);
 // ---- probes.cpp ----
 double stream_read(uintptr_t buf, int64_t bytes, int threads, int isa);
 
-// ---- decode_stack.cpp: every layer of a decode-only batch in one call ----
+// ---- decode_stack.cpp: every layer of a batch in one call ----
 struct StackLinear {
     uintptr_t weight, packed, bias, qweight, qscale;  // 0: absent
     int64_t n, k;
@@ -117,21 +118,30 @@ class DecodeStack {
    public:
     DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
                 double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind,
-                int isa);
+                int isa, int64_t mlp_rows);
     void add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down, uintptr_t input_norm,
                    uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t kpool, uintptr_t vpool,
                    int64_t window, int64_t rope, bool gated);
     void run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots, uintptr_t tables,
-             int64_t table_stride, std::vector<uintptr_t> cos, std::vector<uintptr_t> sin, std::vector<int64_t> rot,
-             int threads) const;
+             int64_t num_tables, int64_t table_stride, uintptr_t row_table, uintptr_t keep, int64_t kept,
+             std::vector<uintptr_t> cos, std::vector<uintptr_t> sin, std::vector<int64_t> rot, int threads) const;
 
    private:
+    // The activations of one run, kept from run to run (a prefill forward's are tens of megabytes,
+    // which fresh buffers would fault in and zero every time); one run at a time.
+    struct Scratch {
+        std::vector<uint16_t> normed, qkv, attn, attn_out, gate_up, act, kept_x, kept_q;
+        std::vector<int64_t> kept_table, kept_pos;
+    };
+    mutable std::mutex mu_;
+    mutable Scratch scratch_;
     int64_t h_, kvh_, d_, hidden_, inter_;
     float eps_, scale_, softcap_;
     int64_t bs_, blocks_;
     int scorer_;
     int pack_kind_;
     int isa_;
+    int64_t mlp_rows_;  // the most rows one MLP call takes (model/layers.py mlp_piece_rows)
     std::vector<StackLayer> layers_;
 };
 

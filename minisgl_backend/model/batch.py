@@ -44,17 +44,20 @@ def chunk_mask(chunk: PrefillChunk, window: int | None = None) -> torch.Tensor |
 def row_tables(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tables, row_table, positions) for cpu_kernels.paged_attention over every row of the batch:
     the decode rows' block tables, then one per prefill chunk, zero-padded to one width."""
-    n = batch.input_ids.shape[0]
-    parts = [] if batch.decode_block_tables is None else list(batch.decode_block_tables[: batch.num_decode])
+    n, nd = batch.input_ids.shape[0], batch.num_decode
+    decode = None if batch.decode_block_tables is None else batch.decode_block_tables[:nd].to(torch.int64)
+    if not batch.prefill_chunks and decode is not None:  # a decode step: its tables as they are
+        return decode.contiguous(), torch.arange(n), batch.positions[:n]
     row_table = torch.empty(n, dtype=torch.int64)
-    row_table[: batch.num_decode] = torch.arange(batch.num_decode)
-    for chunk in batch.prefill_chunks:
-        row_table[chunk.start : chunk.start + chunk.length] = len(parts)
-        parts.append(chunk.block_table)
-    width = max((t.shape[0] for t in parts), default=1)
-    tables = torch.zeros(max(len(parts), 1), width, dtype=torch.int64)
-    for i, t in enumerate(parts):
-        tables[i, : t.shape[0]] = t
+    row_table[:nd] = torch.arange(nd)
+    widths = [t.shape[0] for t in (chunk.block_table for chunk in batch.prefill_chunks)]
+    width = max(widths + ([decode.shape[1]] if decode is not None else []), default=1)
+    tables = torch.zeros(max(nd + len(batch.prefill_chunks), 1), width, dtype=torch.int64)
+    if decode is not None:
+        tables[:nd, : decode.shape[1]] = decode
+    for i, chunk in enumerate(batch.prefill_chunks):
+        row_table[chunk.start : chunk.start + chunk.length] = nd + i
+        tables[nd + i, : chunk.block_table.shape[0]] = chunk.block_table
     return tables, row_table, batch.positions[:n]
 
 

@@ -1,10 +1,13 @@
-"""Every layer of a decode-only batch in one native call (csrc/cpu/decode_stack.cpp, DecodeStack).
+"""Every layer of a batch in one native call (csrc/cpu/decode_stack.cpp, DecodeStack): decode rows,
+prompt chunks, or both.
 
 A decode step runs about a dozen kernels per layer, and at small batches on a few cores the Python
 around them (wrappers, views, module calls, small torch ops) is a large share of a small model's
-step. For a batch of decode rows only, the stack runs the same kernels on the same
-operands in the same order from one call, so its bits are the layer-by-layer forward's
-(tests/kernels/test_decode_stack.py); prefill and mixed batches keep the layer loop.
+step; in a prefill forward the kernels run long, but the other threads wait while the caller runs
+that Python between them. The stack runs the same kernels on the same operands in the same order
+from one call, the attention over the row tables the layer loop's plan builds and the last layer
+past its K/V for the logit rows alone, so its bits are the layer-by-layer forward's
+(tests/kernels/test_decode_stack.py).
 
 It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels (any
 family but torch: the stack runs the family's kernels, AVX-512 or AVX2), a Llama-style block (Qwen3's
@@ -22,8 +25,8 @@ import torch
 
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
-from minisgl_backend.model.batch import ForwardBatch
-from minisgl_backend.model.layers import AttentionBackend, Linear, PagedAttention
+from minisgl_backend.model.batch import ForwardBatch, row_tables
+from minisgl_backend.model.layers import AttentionBackend, Linear, PagedAttention, mlp_piece_rows
 from minisgl_backend.model.llama import CausalLM, Forward, Ropes
 
 
@@ -52,6 +55,7 @@ class DecodeStack:
             cpu_kernels.SCORERS[cpu_kernels.default_scorer()],
             cpu_kernels.pack_kind(),
             cpu_kernels.isa(),
+            mlp_piece_rows(s.intermediate_size, 2),
         )
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -93,31 +97,37 @@ class DecodeStack:
         )
 
     def runs(self, batch: ForwardBatch) -> bool:
-        """Whether this batch takes the stack: decode rows only, and a row count every linear's
-        kernel takes."""
+        """Whether this batch takes the stack: any rows, decode and prefill, at a row count every
+        linear's kernel takes."""
         n = batch.input_ids.shape[0]
-        return (
-            n > 0
-            and batch.num_decode == n
-            and not batch.prefill_chunks
-            and (self.any_rows or n <= cpu_kernels.MAX_KERNEL_ROWS)
-        )
+        return n > 0 and (self.any_rows or n <= cpu_kernels.MAX_KERNEL_ROWS)
 
     def __call__(self, x: torch.Tensor, ropes: Ropes, batch: ForwardBatch) -> torch.Tensor:
-        """The residual stream after the last layer, for x = the embeddings of batch's rows (a
-        fresh tensor: the layers overwrite it) and ropes = (cos, sin) [n, 1, rot] per RoPE of the
-        model, in the model dtype."""
+        """The residual stream after the last layer at the rows batch.logits_index, for x = the
+        embeddings of batch's rows (a fresh tensor: the layers overwrite it) and ropes = (cos, sin)
+        [n, 1, rot] per RoPE of the model, in the model dtype."""
         n = x.shape[0]
         x = x.contiguous()
         mlp_out = torch.empty_like(x)
         cos = [c.reshape(n, -1).contiguous() for c, _ in ropes]
         sin = [s.reshape(n, -1).contiguous() for _, s in ropes]
-        assert batch.decode_block_tables is not None  # runs() takes decode-only batches
-        tables = batch.decode_block_tables.to(torch.int64).contiguous()
-        positions = batch.positions[:n].to(torch.int64).contiguous()
-        slots = batch.slot_mapping.to(torch.int64).contiguous()
-        self._native.run(x, mlp_out, positions, slots, tables, cos, sin, cpu_kernels.threads())
-        return x + mlp_out
+        tables, row_table, positions = row_tables(batch)  # the attention plan the layer loop builds
+        keep = batch.logits_index.to(torch.int64).contiguous()
+        m = keep.shape[0]
+        every_row = m == n and bool(torch.equal(keep, torch.arange(n)))
+        self._native.run(
+            x,
+            mlp_out,
+            positions.to(torch.int64).contiguous(),
+            batch.slot_mapping.to(torch.int64).contiguous(),
+            tables,
+            row_table,
+            None if every_row else keep,
+            cos,
+            sin,
+            cpu_kernels.threads(),
+        )
+        return x[:m] + mlp_out[:m]
 
     @staticmethod
     def _linear(lin: Linear):
@@ -134,9 +144,10 @@ class DecodeStack:
 
 
 class DecodeStackForward:
-    """A forward strategy: the decode-only batches the stack runs go through it, with `inner`'s RoPE
-    tables; every other batch, and every batch of a model or pool it does not run, goes through
-    `inner` (the default or the batch-invariant forward), whose bits the stack's are."""
+    """A forward strategy: the batches the stack runs go through it, with `inner`'s RoPE tables;
+    every other batch (over the few-row kernel's rows), and every batch of a model or pool it does
+    not run, goes through `inner` (the default or the batch-invariant forward), whose bits the
+    stack's are."""
 
     def __init__(self, inner: Forward, attention: AttentionBackend) -> None:
         self.inner = inner
@@ -159,7 +170,7 @@ class DecodeStackForward:
     ) -> torch.Tensor:
         stack = self.stack(model, kv)
         if stack is not None and stack.runs(batch):
-            return stack(x, ropes, batch)[batch.logits_index]
+            return stack(x, ropes, batch)
         return self.inner.layers(model, x, ropes, batch, kv)
 
 

@@ -408,6 +408,12 @@ class Attention(nn.Module):
 MLP_PIECE_BYTES = 16 << 20
 
 
+def mlp_piece_rows(intermediate_size: int, element_size: int) -> int:
+    """The most rows one MLP call takes at once (MLP_PIECE_BYTES of [rows, 2 x intermediate]): the
+    layer loop's MLP.forward and the native layer stack cut a batch's MLP the same way."""
+    return max(1, MLP_PIECE_BYTES // (2 * intermediate_size * element_size))
+
+
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -419,7 +425,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
-        piece = max(1, MLP_PIECE_BYTES // (2 * self.intermediate_size * x.element_size()))
+        piece = mlp_piece_rows(self.intermediate_size, x.element_size())
         if rows <= piece:
             return self._rows(x)
         out = x.new_empty(rows, self.down_proj.weight.shape[0])

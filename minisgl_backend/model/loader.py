@@ -193,8 +193,8 @@ def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> N
 def forward_strategy(model: CausalLM, deterministic: bool) -> Forward:
     """The forward `model` runs, over the one attention back-end attention_backend chooses: the
     batch-invariant one for `deterministic` (batch_invariant.enable, which keeps packed linears as
-    they are) or the default layer loop, either under the native decode stack for the decode-only
-    batches it runs (with the same bits, tests/kernels/test_decode_stack.py; only under the native
+    they are) or the default layer loop, either under the native decode stack for the batches it
+    runs (with the same bits, tests/kernels/test_decode_stack.py; only under the native
     paged attention, which it runs itself). The Triton kernels get the layer loop alone: the decode
     stack is a CPU path that would bypass them."""
     attention = attention_backend(model, deterministic)

@@ -1,9 +1,10 @@
-"""The native decode stack (model/decode_stack.py) against the layer-by-layer forward it replaces:
-the same logits and the same K/V written, bit for bit, on tiny random-weight bf16 models (Llama;
-bias and sliding windows; Qwen3's q/k norm), for packed (AMX or AVX512-BF16), unpacked (few-row
-kernel), int8 and batch-invariant models, under every native kernel family this machine runs (avx2
-included: its 8-lane kernels, no packing, int8 weights read dequantized); batches it does not take
-fall back to the layer loop. Skipped where the native kernels do not run (no AVX2 or not built)."""
+"""The native layer stack (model/decode_stack.py) against the layer-by-layer forward it replaces, on
+decode, prefill and mixed batches: the same logits and the same K/V written, bit for bit, on tiny
+random-weight bf16 models (Llama; bias and sliding windows; Qwen3's q/k norm), for packed (AMX or
+AVX512-BF16), unpacked (few-row kernel), int8 and batch-invariant models, under every native kernel
+family this machine runs (avx2 included: its 8-lane kernels, no packing, int8 weights read
+dequantized); batches it does not take fall back to the layer loop. Skipped where the native kernels
+do not run (no AVX2 or not built)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from minisgl_backend.arith import cdiv
 from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
-from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model import cpu_kernels, layers
 from minisgl_backend.model.batch import ForwardBatch
 from minisgl_backend.model.decode_stack import DecodeStack, DecodeStackForward
 from minisgl_backend.model.layers import Linear
@@ -141,16 +142,100 @@ def test_decode_stack_has_the_layer_loops_bits(mode, over, rows):
             assert torch.equal(kv.k[layer], loop_kv.k[layer]) and torch.equal(kv.v[layer], loop_kv.v[layer])
 
 
+def _chunks_batch(
+    tables: torch.Tensor,
+    spans: list[tuple[int, int, int]],
+    decode: list[tuple[int, int]],
+    logits: str,
+    seed: int,
+) -> ForwardBatch:
+    """A batch of `decode` rows (sequence, position) and then one prompt chunk per (sequence, first
+    position, length) of `spans`, each chunk reading its sequence's table up to its end. logits:
+    "last" (each decode row and each chunk's last row, as the engine asks), "every" (every row: a
+    loglikelihood request) or "none" (chunks in the middle of their prompts)."""
+    pos = [p for _, p in decode] + [p for _, start, length in spans for p in range(start, start + length)]
+    seq = [r for r, _ in decode] + [r for r, _, length in spans for _ in range(length)]
+    positions, rows = torch.tensor(pos), torch.tensor(seq)
+    slots = tables[rows, positions // BLOCK] * BLOCK + positions % BLOCK
+    nd, chunks, start = len(decode), [], len(decode)
+    for r, first, length in spans:
+        end = first + length
+        chunks.append(PrefillChunk(start, length, end, tables[r][: cdiv(end, BLOCK)]))
+        start += length
+    dec_tables = dec_mask = None
+    if nd:
+        dpos = positions[:nd]
+        nb = int(dpos.max()) // BLOCK + 1
+        dec_tables = tables[rows[:nd], :nb].contiguous()
+        dec_mask = (torch.arange(nb * BLOCK)[None, :] <= dpos[:, None])[:, None, None, :]
+    n = len(pos)
+    keep = {
+        "last": torch.tensor(list(range(nd)) + [c.start + c.length - 1 for c in chunks]),
+        "every": torch.arange(n),
+        "none": torch.zeros(0, dtype=torch.int64),
+    }[logits]
+    ids = torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(seed))
+    return ForwardBatch(ids, positions, slots, nd, dec_tables, dec_mask, tuple(chunks), keep)
+
+
+@pytest.mark.parametrize("mode", ["packed", "unpacked", "int8", "deterministic"])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"qkv_bias": True, "mlp_bias": True, "sliding_window": 6, "sliding_layers": (True, False, True)},
+        {"qk_norm": True, "model_type": "qwen3"},
+    ],
+    ids=["llama", "bias+window", "qk-norm"],
+)
+def test_the_stack_has_the_layer_loops_bits_on_prompt_chunks(mode, over, monkeypatch):
+    """Prefill and mixed batches through the stack (first chunks, later chunks beside decode rows,
+    logits at the last rows, at every row and at none; the MLP in pieces of 5 rows) against the
+    layer loop on a copy of the pool: the same logits and the same K/V, bit for bit."""
+    monkeypatch.setattr(layers, "MLP_PIECE_BYTES", 5 * 2 * 96 * 2)  # intermediate 96, bf16
+    any_rows = cpu_kernels.packs() or cpu_kernels.kernel_row_limit() is None
+    if mode == "packed" and not cpu_kernels.packs():
+        pytest.skip("this kernel family packs nothing: the unpacked case covers it")
+    if mode == "deterministic" and not any_rows:
+        pytest.skip("the deterministic forward tiles this family's linears: the stack does not run it")
+    model = _model(_spec(**over), mode)
+    s = model.spec
+    kv = KVCache(s.num_layers, 3 * BLOCKS_PER_SEQ, BLOCK, s.num_kv_heads, s.head_dim, torch.bfloat16, "cpu")
+    loop_kv = _copy(kv)
+    tables = torch.randperm(3 * BLOCKS_PER_SEQ, generator=torch.Generator().manual_seed(1)).view(3, -1)
+    batches = [
+        _chunks_batch(tables, [(0, 0, 11), (1, 0, 20), (2, 0, 7)], [], "last", seed=1),
+        _chunks_batch(tables, [(0, 11, 15), (1, 20, 3)], [(2, 7)], "last", seed=2),
+        _chunks_batch(tables, [(0, 26, 14)], [(2, 8), (1, 23)], "every", seed=3),
+        _chunks_batch(tables, [(1, 24, 2), (2, 9, 2)], [], "none", seed=4),
+        _chunks_batch(tables, [(2, 11, 1)], [(0, 40), (1, 26)], "last", seed=5),
+    ]
+    stacked = _stacked(model)
+    packed = mode != "unpacked" and cpu_kernels.packs()
+    for i, batch in enumerate(batches):
+        n = batch.input_ids.shape[0]
+        takes = packed or cpu_kernels.kernel_row_limit() is None or n <= cpu_kernels.MAX_KERNEL_ROWS
+        assert stacked.stack(model, kv).runs(batch) == takes
+        native = model(batch, kv)
+        model.forward_strategy = stacked.inner
+        plain = model(batch, loop_kv)
+        model.forward_strategy = stacked
+        assert native.shape == (batch.logits_index.shape[0], s.vocab_size)
+        assert torch.equal(native, plain), f"batch {i}: logits differ"
+        for layer in range(s.num_layers):
+            assert torch.equal(kv.k[layer], loop_kv.k[layer]) and torch.equal(kv.v[layer], loop_kv.v[layer])
+
+
 def test_decode_stack_is_skipped_where_it_does_not_run():
-    """Mixed batches keep the layer loop; fp32 and Gemma models get no stack."""
-    if not cpu_kernels.packs():
-        pytest.skip("this kernel family packs nothing")
-    model = _model(_spec(), "packed")
+    """Without packs the AVX-512 few-row kernel bounds the rows a batch may have; fp32 and Gemma
+    models get no stack."""
+    model = _model(_spec(), "unpacked")
     kv, tables = _prefilled(model, 2)
-    decode = _decode_batch(tables, 0, seed=3)
-    chunk = PrefillChunk(2, 1, 1, tables[1][:1])
-    mixed = decode._replace(prefill_chunks=(chunk,), input_ids=torch.tensor([1, 2, 3]))
-    assert _stack(model, kv).runs(decode) and not _stack(model, kv).runs(mixed)
+    stack = _stack(model, kv)
+    small = _chunks_batch(tables, [(1, 17, 2)], [(0, 5)], "last", seed=3)
+    large = _chunks_batch(tables, [(1, 17, 4)], [(0, 5)], "last", seed=3)
+    assert stack.runs(small)
+    assert stack.runs(large) == (cpu_kernels.kernel_row_limit() is None)
     assert _stack(_model(_spec(), "packed").float(), _copy(kv)) is None
     assert _stack(_model(_spec(gemma=True), "packed"), kv) is None
 

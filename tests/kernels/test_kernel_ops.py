@@ -212,7 +212,7 @@ def test_a_missing_tensor_is_a_clear_error():
 
 def _stack(hidden=32, heads=2, kv_heads=1, head_dim=16, inter=48, blocks=8, block=4):
     stack = native.DecodeStack(
-        heads, kv_heads, head_dim, hidden, inter, 1e-6, 0.25, 0.0, block, blocks, 0, 0, cpu_kernels.isa()
+        heads, kv_heads, head_dim, hidden, inter, 1e-6, 0.25, 0.0, block, blocks, 0, 0, cpu_kernels.isa(), 1
     )
     lin = {
         "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
@@ -245,6 +245,8 @@ def _stack_run_args(rows=2, hidden=32, rot=16) -> dict:
         positions=torch.tensor([0, 1][:rows]),
         slots=torch.tensor([0, 1][:rows]),
         tables=torch.zeros(rows, 1, dtype=torch.int64),
+        row_table=torch.arange(rows),
+        keep=None,
         cos=[_bf16(rows, rot)],
         sin=[_bf16(rows, rot)],
         threads=2,
@@ -293,10 +295,17 @@ def test_the_decode_stack_checks_its_batch():
         ),
         "cos": ([_bf16(2, 18)], r"'cos' must be an even rotary width of at most the head dim, got 18"),
         "slots": (torch.empty(2, dtype=torch.int64, device="meta"), "'slots' must be a CPU tensor"),
+        "row_table": (torch.arange(3), r"'row_table' must be shape \[2\], got shape \[3\]"),
+        "keep": (torch.tensor([[0]]), r"'keep' must be shape \[\*\], got shape \[1, 1\]"),
     }
     for arg, (value, message) in bad.items():
         with pytest.raises(ValueError, match=rf"minisgl\.DecodeStack\.run: argument {message}"):
             stack.run(**(_stack_run_args() | {arg: value}))
+    # a row's table or a kept row outside the batch: an IndexError before any kernel runs
+    with pytest.raises(IndexError, match="table, position or block id"):
+        stack.run(**(_stack_run_args() | {"row_table": torch.tensor([0, 2])}))
+    with pytest.raises(IndexError, match="kept row"):
+        stack.run(**(_stack_run_args() | {"keep": torch.tensor([2])}))
 
 
 def test_the_decode_stack_keeps_its_tensors_alive():
