@@ -374,7 +374,7 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
     });
 }
 
-// The decode stack's (bf16; paged_attention instantiates the float32 one).
+// The layer stack's (bf16; paged_attention instantiates the float32 one).
 template void paged_attention_t<uint16_t>(uintptr_t, int64_t, uintptr_t, uintptr_t, uintptr_t, const int64_t*,
                                           const int64_t*, uintptr_t, int64_t, const AttnShape&, int, int, int);
 

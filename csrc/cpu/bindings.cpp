@@ -51,13 +51,13 @@ int64_t dpbf16_elems(int64_t n, int64_t k, bool gated) {
     return packed_dpbf16_elems(n, k);
 }
 
-// One linear of the decode stack, with its tensors (the views keep them alive).
+// One linear of the layer stack, with its tensors (the views keep them alive).
 struct BoundLinear {
     StackLinear lin;
     std::vector<TensorArg> keep;
 };
 
-// The decode stack and every tensor it points into, which it keeps alive.
+// The layer stack and every tensor it points into, which it keeps alive.
 class BoundStack {
    public:
     BoundStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
@@ -77,13 +77,13 @@ class BoundStack {
     void add_layer(const BoundLinear& qkv, const BoundLinear& o, const BoundLinear& gate_up, const BoundLinear& down,
                    py::handle input_norm_, py::handle post_norm_, py::handle q_norm_, py::handle k_norm_,
                    py::handle kpool_, py::handle vpool_, int64_t window, int64_t rope, bool gated) {
-        const char* op = "DecodeStack.add_layer";
+        const char* op = "LayerStack.add_layer";
         expect(op, "qkv", qkv, (h_ + 2 * kvh_) * d_, hidden_);
         expect(op, "o", o, hidden_, h_ * d_);
         expect(op, "gate_up", gate_up, 2 * inter_, hidden_);
         expect(op, "down", down, hidden_, inter_);
         if (gated && (!gate_up.lin.packed || pack_kind_ != 2))
-            throw py::value_error("minisgl.DecodeStack.add_layer: a gated gate_up needs its AVX512-BF16 pack");
+            throw py::value_error("minisgl.LayerStack.add_layer: a gated gate_up needs its AVX512-BF16 pack");
         TensorArg input_norm(op, "input_norm", input_norm_), post_norm(op, "post_norm", post_norm_),
             q_norm(op, "q_norm", q_norm_), k_norm(op, "k_norm", k_norm_), kpool(op, "kpool", kpool_),
             vpool(op, "vpool", vpool_);
@@ -104,7 +104,7 @@ class BoundStack {
     void run(py::handle x_, py::handle mlp_out_, py::handle positions_, py::handle slots_, py::handle tables_,
              py::handle row_table_, py::handle keep_, const std::vector<py::handle>& cos_,
              const std::vector<py::handle>& sin_, int threads) const {
-        const char* op = "DecodeStack.run";
+        const char* op = "LayerStack.run";
         TensorArg x(op, "x", x_), mlp_out(op, "mlp_out", mlp_out_), positions(op, "positions", positions_),
             slots(op, "slots", slots_), tables(op, "tables", tables_), row_table(op, "row_table", row_table_),
             keep(op, "keep", keep_);
@@ -115,7 +115,7 @@ class BoundStack {
         tables.required().dtype(DType::I64).shape({ANY, ANY}).contiguous();
         keep.dtype(DType::I64).shape({ANY}).contiguous();
         if (cos_.size() != sin_.size())
-            throw py::value_error("minisgl.DecodeStack.run: one 'sin' per 'cos', got " + std::to_string(cos_.size()) +
+            throw py::value_error("minisgl.LayerStack.run: one 'sin' per 'cos', got " + std::to_string(cos_.size()) +
                                   " and " + std::to_string(sin_.size()));
         std::vector<TensorArg> cos, sin;
         std::vector<uintptr_t> cos_p, sin_p;
@@ -153,7 +153,7 @@ class BoundStack {
         }
     }
 
-    DecodeStack stack_;
+    LayerStack stack_;
     int64_t h_, kvh_, d_, hidden_, inter_, bs_, blocks_;
     int pack_kind_;
     std::vector<TensorArg> keep_;
@@ -498,7 +498,7 @@ PYBIND11_MODULE(_kernels, m) {
              }),
              py::arg("weight"), py::arg("packed"), py::arg("bias"), py::arg("qweight"), py::arg("qscale"), py::arg("n"),
              py::arg("k"));
-    py::class_<BoundStack>(m, "DecodeStack")
+    py::class_<BoundStack>(m, "LayerStack")
         .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t, int, int,
                       int, int64_t>(),
              py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"),

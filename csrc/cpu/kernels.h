@@ -1,5 +1,5 @@
 // What crosses files in minisgl_backend.native._kernels: each family's entry points (bound in bindings.cpp,
-// called by decode_stack.cpp) and the typed forms the decode stack calls without Python's wrappers.
+// called by layer_stack.cpp) and the typed forms the layer stack calls without Python's wrappers.
 //
 // Pointer-level: tensors arrive as data pointers (uintptr_t) with shapes the Python side has checked
 // (minisgl_backend/model/cpu_kernels.py); bf16 is uint16_t. Each kernel's bit-exactness contract is
@@ -48,7 +48,7 @@ struct AttnShape {
 
 bool tables_in_bounds(const int64_t* tables, const int64_t* row_table, const int64_t* positions, int64_t n,
                       int64_t num_tables, int64_t stride, int64_t block_size, int64_t num_blocks);
-// The checked entry point (bf16 or float32) and, for the decode stack, the unchecked typed one
+// The checked entry point (bf16 or float32) and, for the layer stack, the unchecked typed one
 // (instantiated for bf16, uint16_t).
 void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t row_table,
                      uintptr_t positions, uintptr_t out, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -60,7 +60,7 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
                        int scorer, int threads, int isa);
 
 // ---- rowwise.cpp: RMSNorm (+ residual add), RoPE, SiLU x up, AVX-512 or AVX2 (isa), the K/V write; the typed forms
-// for the decode stack (instantiated for bf16, uint16_t) ----
+// for the layer stack (instantiated for bf16, uint16_t) ----
 void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t sum_out, uintptr_t weight, uintptr_t out, int64_t rows,
               int64_t dim, double eps, bool gemma, bool bf16, int threads, int isa);
 void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
@@ -101,7 +101,7 @@ LogSumExp log_sum_exp(uintptr_t x, int64_t vocab, double temperature, int isa);
 // ---- probes.cpp ----
 double stream_read(uintptr_t buf, int64_t bytes, int threads, int isa);
 
-// ---- decode_stack.cpp: every layer of a batch in one call ----
+// ---- layer_stack.cpp: every layer of a batch in one call ----
 struct StackLinear {
     uintptr_t weight, packed, bias, qweight, qscale;  // 0: absent
     int64_t n, k;
@@ -114,11 +114,11 @@ struct StackLayer {
     bool gated;            // gate_up packed for linear_dpbf16_silu (Linear.gated)
 };
 
-class DecodeStack {
+class LayerStack {
    public:
-    DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
-                double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind,
-                int isa, int64_t mlp_rows);
+    LayerStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
+               double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind, int isa,
+               int64_t mlp_rows);
     void add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down, uintptr_t input_norm,
                    uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t kpool, uintptr_t vpool,
                    int64_t window, int64_t rope, bool gated);

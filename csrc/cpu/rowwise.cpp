@@ -67,7 +67,7 @@ void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, in
         }
     });
 }
-// The decode stack's (bf16).
+// The layer stack's (bf16).
 template void rms_norm_t(uint16_t*, const uint16_t*, uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, float,
                          bool, int, int);
 

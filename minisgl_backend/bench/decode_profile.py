@@ -10,7 +10,7 @@ the calling thread's CPU time instead of wall time (with --threads 1 it is robus
 on a shared machine). --profile adds torch.profiler's table of the ops of 10 steps. Run it with
 MINISGL_CPU_KERNELS=0 for the torch-only path, MINISGL_AMX=0 for the AVX-512 kernels without AMX,
 MINISGL_KERNELS=<family> for any other family (the JSON names it).
---layer-loop runs the Python layer loop where the native decode stack would run (model/decode_stack.py).
+--layer-loop runs the Python layer loop where the native layer stack would run (model/layer_stack.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.batch import ForwardBatch
-from minisgl_backend.model.decode_stack import DecodeStackForward
+from minisgl_backend.model.layer_stack import LayerStackForward
 from minisgl_backend.model.loader import load_model, prepare
 
 BLOCK = 16
@@ -44,14 +44,14 @@ def main() -> None:
     ap.add_argument("--int8", action="store_true", help="weight_dtype: int8 (bf16 only)")
     ap.add_argument("--cpu-time", action="store_true")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--layer-loop", action="store_true", help="no native decode stack")
+    ap.add_argument("--layer-loop", action="store_true", help="no native layer stack")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     model = load_model(a.model, a.dtype, "cpu").model
     prepare(model, "int8" if a.int8 else None, a.deterministic)
     stacked = model.forward_strategy
-    assert isinstance(stacked, DecodeStackForward)  # what prepare picks
+    assert isinstance(stacked, LayerStackForward)  # what prepare picks
     if a.layer_loop:
         model.forward_strategy = stacked.inner
     s = model.spec
@@ -106,7 +106,7 @@ def main() -> None:
                 "kernels": cpu_kernels.family(),
                 "cpu_kernels": cpu_kernels.available(),
                 "amx": cpu_kernels.amx_available(),
-                "decode_stack": not a.layer_loop and stacked.stack(model, kv) is not None,
+                "layer_stack": not a.layer_loop and stacked.stack(model, kv) is not None,
                 "clock": "thread_cpu" if a.cpu_time else "wall",
                 "step_ms_min": round(best * 1e3, 2),
                 "step_ms_median": round(median * 1e3, 2),

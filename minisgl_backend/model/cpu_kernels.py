@@ -52,7 +52,7 @@ MAX_KERNEL_ROWS = 4
 #   avx512      AVX-512 F/BW/DQ/VL: few-row linears (bf16 and int8), paged attention, row-wise ops;
 #               F.linear beyond
 #   avx2        AVX2 + FMA (Haswell, Zen 1-3): the bf16 linear at every row count, paged attention,
-#               row-wise ops and the decode stack, at 8 lanes; no packing; int8 linears read their
+#               row-wise ops and the layer stack, at 8 lanes; no packing; int8 linears read their
 #               dequantized bf16 weight
 #   torch       torch's own ops everywhere
 # MINISGL_KERNELS=<family> caps the family at a lower one (how each is measured and tested on a
@@ -142,7 +142,7 @@ def runs_family(name: str) -> bool:
 def family_override(name: str) -> Iterator[None]:
     """Run the block as if the process had started with MINISGL_KERNELS=`name` (tests and benchmarks
     compare families in one process). Weights packed before or inside the block keep their layout:
-    pack them inside it, and build a DecodeStack there too."""
+    pack them inside it, and build a LayerStack there too."""
     global _ACTIVE
     if name not in FAMILIES or not runs_family(name):
         raise ValueError(f"kernel family {name!r} does not run here; these do: {', '.join(_runnable())}")
@@ -239,12 +239,12 @@ def available() -> bool:
 
 def isa() -> int:
     """The vector code this process's native entry points run (ISA_AVX512_BF16, ISA_AVX512 or
-    ISA_AVX2; the DecodeStack's too)."""
+    ISA_AVX2; the LayerStack's too)."""
     return _ACTIVE.isa
 
 
 def lanes() -> int:
-    """float32 lanes of that code (16 or 8): the paged attention's vector paths and the decode stack
+    """float32 lanes of that code (16 or 8): the paged attention's vector paths and the layer stack
     take head dims that are a multiple of it (up to 256)."""
     return _ACTIVE.lanes
 
@@ -419,7 +419,7 @@ def linear_packed(
 
 
 def pack_kind() -> int:
-    """What DecodeStack's packed linears are: 0 none, 1 AMX tiles, 2 AVX512-BF16 panels."""
+    """What LayerStack's packed linears are: 0 none, 1 AMX tiles, 2 AVX512-BF16 panels."""
     return {None: 0, "amx": 1, "dpbf16": 2}[_ACTIVE.packs]
 
 
@@ -484,7 +484,7 @@ _SCORER_FAMILY = {"fma": "avx512", "amx": "amx", "dp": "avx512bf16"}
 
 
 def default_scorer() -> str:
-    """The attention scorer of this process's kernel family (the DecodeStack's too)."""
+    """The attention scorer of this process's kernel family (the LayerStack's too)."""
     return {"amx": "amx", "avx512bf16": "dp"}.get(_ACTIVE.name, "fma")
 
 

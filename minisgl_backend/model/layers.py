@@ -497,7 +497,7 @@ class DecoderLayer(nn.Module):
 
 class DecoderLayers(nn.ModuleList):
     """The decoder's layers: an nn.ModuleList whose items are typed as DecoderLayer, so the code that
-    walks the layers (the layer loop, the decode stack, packing) is type-checked against them."""
+    walks the layers (the layer loop, the layer stack, packing) is type-checked against them."""
 
     def __init__(self, layers: Iterable[DecoderLayer]) -> None:
         super().__init__(layers)

@@ -112,7 +112,7 @@ class CausalLM(nn.Module):
         # (model/loader.py's prepare, from the engine config).
         self.forward_strategy: Forward = LayerLoop()
         # Bumped by each transform that replaces weight tensors (quantize_int8, pack_weights), so that
-        # a strategy holding raw pointers into them (the decode stack) knows to rebuild.
+        # a strategy holding raw pointers into them (the layer stack) knows to rebuild.
         self.weights_version = 0
         self.tie_weights()
 

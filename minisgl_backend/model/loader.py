@@ -22,7 +22,7 @@ from minisgl_backend.config import resolve_dtype
 from minisgl_backend.errors import ConfigError, MiniSGLError, ModelLoadError, ModelNotFoundError
 from minisgl_backend.model import batch_invariant, cpu_kernels
 from minisgl_backend.model.checkpoint import Checkpoint
-from minisgl_backend.model.decode_stack import DecodeStackForward
+from minisgl_backend.model.layer_stack import LayerStackForward
 from minisgl_backend.model.layers import AttentionBackend, ServesEveryRow, default_attention
 from minisgl_backend.model.llama import CausalLM, Forward, LayerLoop, build_rotary
 from minisgl_backend.model.spec import ModelSpec
@@ -193,15 +193,15 @@ def prepare(model: CausalLM, weight_dtype: str | None, deterministic: bool) -> N
 def forward_strategy(model: CausalLM, deterministic: bool) -> Forward:
     """The forward `model` runs, over the one attention back-end attention_backend chooses: the
     batch-invariant one for `deterministic` (batch_invariant.enable, which keeps packed linears as
-    they are) or the default layer loop, either under the native decode stack for the batches it
-    runs (with the same bits, tests/kernels/test_decode_stack.py; only under the native
+    they are) or the default layer loop, either under the native layer stack for the batches it
+    runs (with the same bits, tests/kernels/test_layer_stack.py; only under the native
     paged attention, which it runs itself). The Triton kernels get the layer loop alone: the decode
     stack is a CPU path that would bypass them."""
     attention = attention_backend(model, deterministic)
     if isinstance(attention, ServesEveryRow):
         return LayerLoop(attention)
     inner = batch_invariant.enable(model, attention) if deterministic else LayerLoop(attention)
-    return DecodeStackForward(inner, attention)
+    return LayerStackForward(inner, attention)
 
 
 ATTENTION_CHOICES = ("auto", "triton", "torch")

@@ -1,6 +1,6 @@
 """The native kernels take torch tensors and check them in C++ (csrc/cpu/tensor_arg.h): a wrong shape,
 dtype, layout or device is a ValueError naming the op and the argument, raised before any pointer
-reaches a kernel, for the direct entry points, the decode stack and the torch ops
+reaches a kernel, for the direct entry points, the layer stack and the torch ops
 (torch.ops.minisgl.*) alike; and the model's code hands the kernels tensors, never raw pointers."""
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def test_a_missing_tensor_is_a_clear_error():
 
 
 def _stack(hidden=32, heads=2, kv_heads=1, head_dim=16, inter=48, blocks=8, block=4):
-    stack = native.DecodeStack(
+    stack = native.LayerStack(
         heads, kv_heads, head_dim, hidden, inter, 1e-6, 0.25, 0.0, block, blocks, 0, 0, cpu_kernels.isa(), 1
     )
     lin = {
@@ -253,17 +253,17 @@ def _stack_run_args(rows=2, hidden=32, rot=16) -> dict:
     )
 
 
-def test_the_decode_stack_checks_its_layers():
+def test_the_layer_stack_checks_its_layers():
     stack, linears, layer = _stack()
     stack.add_layer(**linears, **layer)  # the good layer
     with pytest.raises(
-        ValueError, match=r"DecodeStack\.add_layer: linear 'o' must be shape \[32, 32\], got shape \[32, 16\]"
+        ValueError, match=r"LayerStack\.add_layer: linear 'o' must be shape \[32, 32\], got shape \[32, 16\]"
     ):
         stack.add_layer(
             **(linears | {"o": native.StackLinear(_bf16(32, 16), None, None, None, None, 32, 16)}), **layer
         )
     with pytest.raises(
-        ValueError, match=r"DecodeStack\.add_layer: argument 'kpool' must be shape \[8, 4, 1, 16\]"
+        ValueError, match=r"LayerStack\.add_layer: argument 'kpool' must be shape \[8, 4, 1, 16\]"
     ):
         stack.add_layer(**linears, **(layer | {"kpool": torch.zeros(8, 4, 2, 16).bfloat16()}))
     with pytest.raises(ValueError, match=r"argument 'input_norm' must be dtype bfloat16, got dtype float32"):
@@ -278,7 +278,7 @@ def test_the_decode_stack_checks_its_layers():
         native.StackLinear(_bf16(48, 32), None, None, torch.zeros(48, 32, dtype=torch.int8), None, 48, 32)
 
 
-def test_the_decode_stack_checks_its_batch():
+def test_the_layer_stack_checks_its_batch():
     stack, linears, layer = _stack()
     stack.add_layer(**linears, **layer)
     stack.run(**_stack_run_args())  # the good batch
@@ -299,7 +299,7 @@ def test_the_decode_stack_checks_its_batch():
         "keep": (torch.tensor([[0]]), r"'keep' must be shape \[\*\], got shape \[1, 1\]"),
     }
     for arg, (value, message) in bad.items():
-        with pytest.raises(ValueError, match=rf"minisgl\.DecodeStack\.run: argument {message}"):
+        with pytest.raises(ValueError, match=rf"minisgl\.LayerStack\.run: argument {message}"):
             stack.run(**(_stack_run_args() | {arg: value}))
     # a row's table or a kept row outside the batch: an IndexError before any kernel runs
     with pytest.raises(IndexError, match="table, position or block id"):
@@ -308,7 +308,7 @@ def test_the_decode_stack_checks_its_batch():
         stack.run(**(_stack_run_args() | {"keep": torch.tensor([2])}))
 
 
-def test_the_decode_stack_keeps_its_tensors_alive():
+def test_the_layer_stack_keeps_its_tensors_alive():
     """The native stack holds a reference to every tensor it reads, and lets go with the stack."""
     stack, linears, layer = _stack()
     pool = layer["kpool"]
@@ -371,4 +371,4 @@ def _data_ptr_calls() -> set[tuple[str, str]]:
 def test_the_model_hands_the_kernels_tensors_not_pointers():
     assert _data_ptr_calls() <= ALLOWED_DATA_PTR
     assert "data_ptr" not in (MODEL_DIR / "cpu_kernels.py").read_text()
-    assert "data_ptr" not in (MODEL_DIR / "decode_stack.py").read_text()
+    assert "data_ptr" not in (MODEL_DIR / "layer_stack.py").read_text()

@@ -302,12 +302,12 @@ def test_backend_matches_the_cpu_attention_on_a_mixed_batch(window):
 
 
 def test_the_backend_is_chosen_once_at_load(monkeypatch):
-    """On the CPU the default keeps the CPU paths (the layer loop under the native decode stack);
+    """On the CPU the default keeps the CPU paths (the layer loop under the native layer stack);
     MINISGL_ATTENTION=triton puts the kernels under every layer; torch keeps them off; anything else
     is refused."""
     from minisgl_backend.errors import ConfigError
     from minisgl_backend.model import cpu_kernels
-    from minisgl_backend.model.decode_stack import DecodeStackForward
+    from minisgl_backend.model.layer_stack import LayerStackForward
     from minisgl_backend.model.layers import PagedAttention, TorchAttention
     from minisgl_backend.model.llama import CausalLM, LayerLoop
     from minisgl_backend.model.loader import attention_backend, forward_strategy
@@ -317,7 +317,7 @@ def test_the_backend_is_chosen_once_at_load(monkeypatch):
     monkeypatch.delenv("MINISGL_ATTENTION", raising=False)
     assert isinstance(attention_backend(model), cpu_default)
     default = forward_strategy(model, deterministic=False)
-    assert isinstance(default, DecodeStackForward) and isinstance(default.inner.attention, cpu_default)
+    assert isinstance(default, LayerStackForward) and isinstance(default.inner.attention, cpu_default)
     monkeypatch.setenv("MINISGL_ATTENTION", "torch")
     assert isinstance(attention_backend(model), cpu_default)
     monkeypatch.setenv("MINISGL_ATTENTION", "triton")

@@ -64,13 +64,13 @@ def _prefill_and_decode(model, attention_kind: type, deterministic: bool, stacke
     the native layer stack's strategy, which takes every batch it runs); the logits of a prefill and
     a decode step."""
     from minisgl_backend.model import batch_invariant
-    from minisgl_backend.model.decode_stack import DecodeStackForward
+    from minisgl_backend.model.layer_stack import LayerStackForward
     from minisgl_backend.model.llama import LayerLoop
-    from tests.kernels.test_decode_stack import _decode_batch, _prefilled
+    from tests.kernels.test_layer_stack import _decode_batch, _prefilled
 
     spy = _spied(attention_kind)()
     inner = batch_invariant.enable(model, spy) if deterministic else LayerLoop(spy)
-    model.forward_strategy = DecodeStackForward(inner, spy) if stacked else inner
+    model.forward_strategy = LayerStackForward(inner, spy) if stacked else inner
     kv, tables = _prefilled(model, 2)
     return spy, model(_decode_batch(tables, 0, seed=3), kv)
 
@@ -79,8 +79,8 @@ def _prefill_and_decode(model, attention_kind: type, deterministic: bool, stacke
 def test_every_layer_asks_the_one_back_end():
     """The layer loop builds the back-end's plan once per forward and attends every layer through
     it; a model given torch's back-end runs it even where the native kernels run (and then no
-    decode stack, which runs the native attention itself), within rounding of the native one."""
-    from tests.kernels.test_decode_stack import _model, _spec
+    layer stack, which runs the native attention itself), within rounding of the native one."""
+    from tests.kernels.test_layer_stack import _model, _spec
 
     spec = _spec()
     torch_spy, torch_logits = _prefill_and_decode(_model(spec, "unpacked"), TorchAttention, False)
@@ -92,16 +92,16 @@ def test_every_layer_asks_the_one_back_end():
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="the native kernels do not run here")
-def test_the_decode_stack_and_the_batch_invariant_forward_ask_the_back_end():
+def test_the_layer_stack_and_the_batch_invariant_forward_ask_the_back_end():
     from minisgl_backend.kvcache.storage import KVCache
-    from minisgl_backend.model.decode_stack import DecodeStack
-    from tests.kernels.test_decode_stack import _model, _spec
+    from minisgl_backend.model.layer_stack import LayerStack
+    from tests.kernels.test_layer_stack import _model, _spec
 
     model = _model(_spec(), "unpacked")
     s = model.spec
     kv = KVCache(s.num_layers, 8, 16, s.num_kv_heads, s.head_dim, torch.bfloat16, "cpu")
-    assert DecodeStack.supports(model, kv, PagedAttention())
-    assert not DecodeStack.supports(model, kv, TorchAttention())
+    assert LayerStack.supports(model, kv, PagedAttention())
+    assert not LayerStack.supports(model, kv, TorchAttention())
     # the batch-invariant forward attends through a row-invariant back-end, else through its own
     # tiled attention (never torch's default paths, whose bits depend on the batch); the stack,
     # which would take these batches, is left out
@@ -114,7 +114,7 @@ def test_the_decode_stack_and_the_batch_invariant_forward_ask_the_back_end():
 def test_the_loader_chooses_the_back_end_once(monkeypatch):
     """attention_backend is the one choice: deterministic never takes Triton, and the strategy it
     builds holds the back-end it chose."""
-    from minisgl_backend.model.decode_stack import DecodeStackForward
+    from minisgl_backend.model.layer_stack import LayerStackForward
     from minisgl_backend.model.llama import CausalLM
     from tests.helpers import model_spec
 
@@ -123,4 +123,4 @@ def test_the_loader_chooses_the_back_end_once(monkeypatch):
     chosen = loader.attention_backend(model, deterministic=True)
     assert isinstance(chosen, PagedAttention if cpu_kernels.available() else TorchAttention)
     strategy = loader.forward_strategy(model, deterministic=True)
-    assert isinstance(strategy, DecodeStackForward) and strategy.attention is strategy.inner.attention
+    assert isinstance(strategy, LayerStackForward) and strategy.attention is strategy.inner.attention

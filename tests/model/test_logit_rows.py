@@ -125,7 +125,7 @@ def test_prefill_forward_runs_the_linear_work_the_peers_bench_counts():
 
     model = _model(deterministic=False)
     # The layer loop, whose Linear calls the hooks see: the native layer stack, which runs the same
-    # linears on the same rows (tests/kernels/test_decode_stack.py), calls them from one native call.
+    # linears on the same rows (tests/kernels/test_layer_stack.py), calls them from one native call.
     model.forward_strategy = getattr(model.forward_strategy, "inner", model.forward_strategy)
     s = model.spec
     n, length = 2, 9

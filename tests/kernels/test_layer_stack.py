@@ -1,4 +1,4 @@
-"""The native layer stack (model/decode_stack.py) against the layer-by-layer forward it replaces, on
+"""The native layer stack (model/layer_stack.py) against the layer-by-layer forward it replaces, on
 decode, prefill and mixed batches: the same logits and the same K/V written, bit for bit, on tiny
 random-weight bf16 models (Llama; bias and sliding windows; Qwen3's q/k norm), for packed (AMX or
 AVX512-BF16), unpacked (few-row kernel), int8 and batch-invariant models, under every native kernel
@@ -16,7 +16,7 @@ from minisgl_backend.iteration import PrefillChunk
 from minisgl_backend.kvcache.storage import KVCache
 from minisgl_backend.model import cpu_kernels, layers
 from minisgl_backend.model.batch import ForwardBatch
-from minisgl_backend.model.decode_stack import DecodeStack, DecodeStackForward
+from minisgl_backend.model.layer_stack import LayerStack, LayerStackForward
 from minisgl_backend.model.layers import Linear
 from minisgl_backend.model.llama import CausalLM
 from minisgl_backend.model.loader import forward_strategy
@@ -59,13 +59,13 @@ def _model(spec: ModelSpec, mode: str) -> CausalLM:
     return model
 
 
-def _stacked(model: CausalLM) -> DecodeStackForward:
+def _stacked(model: CausalLM) -> LayerStackForward:
     forward = model.forward_strategy
-    assert isinstance(forward, DecodeStackForward)
+    assert isinstance(forward, LayerStackForward)
     return forward
 
 
-def _stack(model: CausalLM, kv: KVCache) -> DecodeStack | None:
+def _stack(model: CausalLM, kv: KVCache) -> LayerStack | None:
     return _stacked(model).stack(model, kv)
 
 
@@ -115,7 +115,7 @@ def _copy(kv: KVCache) -> KVCache:
     ids=["llama", "bias+window", "qk-norm"],
 )
 @pytest.mark.parametrize("rows", [1, 3, 5])
-def test_decode_stack_has_the_layer_loops_bits(mode, over, rows):
+def test_layer_stack_has_the_layer_loops_bits(mode, over, rows):
     # linears whose kernel takes every row count: packed, or the avx2 family's
     any_rows = cpu_kernels.packs() or cpu_kernels.kernel_row_limit() is None
     if mode == "packed" and not cpu_kernels.packs():
@@ -226,7 +226,7 @@ def test_the_stack_has_the_layer_loops_bits_on_prompt_chunks(mode, over, monkeyp
             assert torch.equal(kv.k[layer], loop_kv.k[layer]) and torch.equal(kv.v[layer], loop_kv.v[layer])
 
 
-def test_decode_stack_is_skipped_where_it_does_not_run():
+def test_layer_stack_is_skipped_where_it_does_not_run():
     """Without packs the AVX-512 few-row kernel bounds the rows a batch may have; fp32 and Gemma
     models get no stack."""
     model = _model(_spec(), "unpacked")
@@ -240,7 +240,7 @@ def test_decode_stack_is_skipped_where_it_does_not_run():
     assert _stack(_model(_spec(gemma=True), "packed"), kv) is None
 
 
-def test_decode_stack_is_rebuilt_when_the_weights_change():
+def test_layer_stack_is_rebuilt_when_the_weights_change():
     """The stack points into the weights: after quantize_int8 replaces them it is built again, and
     still gives the layer loop's bits."""
     model = _model(_spec(), "unpacked")
@@ -257,7 +257,7 @@ def test_decode_stack_is_rebuilt_when_the_weights_change():
     assert torch.equal(native, model(batch, loop_kv))
 
 
-def test_decode_stack_refuses_a_slot_outside_the_pool():
+def test_layer_stack_refuses_a_slot_outside_the_pool():
     model = _model(_spec(), "unpacked")
     kv, tables = _prefilled(model, 1)
     batch = _decode_batch(tables, 0, seed=4)

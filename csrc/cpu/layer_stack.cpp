@@ -1,14 +1,14 @@
-// DecodeStack: every layer of a batch (decode rows, prompt chunks or both) in one call. A decode step
+// LayerStack: every layer of a batch (decode rows, prompt chunks or both) in one call. A decode step
 // calls ~11 kernels per layer, each through its Python wrapper and torch's tensor glue, and for a small
 // model on a few cores that glue is a large share of the step; in a prefill forward the pool's threads
 // wait through it between every two kernels (docs/performance.md). For a bf16 batch of a Llama-style
-// layer (pre-norm, fused qkv and gate/up, SiLU, Qwen3's q/k norm; not Gemma's block) DecodeStack::run
+// layer (pre-norm, fused qkv and gate/up, SiLU, Qwen3's q/k norm; not Gemma's block) LayerStack::run
 // calls the same kernels (the other files' entry points) on the same operands, in the same order, with
 // each linear taking the kernel Linear.forward would take at that row count (model/layers.py). Python
-// builds it per model and KV pool, again when the weights change (DecodeStackForward,
-// model/decode_stack.py), and keeps every tensor it points into alive.
+// builds it per model and KV pool, again when the weights change (LayerStackForward,
+// model/layer_stack.py), and keeps every tensor it points into alive.
 //
-// Bit-exactness: its bits are those of the layer-by-layer forward (tests/kernels/test_decode_stack.py): it
+// Bit-exactness: its bits are those of the layer-by-layer forward (tests/kernels/test_layer_stack.py): it
 // adds no arithmetic of its own, only the calls and the K/V copies.
 
 #include <algorithm>
@@ -45,9 +45,9 @@ void stack_linear(const StackLinear& l, int pack_kind, const uint16_t* x, uint16
 
 }  // namespace
 
-DecodeStack::DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
-                         double eps, double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer,
-                         int pack_kind, int isa, int64_t mlp_rows)
+LayerStack::LayerStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
+                       double eps, double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer,
+                       int pack_kind, int isa, int64_t mlp_rows)
     : h_(heads),
       kvh_(kv_heads),
       d_(head_dim),
@@ -64,14 +64,14 @@ DecodeStack::DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int6
       mlp_rows_(std::max<int64_t>(1, mlp_rows)) {
     if (heads % kv_heads != 0 || head_dim % (isa_ == ISA_AVX2 ? 8 : 16) != 0 || head_dim > 256)
         throw std::invalid_argument(
-            "DecodeStack: heads must be a multiple of kv_heads, head_dim of the lane width (16, avx2 8; <= 256)");
+            "LayerStack: heads must be a multiple of kv_heads, head_dim of the lane width (16, avx2 8; <= 256)");
     if (isa_ == ISA_AVX2 && pack_kind != PACK_NONE)
-        throw std::invalid_argument("DecodeStack: the avx2 family packs nothing");
+        throw std::invalid_argument("LayerStack: the avx2 family packs nothing");
 }
 
-void DecodeStack::add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down, uintptr_t input_norm,
-                            uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t kpool, uintptr_t vpool,
-                            int64_t window, int64_t rope, bool gated) {
+void LayerStack::add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down, uintptr_t input_norm,
+                           uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t kpool, uintptr_t vpool,
+                           int64_t window, int64_t rope, bool gated) {
     layers_.push_back(
         {qkv, o, gate_up, down, input_norm, post_norm, q_norm, k_norm, kpool, vpool, window, rope, gated});
 }
@@ -98,10 +98,10 @@ T* grown(std::vector<T>& buf, int64_t elems) {
 // at positions[i], writes its K/V at slots[i] and reads table row_table[i] of the num_tables tables:
 // a decode row a table of its own, a prefill chunk's rows one between them (row_tables in
 // model/batch.py). The last layer runs past its K/V only for the rows `keep` (DecoderLayer.forward).
-void DecodeStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots, uintptr_t tables,
-                      int64_t num_tables, int64_t table_stride, uintptr_t row_table, uintptr_t keep, int64_t kept,
-                      std::vector<uintptr_t> cos, std::vector<uintptr_t> sin, std::vector<int64_t> rot,
-                      int threads) const {
+void LayerStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots, uintptr_t tables,
+                     int64_t num_tables, int64_t table_stride, uintptr_t row_table, uintptr_t keep, int64_t kept,
+                     std::vector<uintptr_t> cos, std::vector<uintptr_t> sin, std::vector<int64_t> rot,
+                     int threads) const {
     const auto* pos = reinterpret_cast<const int64_t*>(positions);
     const auto* slot = reinterpret_cast<const int64_t*>(slots);
     const auto* tab = reinterpret_cast<const int64_t*>(tables);
@@ -109,16 +109,16 @@ void DecodeStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t posit
     const auto* keep_ids = reinterpret_cast<const int64_t*>(keep);
     for (int64_t r = 0; r < n; ++r)
         if (slot[r] < 0 || slot[r] >= blocks_ * bs_)
-            throw std::out_of_range("DecodeStack: a KV slot lies outside the pool");
+            throw std::out_of_range("LayerStack: a KV slot lies outside the pool");
     if (!tables_in_bounds(tab, rows_table, pos, n, num_tables, table_stride, bs_, blocks_))
-        throw std::out_of_range("DecodeStack: a row's table, position or block id lies outside the tables or the pool");
+        throw std::out_of_range("LayerStack: a row's table, position or block id lies outside the tables or the pool");
     for (int64_t i = 0; i < kept; ++i)
         if (keep_ids[i] < 0 || keep_ids[i] >= n)
-            throw std::out_of_range("DecodeStack: a kept row lies outside the batch");
+            throw std::out_of_range("LayerStack: a kept row lies outside the batch");
     for (const auto& l : layers_)
         if (l.rope < 0 || l.rope >= static_cast<int64_t>(cos.size()) || cos.size() != sin.size() ||
             sin.size() != rot.size())
-            throw std::invalid_argument("DecodeStack: a layer's RoPE index has no cos/sin pair");
+            throw std::invalid_argument("LayerStack: a layer's RoPE index has no cos/sin pair");
     const std::lock_guard<std::mutex> hold(mu_);
     Scratch& w = scratch_;
     const int64_t width = (h_ + 2 * kvh_) * d_, kv_row = kvh_ * d_;

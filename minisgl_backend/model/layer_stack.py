@@ -1,4 +1,4 @@
-"""Every layer of a batch in one native call (csrc/cpu/decode_stack.cpp, DecodeStack): decode rows,
+"""Every layer of a batch in one native call (csrc/cpu/layer_stack.cpp, LayerStack): decode rows,
 prompt chunks, or both.
 
 A decode step runs about a dozen kernels per layer, and at small batches on a few cores the Python
@@ -7,7 +7,7 @@ step; in a prefill forward the kernels run long, but the other threads wait whil
 that Python between them. The stack runs the same kernels on the same operands in the same order
 from one call, the attention over the row tables the layer loop's plan builds and the last layer
 past its K/V for the logit rows alone, so its bits are the layer-by-layer forward's
-(tests/kernels/test_decode_stack.py).
+(tests/kernels/test_layer_stack.py).
 
 It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels (any
 family but torch: the stack runs the family's kernels, AVX-512 or AVX2), a Llama-style block (Qwen3's
@@ -15,7 +15,7 @@ q/k norm included; not Gemma's), SiLU, and every linear packed for the packed ke
 AVX512-BF16: any row count), or under avx2 its few-row kernel (any row count, int8 weights read
 dequantized, as Linear.forward), or else batches of up to cpu_kernels.MAX_KERNEL_ROWS rows (the
 AVX-512 few-row kernel; int8 weights on the int8 kernel).
-It runs under the default and the batch-invariant forward alike (DecodeStackForward wraps either),
+It runs under the default and the batch-invariant forward alike (LayerStackForward wraps either),
 with that forward's RoPE tables.
 """
 
@@ -30,10 +30,10 @@ from minisgl_backend.model.layers import AttentionBackend, Linear, PagedAttentio
 from minisgl_backend.model.llama import CausalLM, Forward, Ropes
 
 
-class DecodeStack:
+class LayerStack:
     """The native stack of one model over one KV pool. It holds the model's weight tensors and the
     pool's (the native object keeps them alive and reads them in place): build it again after
-    replacing either (DecodeStackForward.stack does)."""
+    replacing either (LayerStackForward.stack does)."""
 
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
         s = model.spec
@@ -41,7 +41,7 @@ class DecodeStack:
         self.packed = all(lin.packed is not None for lin in _linears(model))
         # every linear's kernel takes any row count: packed, or the avx2 family's (kernel_row_limit)
         self.any_rows = self.packed or cpu_kernels.kernel_row_limit() is None
-        self._native = cpu_kernels._native.DecodeStack(
+        self._native = cpu_kernels._native.LayerStack(
             s.num_heads,
             s.num_kv_heads,
             s.head_dim,
@@ -143,7 +143,7 @@ class DecodeStack:
         )
 
 
-class DecodeStackForward:
+class LayerStackForward:
     """A forward strategy: the batches the stack runs go through it, with `inner`'s RoPE tables;
     every other batch (over the few-row kernel's rows), and every batch of a model or pool it does
     not run, goes through `inner` (the default or the batch-invariant forward), whose bits the
@@ -152,13 +152,13 @@ class DecodeStackForward:
     def __init__(self, inner: Forward, attention: AttentionBackend) -> None:
         self.inner = inner
         self.attention = attention  # the model's attention back-end, which `inner` runs too
-        self._built: tuple[KVCache, int, DecodeStack | None] | None = None  # (pool, weights_version, stack)
+        self._built: tuple[KVCache, int, LayerStack | None] | None = None  # (pool, weights_version, stack)
 
-    def stack(self, model: CausalLM, kv: KVCache) -> DecodeStack | None:
+    def stack(self, model: CausalLM, kv: KVCache) -> LayerStack | None:
         """The stack of `model` over `kv`, built on first use and again after the pool or the
         weights change (it points into both); None where it does not run them."""
         if self._built is None or self._built[0] is not kv or self._built[1] != model.weights_version:
-            stack = DecodeStack(model, kv) if DecodeStack.supports(model, kv, self.attention) else None
+            stack = LayerStack(model, kv) if LayerStack.supports(model, kv, self.attention) else None
             self._built = (kv, model.weights_version, stack)
         return self._built[2]
 
