@@ -104,8 +104,10 @@ def _copy(kv: KVCache) -> KVCache:
     return twin
 
 
-@pytest.mark.parametrize("mode", ["packed", "unpacked", "int8", "deterministic"])
-@pytest.mark.parametrize(
+# Every case runs packed, unpacked (the few-row kernel), int8 and batch-invariant models of three
+# layer kinds.
+MODES = pytest.mark.parametrize("mode", ["packed", "unpacked", "int8", "deterministic"])
+LAYER_KINDS = pytest.mark.parametrize(
     "over",
     [
         {},
@@ -114,32 +116,56 @@ def _copy(kv: KVCache) -> KVCache:
     ],
     ids=["llama", "bias+window", "qk-norm"],
 )
-@pytest.mark.parametrize("rows", [1, 3, 5])
-def test_layer_stack_has_the_layer_loops_bits(mode, over, rows):
+
+
+def _case_model(mode: str, over: dict) -> CausalLM:
+    """The model of one (mode, layer kind) case; skipped where another case covers it."""
     # linears whose kernel takes every row count: packed, or the avx2 family's
     any_rows = cpu_kernels.packs() or cpu_kernels.kernel_row_limit() is None
     if mode == "packed" and not cpu_kernels.packs():
         pytest.skip("this kernel family packs nothing: the unpacked case covers it")
     if mode == "deterministic" and not any_rows:
         pytest.skip("the deterministic forward tiles this family's linears: the stack does not run it")
-    model = _model(_spec(**over), mode)
+    return _model(_spec(**over), mode)
+
+
+def _takes(mode: str, rows: int) -> bool:
+    """Whether the stack takes a batch of `rows` rows of a `mode` model: any row count where its
+    linears are packed or under avx2's kernel (int8 too: under avx2 it reads the dequantized weight,
+    as Linear.forward does), else only the AVX-512 few-row kernel's."""
+    packed = mode != "unpacked" and cpu_kernels.packs()
+    return packed or cpu_kernels.kernel_row_limit() is None or rows <= cpu_kernels.MAX_KERNEL_ROWS
+
+
+def _as_the_loop(
+    model: CausalLM, batch: ForwardBatch, kv: KVCache, loop_kv: KVCache, label: str
+) -> torch.Tensor:
+    """The batch through the model's strategy over kv and through the layer loop over loop_kv (a copy
+    of it): the same logits and the same K/V written, bit for bit. Returns the logits."""
+    stacked = _stacked(model)
+    native = model(batch, kv)
+    model.forward_strategy = stacked.inner
+    plain = model(batch, loop_kv)
+    model.forward_strategy = stacked
+    assert torch.equal(native, plain), f"{label}: logits differ"
+    for layer in range(model.spec.num_layers):
+        assert torch.equal(kv.k[layer], loop_kv.k[layer]) and torch.equal(kv.v[layer], loop_kv.v[layer]), (
+            label
+        )
+    return native
+
+
+@MODES
+@LAYER_KINDS
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_layer_stack_has_the_layer_loops_bits(mode, over, rows):
+    model = _case_model(mode, over)
     kv, tables = _prefilled(model, rows)
     loop_kv = _copy(kv)
-    stacked = _stacked(model)
     for step in range(3):
         batch = _decode_batch(tables, step, seed=10 + step)
-        stack = stacked.stack(model, kv)
-        # Without packs the stack takes only the AVX-512 few-row kernel's row counts; the avx2 kernel
-        # takes any (int8 too: under avx2 it reads the dequantized weight, as Linear.forward does).
-        packed = mode != "unpacked" and cpu_kernels.packs()
-        assert stack.runs(batch) == (packed or cpu_kernels.kernel_row_limit() is None or rows <= 4)
-        native = model(batch, kv)
-        model.forward_strategy = stacked.inner  # the layer loop, over the copy of the pool
-        plain = model(batch, loop_kv)
-        model.forward_strategy = stacked
-        assert torch.equal(native, plain), f"step {step}: logits differ"
-        for layer in range(model.spec.num_layers):
-            assert torch.equal(kv.k[layer], loop_kv.k[layer]) and torch.equal(kv.v[layer], loop_kv.v[layer])
+        assert _stacked(model).stack(model, kv).runs(batch) == _takes(mode, rows)
+        _as_the_loop(model, batch, kv, loop_kv, f"step {step}")
 
 
 def _chunks_batch(
@@ -178,27 +204,14 @@ def _chunks_batch(
     return ForwardBatch(ids, positions, slots, nd, dec_tables, dec_mask, tuple(chunks), keep)
 
 
-@pytest.mark.parametrize("mode", ["packed", "unpacked", "int8", "deterministic"])
-@pytest.mark.parametrize(
-    "over",
-    [
-        {},
-        {"qkv_bias": True, "mlp_bias": True, "sliding_window": 6, "sliding_layers": (True, False, True)},
-        {"qk_norm": True, "model_type": "qwen3"},
-    ],
-    ids=["llama", "bias+window", "qk-norm"],
-)
+@MODES
+@LAYER_KINDS
 def test_the_stack_has_the_layer_loops_bits_on_prompt_chunks(mode, over, monkeypatch):
     """Prefill and mixed batches through the stack (first chunks, later chunks beside decode rows,
     logits at the last rows, at every row and at none; the MLP in pieces of 5 rows) against the
     layer loop on a copy of the pool: the same logits and the same K/V, bit for bit."""
     monkeypatch.setattr(layers, "MLP_PIECE_BYTES", 5 * 2 * 96 * 2)  # intermediate 96, bf16
-    any_rows = cpu_kernels.packs() or cpu_kernels.kernel_row_limit() is None
-    if mode == "packed" and not cpu_kernels.packs():
-        pytest.skip("this kernel family packs nothing: the unpacked case covers it")
-    if mode == "deterministic" and not any_rows:
-        pytest.skip("the deterministic forward tiles this family's linears: the stack does not run it")
-    model = _model(_spec(**over), mode)
+    model = _case_model(mode, over)
     s = model.spec
     kv = KVCache(s.num_layers, 3 * BLOCKS_PER_SEQ, BLOCK, s.num_kv_heads, s.head_dim, torch.bfloat16, "cpu")
     loop_kv = _copy(kv)
@@ -210,20 +223,10 @@ def test_the_stack_has_the_layer_loops_bits_on_prompt_chunks(mode, over, monkeyp
         _chunks_batch(tables, [(1, 24, 2), (2, 9, 2)], [], "none", seed=4),
         _chunks_batch(tables, [(2, 11, 1)], [(0, 40), (1, 26)], "last", seed=5),
     ]
-    stacked = _stacked(model)
-    packed = mode != "unpacked" and cpu_kernels.packs()
     for i, batch in enumerate(batches):
-        n = batch.input_ids.shape[0]
-        takes = packed or cpu_kernels.kernel_row_limit() is None or n <= cpu_kernels.MAX_KERNEL_ROWS
-        assert stacked.stack(model, kv).runs(batch) == takes
-        native = model(batch, kv)
-        model.forward_strategy = stacked.inner
-        plain = model(batch, loop_kv)
-        model.forward_strategy = stacked
-        assert native.shape == (batch.logits_index.shape[0], s.vocab_size)
-        assert torch.equal(native, plain), f"batch {i}: logits differ"
-        for layer in range(s.num_layers):
-            assert torch.equal(kv.k[layer], loop_kv.k[layer]) and torch.equal(kv.v[layer], loop_kv.v[layer])
+        assert _stacked(model).stack(model, kv).runs(batch) == _takes(mode, batch.input_ids.shape[0])
+        logits = _as_the_loop(model, batch, kv, loop_kv, f"batch {i}")
+        assert logits.shape == (batch.logits_index.shape[0], s.vocab_size)
 
 
 def test_layer_stack_is_skipped_where_it_does_not_run():
