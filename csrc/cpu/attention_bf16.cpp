@@ -192,17 +192,12 @@ DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, 
                                AttnScratch& w, uint16_t* const* lane_out, int64_t n) {
     const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = hi / 2 - p0 + 1;
     w.ppair.resize(static_cast<size_t>(pairs * 16));
-    // vcvtne2ps2bf16 rounds both keys' 16 lanes at once (as vcvtneps2bf16 rounds each: the same bits),
-    // key 2t's in the low 16 elements, 2t + 1's in the high; one word permute pairs them per lane.
-    alignas(64) static constexpr int16_t pair_up[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i pair_idx = _mm512_load_si512(pair_up);
+    // Key 2t's and 2t + 1's probabilities of each lane as one pair (bf16_pairs).
     for (int64_t t = 0; t < pairs; ++t) {
         const int64_t ke = 2 * (p0 + t), ko = ke + 1;
         const __m512 e = ke >= b.lo ? _mm512_mul_ps(_mm512_loadu_ps(sc + ke * 16), inv) : _mm512_setzero_ps();
         const __m512 o = ko <= hi ? _mm512_mul_ps(_mm512_loadu_ps(sc + ko * 16), inv) : _mm512_setzero_ps();
-        _mm512_storeu_si512(w.ppair.data() + t * 16,
-                            _mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(o, e)));
+        _mm512_storeu_si512(w.ppair.data() + t * 16, bf16_pairs(e, o));
     }
     static constexpr LanesValueChunks by_vectors[LANES_SUM_VECTORS][4] = {
         {lanes_value_chunks_of<1>(1), lanes_value_chunks_of<1>(2), lanes_value_chunks_of<1>(3),

@@ -441,6 +441,15 @@ struct Lanes16 {
     }
 };
 
+// 16 (even[i], odd[i]) pairs of bf16, word 2i from even and 2i + 1 from odd, in one 512-bit vector:
+// vcvtne2ps2bf16 rounds both at once (even into the low 16 words, odd into the high; vcvtneps2bf16's
+// bits, subnormals flushed), and one word permute interleaves them.
+DPBF16 inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+    alignas(64) static constexpr int16_t pair_up[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_permutexvar_epi16(_mm512_load_si512(pair_up), (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
 // Lanes16 whose bf16 roundings take vcvtneps2bf16 (round_to_bf16_dp, round16_dp): the row-wise
 // kernels of the AVX-512 families that have AVX512-BF16 (ISA_AVX512_BF16), with Lanes16's bits.
 struct Lanes16Bf16 : Lanes16 {
@@ -460,14 +469,10 @@ struct Lanes16Bf16 : Lanes16 {
         else
             return round16_dp(v);
     }
-    // Lanes16::join's bits: both halves rounded by one vcvtne2ps2bf16 (even in the low 16 words, odd in
-    // the high), then one word permute interleaves them.
+    // Lanes16::join's bits, from bf16_pairs where no element is subnormal.
     DPBF16 static W join(F even, F odd) {
         if (__builtin_expect(has_denormal(even) || has_denormal(odd), 0)) return Lanes16::join(even, odd);
-        alignas(64) static constexpr int16_t pair_up[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
-                                                            21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
-                                                            11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-        return _mm512_permutexvar_epi16(_mm512_load_si512(pair_up), (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+        return bf16_pairs(even, odd);
     }
 };
 
