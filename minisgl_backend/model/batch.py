@@ -50,7 +50,7 @@ def row_tables(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.T
         return decode.contiguous(), torch.arange(n), batch.positions[:n]
     row_table = torch.empty(n, dtype=torch.int64)
     row_table[:nd] = torch.arange(nd)
-    widths = [t.shape[0] for t in (chunk.block_table for chunk in batch.prefill_chunks)]
+    widths = [chunk.block_table.shape[0] for chunk in batch.prefill_chunks]
     width = max(widths + ([decode.shape[1]] if decode is not None else []), default=1)
     tables = torch.zeros(max(nd + len(batch.prefill_chunks), 1), width, dtype=torch.int64)
     if decode is not None:

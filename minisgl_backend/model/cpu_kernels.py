@@ -628,13 +628,7 @@ def linear_int8(
 def _vocab_row(x: np.ndarray) -> bool:
     """Whether the sampler's native passes take x: a contiguous float32 logits row, under the AVX-512
     kernels (without 64-bit vector multiplies the passes are slower than numpy's)."""
-    return (
-        _ACTIVE.native
-        and _ACTIVE.isa != ISA_AVX2
-        and x.dtype == np.float32
-        and x.ndim == 1
-        and x.flags.c_contiguous
-    )
+    return avx512_available() and x.dtype == np.float32 and x.ndim == 1 and x.flags.c_contiguous
 
 
 def keyed_draw_screen(
