@@ -27,11 +27,12 @@ void check_pack(TensorArg& packed, int64_t elems) {
     packed.required().dtype(DType::BF16).contiguous().shape({ANY}).min_numel(elems);
 }
 
-// x [M, K] bf16 rows, bias [N] or None, y [M, N]: what every linear entry point shares.
-void check_linear_rows(TensorArg& x, TensorArg& bias, TensorArg& y, int64_t n) {
-    x.required().dtype(DType::BF16).shape({ANY, ANY}).contiguous();
-    bias.dtype(DType::BF16).shape({n}).contiguous();
-    y.required().dtype(DType::BF16).shape({x.size(0), n}).contiguous();
+// x [M, K] rows, bias [N] or None, y [M, N], all of one dtype (bf16 unless said): what every linear
+// entry point shares.
+void check_linear_rows(TensorArg& x, TensorArg& bias, TensorArg& y, int64_t n, DType dtype = DType::BF16) {
+    x.required().dtype(dtype).shape({ANY, ANY}).contiguous();
+    bias.dtype(dtype).shape({n}).contiguous();
+    y.required().dtype(dtype).shape({x.size(0), n}).contiguous();
 }
 
 void check_ids(const char* op, TensorArg& ids, TensorArg& out, int64_t n, int64_t k) {
@@ -180,6 +181,19 @@ PYBIND11_MODULE(_kernels, m) {
         },
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("threads"), py::arg("isa"),
         "out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N], or None); bfloat16; isa 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16.");
+    m.def(
+        "linear_f32",
+        [](py::handle x_, py::handle w_, py::handle bias_, py::handle y_, int threads, int isa) {
+            const char* op = "linear_f32";
+            TensorArg x(op, "x", x_), w(op, "weight", w_), bias(op, "bias", bias_), y(op, "out", y_);
+            w.required().dtype(DType::F32).shape({ANY, ANY}).contiguous();
+            check_linear_rows(x, bias, y, w.size(0), DType::F32);
+            x.shape({ANY, w.size(1)});
+            py::gil_scoped_release nogil;
+            linear_f32(x.ptr(), w.ptr(), bias.ptr(), y.ptr(), x.size(0), w.size(0), w.size(1), threads, isa);
+        },
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("threads"), py::arg("isa"),
+        "out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N], or None); float32; isa as linear_bf16.");
     m.def("packed_amx_elems", &packed_amx_elems, py::arg("n"), py::arg("k"), "bf16 elements of pack_amx's output.");
     m.def(
         "pack_amx",

@@ -14,9 +14,12 @@
 
 namespace minisgl::cpu {
 
-// ---- linear_fma.cpp: 1-4 rows on float32 FMAs over split bf16 pairs, AVX-512 or AVX2 (isa: common.h Isa) ----
+// ---- linear_fma.cpp: a few rows on float32 FMAs over bf16 or float32 weights, AVX-512 or AVX2 (isa: common.h Isa)
+// ----
 void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K, int threads,
                  int isa);
+void linear_f32(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K, int threads,
+                int isa);
 
 // ---- linear_amx.cpp: any row count on the AMX tile unit, over weights packed at load ----
 int64_t packed_amx_elems(int64_t N, int64_t K);

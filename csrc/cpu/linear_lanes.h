@@ -1,49 +1,82 @@
-// The few-row bf16 linear's loops (linear_fma.cpp), written once over the lane width: linear_fma.cpp
-// includes this file twice, in namespace avx512 (V = Lanes16, LANES_TARGET = AVX512: 32 weights per
-// k-step, tiles of 4 weight rows) and in namespace avx2 (V = Lanes8, LANES_TARGET = AVX2: 16 weights
-// per k-step, tiles of 2 weight rows, whose 4 x 2 accumulators fit AVX2's 16 registers beside the
-// weights). No include guard, on purpose.
+// The few-row linear's loops (linear_fma.cpp), written once over the lane width and the weights'
+// element type: linear_fma.cpp includes this file twice, in namespace avx512 (V = Lanes16,
+// LANES_TARGET = AVX512: 32 weights per k-step, tiles of 4 weight rows) and in namespace avx2 (V =
+// Lanes8, LANES_TARGET = AVX2: 16 weights per k-step, tiles of 2 weight rows, whose 4 x 2
+// accumulators fit AVX2's 16 registers beside the weights), and instantiates each for bf16 (uint16_t)
+// and float32 weights. No include guard, on purpose.
 
 // Weight rows per tile: 4 x MM accumulators live in AVX-512's 32 registers; AVX2 has 16.
 constexpr int TILE_ROWS = V::N == 16 ? 4 : 2;
-constexpr int64_t KSTEP = 2 * V::N;  // bf16 weights per k-step: N (even, odd) pairs
+constexpr int64_t KSTEP = 2 * V::N;  // weights per k-step: two float32 vectors' worth
 
-// Each 64 bytes of a tile's rows request the same line of TILE_ROWS rows PREFETCH_AHEAD rows further
+// Each cache line of a tile's rows requests the same line of TILE_ROWS rows PREFETCH_AHEAD rows further
 // on (past the matrix a prefetch never faults), into L1 (AVX-512: the next tile, as common.h
 // prefetch_next_tile) or into L2 (AVX2: 8 rows ahead; the next tile into L1 comes too late to hide a
 // weight stream from memory at one row and one thread, a distance the L2 prefetch covers).
 constexpr int PREFETCH_AHEAD = V::N == 16 ? 4 : 8;
 constexpr auto PREFETCH_HINT = V::N == 16 ? _MM_HINT_T0 : _MM_HINT_T1;
 
-// One k-step of 2N weights: a load holds N (even, odd) bf16 pairs. `w << 16` is the even elements as
-// float32 and `w & 0xffff0000` the odd ones (bf16 is the top half of a float32), so the pair becomes
-// two FMAs against the input row split the same way: two float32 FMAs take less time than one
-// vdpbf16ps on the CPUs this loop was tuned on, so the pair is split rather than fed to vdpbf16ps.
-//
+// How one k-step of weights of type T becomes two float32 vectors (a, b), and where a row's input
+// element k goes to meet its weight: into half 0 (the `a` lanes) or half 1 (`b`) of the row's split
+// copy, at index `at`. Every weight is multiplied by its own input element; only the lane it is
+// summed in differs between the types.
+template <typename T>
+struct Step;
+
+// bf16: a load holds N (even, odd) pairs. `w << 16` is the even elements as float32 and
+// `w & 0xffff0000` the odd ones (bf16 is the top half of a float32), so the pair becomes two FMAs
+// against the input row split the same way: two float32 FMAs take less time than one vdpbf16ps on
+// the CPUs this loop was tuned on, so the pair is split rather than fed to vdpbf16ps.
+template <>
+struct Step<uint16_t> {
+    LANES_TARGET static void load(const uint16_t* w, int64_t n, typename V::F& a, typename V::F& b) {
+        V::split(V::load_pairs(w, n), a, b);
+    }
+    static int half(int64_t k) { return static_cast<int>(k % 2); }
+    static int64_t at(int64_t k) { return k / 2; }
+    static float widen(uint16_t v) { return bf16_to_f32(v); }
+    static uint16_t narrow(float v) { return f32_to_bf16(v); }
+};
+
+// float32: the k-step's first N weights, then its next N (zeros past the row's end).
+template <>
+struct Step<float> {
+    LANES_TARGET static void load(const float* w, int64_t n, typename V::F& a, typename V::F& b) {
+        a = n >= V::N ? V::loadu(w) : V::template loadn<float>(w, n);
+        b = n >= KSTEP ? V::loadu(w + V::N) : V::template loadn<float>(w + V::N, n > V::N ? n - V::N : 0);
+    }
+    static int half(int64_t k) { return static_cast<int>(k % KSTEP >= V::N); }
+    static int64_t at(int64_t k) { return k / KSTEP * V::N + k % V::N; }
+    static float widen(float v) { return v; }
+    static float narrow(float v) { return v; }
+};
+
 // MM input rows x TILE_ROWS weight rows: their float32 accumulators; each weight vector is loaded and
-// split once per k-step and used by every input row. xe/xo: the input rows' even/odd elements as
-// float32, zero-padded to a whole k-step (row stride xs), so a short weight tail meets zeros.
-template <int MM>
-LANES_TARGET inline void tile_bf16(const float* xe, const float* xo, int64_t xs, const uint16_t* w,
-                                   const uint16_t* bias, uint16_t* y, int64_t K, int64_t N) {
+// split once per k-step and used by every input row. xa/xb: the input rows' two halves as Step lays
+// them out, zero-padded to a whole k-step (row stride xs), so a short weight tail meets zeros.
+template <int MM, typename T>
+LANES_TARGET inline void tile(const float* xa, const float* xb, int64_t xs, const T* w, const T* bias, T* y, int64_t K,
+                              int64_t N) {
     using F = typename V::F;
+    constexpr int64_t LINE = 64 / sizeof(T);  // weights per cache line
     F acc[MM][TILE_ROWS];
 #pragma GCC unroll 4
     for (int i = 0; i < MM; ++i)
 #pragma GCC unroll 4
         for (int j = 0; j < TILE_ROWS; ++j) acc[i][j] = V::zero();
     for (int64_t k = 0; k < K; k += KSTEP) {
-        F we[TILE_ROWS], wo[TILE_ROWS];
-        if (k % 32 == 0)
+        F wa[TILE_ROWS], wb[TILE_ROWS];
+        if (k % LINE == 0)
             for (int j = PREFETCH_AHEAD; j < PREFETCH_AHEAD + TILE_ROWS; ++j)
-                _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k), PREFETCH_HINT);
+                for (int64_t p = 0; p < KSTEP; p += LINE)
+                    _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + p), PREFETCH_HINT);
 #pragma GCC unroll 4
-        for (int j = 0; j < TILE_ROWS; ++j) V::split(V::load_pairs(w + j * K + k, K - k), we[j], wo[j]);
+        for (int j = 0; j < TILE_ROWS; ++j) Step<T>::load(w + j * K + k, K - k, wa[j], wb[j]);
 #pragma GCC unroll 4
         for (int i = 0; i < MM; ++i) {
-            const F e = V::loadu(xe + i * xs + k / 2), o = V::loadu(xo + i * xs + k / 2);
+            const F a = V::loadu(xa + i * xs + k / 2), b = V::loadu(xb + i * xs + k / 2);
 #pragma GCC unroll 4
-            for (int j = 0; j < TILE_ROWS; ++j) acc[i][j] = V::fmadd(o, wo[j], V::fmadd(e, we[j], acc[i][j]));
+            for (int j = 0; j < TILE_ROWS; ++j) acc[i][j] = V::fmadd(b, wb[j], V::fmadd(a, wa[j], acc[i][j]));
         }
     }
     // V::reduce4's sum of a vector depends on that vector's lanes alone, so a zero stands in for a
@@ -54,72 +87,76 @@ LANES_TARGET inline void tile_bf16(const float* xe, const float* xo, int64_t xs,
         const F z = V::zero();
         _mm_store_ps(s, V::reduce4(acc[i][0], acc[i][1], TILE_ROWS > 2 ? acc[i][2 % TILE_ROWS] : z,
                                    TILE_ROWS > 3 ? acc[i][3 % TILE_ROWS] : z));
-        for (int j = 0; j < TILE_ROWS; ++j) y[i * N + j] = f32_to_bf16(bias ? s[j] + bf16_to_f32(bias[j]) : s[j]);
+        for (int j = 0; j < TILE_ROWS; ++j)
+            y[i * N + j] = Step<T>::narrow(bias ? s[j] + Step<T>::widen(bias[j]) : s[j]);
     }
 }
 
 // The last N % TILE_ROWS outputs of one input row: the tile's arithmetic for one weight row, so the
 // bits match a full tile's.
-LANES_TARGET void tail_bf16(const float* xe, const float* xo, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-                            int64_t K) {
+template <typename T>
+LANES_TARGET void tail(const float* xa, const float* xb, const T* w, const T* bias, T* y, int64_t K) {
     using F = typename V::F;
     F acc = V::zero();
     const F z = V::zero();
     for (int64_t k = 0; k < K; k += KSTEP) {
-        F we, wo;
-        V::split(V::load_pairs(w + k, K - k), we, wo);
-        acc = V::fmadd(V::loadu(xo + k / 2), wo, V::fmadd(V::loadu(xe + k / 2), we, acc));
+        F wa, wb;
+        Step<T>::load(w + k, K - k, wa, wb);
+        acc = V::fmadd(V::loadu(xb + k / 2), wb, V::fmadd(V::loadu(xa + k / 2), wa, acc));
     }
     alignas(16) float s[4];
     _mm_store_ps(s, V::reduce4(acc, z, z, z));
-    *y = f32_to_bf16(bias ? s[0] + bf16_to_f32(*bias) : s[0]);
+    *y = Step<T>::narrow(bias ? s[0] + Step<T>::widen(*bias) : s[0]);
 }
 
 // Weight-row tile b (rows b * TILE_ROWS ...) against every input row, 4 input rows at a time.
-LANES_TARGET void tiles_bf16(const float* xe, const float* xo, int64_t xs, const uint16_t* w, const uint16_t* bias,
-                             uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t b) {
+template <typename T>
+LANES_TARGET void tiles(const float* xa, const float* xb, int64_t xs, const T* w, const T* bias, T* y, int64_t M,
+                        int64_t N, int64_t K, int64_t b) {
     const int64_t n0 = b * TILE_ROWS;
-    const uint16_t* wb = w + n0 * K;
-    const uint16_t* bb = bias ? bias + n0 : nullptr;
+    const T* wt = w + n0 * K;
+    const T* bt = bias ? bias + n0 : nullptr;
     int64_t m0 = 0;
-    for (; m0 + 4 <= M; m0 += 4) tile_bf16<4>(xe + m0 * xs, xo + m0 * xs, xs, wb, bb, y + m0 * N + n0, K, N);
+    for (; m0 + 4 <= M; m0 += 4) tile<4>(xa + m0 * xs, xb + m0 * xs, xs, wt, bt, y + m0 * N + n0, K, N);
     switch (M - m0) {
         case 3:
-            tile_bf16<3>(xe + m0 * xs, xo + m0 * xs, xs, wb, bb, y + m0 * N + n0, K, N);
+            tile<3>(xa + m0 * xs, xb + m0 * xs, xs, wt, bt, y + m0 * N + n0, K, N);
             break;
         case 2:
-            tile_bf16<2>(xe + m0 * xs, xo + m0 * xs, xs, wb, bb, y + m0 * N + n0, K, N);
+            tile<2>(xa + m0 * xs, xb + m0 * xs, xs, wt, bt, y + m0 * N + n0, K, N);
             break;
         case 1:
-            tile_bf16<1>(xe + m0 * xs, xo + m0 * xs, xs, wb, bb, y + m0 * N + n0, K, N);
+            tile<1>(xa + m0 * xs, xb + m0 * xs, xs, wt, bt, y + m0 * N + n0, K, N);
             break;
         default:
             break;
     }
 }
 
-// y = x @ w^T (+ bias) for M <= 4 rows: the input rows split once into even / odd float32 halves
-// (zero-padded to whole k-steps), then the weight tiles over the threads.
-inline void linear(const uint16_t* xp, const uint16_t* wp, const uint16_t* bp, uint16_t* yp, int64_t M, int64_t N,
-                   int64_t K, int threads) {
+// y = x @ w^T (+ bias) for a few rows: the input rows split once into their two float32 halves
+// (Step's layout, zero-padded to whole k-steps), then the weight tiles over the threads.
+template <typename T>
+void linear(const T* xp, const T* wp, const T* bp, T* yp, int64_t M, int64_t N, int64_t K, int threads) {
     const int64_t xs = (K + KSTEP - 1) / KSTEP * V::N;  // float32 per half row, padded to whole k-steps
     std::vector<float> split(static_cast<size_t>(2 * M * xs), 0.0f);
-    float* xe = split.data();
-    float* xo = xe + M * xs;
+    float* halves[2] = {split.data(), split.data() + M * xs};
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) (k % 2 ? xo : xe)[m * xs + k / 2] = bf16_to_f32(xp[m * K + k]);
-    const int64_t blocks = N / TILE_ROWS, tail = N % TILE_ROWS;
+        for (int64_t k = 0; k < K; ++k)
+            halves[Step<T>::half(k)][m * xs + Step<T>::at(k)] = Step<T>::widen(xp[m * K + k]);
+    const float* xa = halves[0];
+    const float* xb = halves[1];
+    const int64_t blocks = N / TILE_ROWS, rest = N % TILE_ROWS;
     // Each thread starts on one contiguous slice of the weight matrix (pool.h); the split input rows
     // stay in L1, and a weight tile stays there while every input row uses it. The tail's single
     // outputs come last.
-    parallel_for(threads, blocks + M * tail, 0, [&](int64_t i0, int64_t i1) {
+    parallel_for(threads, blocks + M * rest, 0, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
             if (i < blocks) {
-                tiles_bf16(xe, xo, xs, wp, bp, yp, M, N, K, i);
+                tiles(xa, xb, xs, wp, bp, yp, M, N, K, i);
                 continue;
             }
-            const int64_t t = i - blocks, m = t / tail, n = blocks * TILE_ROWS + t % tail;
-            tail_bf16(xe + m * xs, xo + m * xs, wp + n * K, bp ? bp + n : nullptr, yp + m * N + n, K);
+            const int64_t t = i - blocks, m = t / rest, n = blocks * TILE_ROWS + t % rest;
+            tail(xa + m * xs, xb + m * xs, wp + n * K, bp ? bp + n : nullptr, yp + m * N + n, K);
         }
     });
 }

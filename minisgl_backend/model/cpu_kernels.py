@@ -44,6 +44,11 @@ except ImportError:  # pragma: no cover - depends on the build
 # runs at every row count (kernel_row_limit()): oneDNN's bf16 matmul capped at AVX2 converts its
 # operands on every call and runs well below the kernel at any row count.
 MAX_KERNEL_ROWS = 4
+# Rows up to which linear() runs float32 rows on the same kernel over float32 weights, on every
+# family: a decode batch streams each weight once, which the BLAS's float32 matrix-vector and
+# small-matrix paths do well below the memory's rate on some CPUs; at prompt-chunk sizes the BLAS's
+# own blocking catches up with the kernel's 4-row tiles.
+F32_KERNEL_ROWS = 32
 
 
 # The kernel families, fastest first. A CPU runs every family from the best it supports down:
@@ -308,13 +313,33 @@ def linear_row_invariant(weight: torch.Tensor, bias: torch.Tensor | None) -> boo
     )
 
 
+def _few_f32_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a linear call is one the float32 kernel takes: 1..F32_KERNEL_ROWS 2-D float32 CPU rows,
+    a contiguous float32 weight and a contiguous float32 bias or none, under a vector family."""
+    return (
+        _ACTIVE.native
+        and 0 < x.shape[0] <= F32_KERNEL_ROWS
+        and x.dim() == 2
+        and x.dtype == torch.float32
+        and x.is_cpu
+        and weight.dtype == torch.float32
+        and weight.is_cpu
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for 2-D x; the kernel for contiguous bf16 CPU rows, up to
-    kernel_row_limit() of them (any number under avx2).
+    kernel_row_limit() of them (any number under avx2), and for up to F32_KERNEL_ROWS float32 rows.
 
     The kernel's output for a row depends only on that row and the weights (one dot product per
     output, in a fixed order), never on how many rows share the call."""
     m = x.shape[0]
+    if _few_f32_rows(x, weight, bias):
+        out = torch.empty(m, weight.shape[0], dtype=torch.float32)
+        _native.linear_f32(x.contiguous(), weight, bias, out, threads(), _ACTIVE.isa)
+        return out
     fits = _few_bf16_rows(x, bias, kernel_row_limit())
     if not (fits and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
         return F.linear(x, weight, bias)

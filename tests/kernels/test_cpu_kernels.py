@@ -75,6 +75,55 @@ def test_linear_matches_float32_reference_and_is_row_independent(vector_family, 
             assert torch.equal(cpu_kernels.linear(x, w, b), y), "bits depend on the thread count"
 
 
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 1536), (7, 37), (49, 64), (1, 33), (3, 17), (5, 80)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_linear_matches_a_float64_reference_and_is_row_independent(vector_family, n, k, bias):
+    """Float32 rows over float32 weights (a float32 model's decode steps) take the kernel up to
+    F32_KERNEL_ROWS rows, at each width, with N and K that are not whole tiles or k-steps: within
+    float32 rounding of a float64 reference, and a row's bits the same alone as among the others
+    and at one thread as at several."""
+    g = _gen(7)
+    w = torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(cpu_kernels.F32_KERNEL_ROWS, k, generator=g)
+    ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+    # a float32 dot product of k terms is within ~k ulps of the exact sum of the absolute terms
+    bound = (x.double().abs() @ w.double().abs().t() + (0 if b is None else b.double().abs())) * k * 2**-23
+    for m in (1, 2, 3, 4, 5, 9, cpu_kernels.F32_KERNEL_ROWS):
+        y = cpu_kernels.linear(x[:m], w, b)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert ((y.double() - ref[:m]).abs() <= bound[:m]).all()
+        alone = torch.cat([cpu_kernels.linear(x[i : i + 1], w, b) for i in range(m)])
+        assert torch.equal(y, alone), "a row's bits must not depend on the rows beside it"
+        with _threads(1):
+            assert torch.equal(cpu_kernels.linear(x[:m], w, b), y), "bits depend on the thread count"
+
+
+def test_float32_rows_take_the_kernel_up_to_its_row_limit(vector_family, monkeypatch):
+    """Which float32 calls the kernel serves: 1..F32_KERNEL_ROWS contiguous rows over a contiguous
+    float32 weight; more rows, a transposed weight or the torch family take F.linear."""
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(native, name)
+            if name != "linear_f32":
+                return fn
+            return lambda x, *a: calls.append(x.shape[0]) or fn(x, *a)
+
+    native = cpu_kernels._native
+    monkeypatch.setattr(cpu_kernels, "_native", Counting())
+    g = _gen(8)
+    w = torch.randn(40, 24, generator=g)
+    for m in (1, cpu_kernels.F32_KERNEL_ROWS, cpu_kernels.F32_KERNEL_ROWS + 1):
+        cpu_kernels.linear(torch.randn(m, 24, generator=g), w)
+    cpu_kernels.linear(torch.randn(2, 40, generator=g), w.t())  # not contiguous: torch
+    assert calls == [1, cpu_kernels.F32_KERNEL_ROWS]
+    with cpu_kernels.family_override("torch"):
+        cpu_kernels.linear(torch.randn(2, 24, generator=g), w)
+    assert calls == [1, cpu_kernels.F32_KERNEL_ROWS]
+
+
 @pytest.mark.parametrize("n,k", [(576, 576), (7, 37), (1, 33)])
 def test_avx2_linear_runs_every_row_count_with_each_rows_bits(n, k):
     """The avx2 family's linear runs its kernel at any row count (oneDNN's AVX2 bf16 matmul is
@@ -112,14 +161,16 @@ def _threads(n: int):
     return cpu_kernels.threads_override(n)
 
 
-def test_linear_beyond_kernel_rows_and_fp32_is_torch(vector_family):
-    """Beyond MAX_KERNEL_ROWS the AVX-512 families run F.linear; fp32 is F.linear everywhere."""
+def test_linear_beyond_kernel_rows_is_torch(vector_family):
+    """Beyond MAX_KERNEL_ROWS the AVX-512 families run F.linear on bf16 rows, and every family
+    beyond F32_KERNEL_ROWS on float32 rows."""
     g = _gen(1)
     w = torch.randn(64, 96, generator=g).bfloat16()
     x = torch.randn(cpu_kernels.MAX_KERNEL_ROWS + 1, 96, generator=g).bfloat16()
     if cpu_kernels.kernel_row_limit() is not None:
         assert torch.equal(cpu_kernels.linear(x, w), F.linear(x, w))
-    assert torch.equal(cpu_kernels.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+    many = torch.randn(cpu_kernels.F32_KERNEL_ROWS + 1, 96, generator=g)
+    assert torch.equal(cpu_kernels.linear(many, w.float()), F.linear(many, w.float()))
     # a non-contiguous input gives the bits of its contiguous copy
     wide = torch.randn(2, 192, generator=g).bfloat16()[:, ::2]
     assert torch.equal(cpu_kernels.linear(wide, w), cpu_kernels.linear(wide.contiguous(), w))
