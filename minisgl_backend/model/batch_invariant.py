@@ -27,9 +27,11 @@ Row-wise ops built from torch reductions (RMSNorm, residual adds, SiLU) reduce w
 so they are invariant already and shared with the default path. The default path itself is left untouched.
 
 On a CPU with the native kernels (docs/architecture.md, "CPU kernels") two of these give way to kernels whose
-bits are row-invariant by construction, so they serve the default and this forward alike: a packed
-linear (AMX or AVX512-BF16, `Linear.pack`), or a bf16 linear under the avx2 family (its kernel at
-every row count), stays as it is instead of becoming a TiledLinear, and attention for every row runs
+bits are row-invariant by construction: a packed linear (AMX or AVX512-BF16, `Linear.pack`), or a
+bf16 linear under the avx2 family (its kernel at every row count), stays as it is instead of
+becoming a TiledLinear (the default forward runs the same kernels), a float32 linear runs the
+float32 kernel at every row count (`Linear.any_rows`; the default forward stops at
+cpu_kernels.F32_KERNEL_ROWS), and attention for every row runs
 through the model's attention back-end where that is row-invariant (`PagedAttention`, the native
 paged kernels) instead of `attend`. Which path a model takes depends on its device, dtype, shapes,
 the kernel family and the back-end chosen at load only, so every row of every batch takes the same one.
@@ -270,7 +272,7 @@ class BatchInvariantForward:
 def _row_invariant(lin: nn.Linear) -> bool:
     if not isinstance(lin, Linear) or lin.qweight is not None:
         return False
-    return lin.packed is not None or cpu_kernels.linear_row_invariant(lin.weight, lin.bias)
+    return lin.packed is not None or lin.any_rows or cpu_kernels.linear_row_invariant(lin.weight, lin.bias)
 
 
 def enable(model: CausalLM, attention: AttentionBackend | None = None) -> BatchInvariantForward:
@@ -279,9 +281,17 @@ def enable(model: CausalLM, attention: AttentionBackend | None = None) -> BatchI
     compute thread: builds a table and probes the tile sizes of each distinct linear shape)."""
     probed: dict[tuple, tuple[int, ...]] = {}
     # A packed Linear (AMX or AVX512-BF16 kernel at every row count, no int8 path) is row-invariant
-    # as it is, and so is a bf16 Linear under the avx2 family (its kernel at every row count). Any
-    # other linear would send few-row calls to the AVX-512 kernel, whose bits differ from oneDNN's:
-    # it becomes a TiledLinear, whose calls are all oneDNN calls of probed shapes.
+    # as it is, and so is a bf16 Linear under the avx2 family (its kernel at every row count). A
+    # float32 Linear the kernels take runs its kernel at every row count from here on (any_rows).
+    # Any other linear would send few-row calls to a kernel whose bits differ from the library's:
+    # it becomes a TiledLinear, whose calls are all library calls of probed shapes.
+    for mod in model.modules():
+        if (
+            type(mod) is Linear
+            and mod.qweight is None
+            and cpu_kernels.f32_kernel_weight(mod.weight, mod.bias)
+        ):
+            mod.any_rows = True
     linears = [mod for mod in model.modules() if isinstance(mod, nn.Linear) and not _row_invariant(mod)]
     for lin in [mod for mod in linears if not isinstance(mod, TiledLinear)]:
         if isinstance(lin, Linear):

@@ -313,15 +313,11 @@ def linear_row_invariant(weight: torch.Tensor, bias: torch.Tensor | None) -> boo
     )
 
 
-def _few_f32_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a linear call is one the float32 kernel takes: 1..F32_KERNEL_ROWS 2-D float32 CPU rows,
-    a contiguous float32 weight and a contiguous float32 bias or none, under a vector family."""
+def f32_kernel_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the float32 kernel takes this weight: a contiguous float32 CPU weight, a contiguous
+    float32 bias or none, under a vector family."""
     return (
         _ACTIVE.native
-        and 0 < x.shape[0] <= F32_KERNEL_ROWS
-        and x.dim() == 2
-        and x.dtype == torch.float32
-        and x.is_cpu
         and weight.dtype == torch.float32
         and weight.is_cpu
         and weight.is_contiguous()
@@ -329,14 +325,25 @@ def _few_f32_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, any_rows: bool = False
+) -> torch.Tensor:
     """F.linear(x, weight, bias) for 2-D x; the kernel for contiguous bf16 CPU rows, up to
-    kernel_row_limit() of them (any number under avx2), and for up to F32_KERNEL_ROWS float32 rows.
+    kernel_row_limit() of them (any number under avx2), and for float32 rows up to F32_KERNEL_ROWS
+    of them, or any number with `any_rows` (the batch-invariant forward's linears: one kernel for
+    every call, so a row's bits never depend on the call).
 
     The kernel's output for a row depends only on that row and the weights (one dot product per
     output, in a fixed order), never on how many rows share the call."""
     m = x.shape[0]
-    if _few_f32_rows(x, weight, bias):
+    if (
+        0 < m
+        and (any_rows or m <= F32_KERNEL_ROWS)
+        and x.dim() == 2
+        and x.dtype == torch.float32
+        and x.is_cpu
+        and f32_kernel_weight(weight, bias)
+    ):
         out = torch.empty(m, weight.shape[0], dtype=torch.float32)
         _native.linear_f32(x.contiguous(), weight, bias, out, threads(), _ACTIVE.isa)
         return out

@@ -34,6 +34,9 @@ class Linear(nn.Linear):
     qscale: torch.Tensor | None = None  # float32 [out]: weight ~ qweight * qscale[:, None]
     packed: torch.Tensor | None = None  # the weight in the packed kernel's layout, set by pack
     gated: bool = False  # packed for linear_packed_silu (MLP.forward), which only MLP reads
+    # Float32 rows on the kernel at every row count (set by the batch-invariant forward): by default
+    # only up to cpu_kernels.F32_KERNEL_ROWS, beyond which the BLAS's blocking is faster.
+    any_rows: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Where packed, the int8 kernel wins only at one row: from two rows on, the packed kernel
@@ -48,7 +51,7 @@ class Linear(nn.Linear):
                 return out
         # Inputs the packed kernels do not take (another dtype) read the weight back from the pack:
         # correct, and never on an engine's path (its activations are the packed model's dtype).
-        return cpu_kernels.linear(x, self.dense(), self.bias)
+        return cpu_kernels.linear(x, self.dense(), self.bias, self.any_rows)
 
     def dense(self) -> torch.Tensor:
         """The weight [out, in] in its own layout: `weight` itself, or read back from the pack (a new

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minisgl_backend.arith import cdiv
+from minisgl_backend.model import cpu_kernels
 from minisgl_backend.model.batch_invariant import KV_SPLIT, TiledLinear, attend, tiles_for
 
 # (out, in) of SmolLM2-135M's projections and LM head, and of the tiny test model.
@@ -55,3 +56,30 @@ def test_attention_row_is_the_same_alone_in_a_prefill_tile_and_in_a_decode_batch
     batch_pos[[0, 1, 3, 4]] = ctx - 1
     rows = attend(batch_q, k.expand(5, -1, -1, -1), v.expand(5, -1, -1, -1), batch_pos, d**-0.5)[2, 0]
     assert torch.equal(alone, tile) and torch.equal(alone, rows)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the native kernels do not run here")
+@pytest.mark.parametrize(
+    "family", [f for f in ("avx512bf16", "avx512", "avx2") if cpu_kernels.runs_family(f)]
+)
+def test_float32_linears_run_the_kernel_at_every_row_count(family):
+    """A float32 model's linears stay Linear in the batch-invariant forward, on the float32 kernel
+    at every row count (no tiles, no probe), and a row's bits are the same alone as among hundreds
+    of rows, past the row count where the default forward hands float32 rows to the BLAS."""
+    from minisgl_backend.model import batch_invariant
+    from minisgl_backend.model.layers import Linear
+    from tests.helpers import random_bf16_model
+    from tests.kernels.test_layer_stack import _spec
+
+    with cpu_kernels.family_override(family):
+        model = random_bf16_model(_spec()).float()
+        batch_invariant.enable(model)
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(type(m) is Linear and m.any_rows for m in linears)
+        g = torch.Generator().manual_seed(5)
+        for lin in (model.lm_head, model.model.layers[0].mlp.gate_up_proj):
+            x = torch.randn(300, lin.weight.shape[1], generator=g)
+            with torch.no_grad():
+                y = lin(x)
+                for at, m in ((0, 1), (299, 1), (7, 3), (40, cpu_kernels.F32_KERNEL_ROWS + 1), (10, 290)):
+                    assert torch.equal(lin(x[at : at + m]), y[at : at + m]), (family, at, m)
