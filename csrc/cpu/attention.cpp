@@ -374,9 +374,11 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
     });
 }
 
-// The layer stack's (bf16; paged_attention instantiates the float32 one).
+// The layer stack's (bf16 and float32).
 template void paged_attention_t<uint16_t>(uintptr_t, int64_t, uintptr_t, uintptr_t, uintptr_t, const int64_t*,
                                           const int64_t*, uintptr_t, int64_t, const AttnShape&, int, int, int);
+template void paged_attention_t<float>(uintptr_t, int64_t, uintptr_t, uintptr_t, uintptr_t, const int64_t*,
+                                       const int64_t*, uintptr_t, int64_t, const AttnShape&, int, int, int);
 
 // Every block a query will read lies inside its table row and the pool: a bad table is an error,
 // never a read out of bounds.

@@ -63,9 +63,9 @@ class BoundStack {
    public:
     BoundStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
                double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind, int isa,
-               int64_t mlp_rows)
+               int64_t mlp_rows, bool f32)
         : stack_(heads, kv_heads, head_dim, hidden, intermediate, eps, scale, softcap, block_size, num_blocks, scorer,
-                 pack_kind, isa, mlp_rows),
+                 pack_kind, isa, mlp_rows, f32),
           h_(heads),
           kvh_(kv_heads),
           d_(head_dim),
@@ -73,7 +73,8 @@ class BoundStack {
           inter_(intermediate),
           bs_(block_size),
           blocks_(num_blocks),
-          pack_kind_(pack_kind) {}
+          pack_kind_(pack_kind),
+          dtype_(f32 ? DType::F32 : DType::BF16) {}
 
     void add_layer(const BoundLinear& qkv, const BoundLinear& o, const BoundLinear& gate_up, const BoundLinear& down,
                    py::handle input_norm_, py::handle post_norm_, py::handle q_norm_, py::handle k_norm_,
@@ -88,13 +89,12 @@ class BoundStack {
         TensorArg input_norm(op, "input_norm", input_norm_), post_norm(op, "post_norm", post_norm_),
             q_norm(op, "q_norm", q_norm_), k_norm(op, "k_norm", k_norm_), kpool(op, "kpool", kpool_),
             vpool(op, "vpool", vpool_);
-        for (TensorArg* norm : {&input_norm, &post_norm})
-            norm->required().dtype(DType::BF16).shape({hidden_}).contiguous();
+        for (TensorArg* norm : {&input_norm, &post_norm}) norm->required().dtype(dtype_).shape({hidden_}).contiguous();
         if (q_norm.present() != k_norm.present())
             q_norm.fail("given exactly when 'k_norm' is", q_norm.present() ? "a tensor" : "None");
-        for (TensorArg* norm : {&q_norm, &k_norm}) norm->dtype(DType::BF16).shape({d_}).contiguous();
+        for (TensorArg* norm : {&q_norm, &k_norm}) norm->dtype(dtype_).shape({d_}).contiguous();
         for (TensorArg* pool : {&kpool, &vpool})
-            pool->required().dtype(DType::BF16).shape({blocks_, bs_, kvh_, d_}).contiguous();
+            pool->required().dtype(dtype_).shape({blocks_, bs_, kvh_, d_}).contiguous();
         stack_.add_layer(qkv.lin, o.lin, gate_up.lin, down.lin, input_norm.ptr(), post_norm.ptr(), q_norm.ptr(),
                          k_norm.ptr(), kpool.ptr(), vpool.ptr(), window, rope, gated);
         for (const BoundLinear* l : {&qkv, &o, &gate_up, &down})
@@ -109,9 +109,9 @@ class BoundStack {
         TensorArg x(op, "x", x_), mlp_out(op, "mlp_out", mlp_out_), positions(op, "positions", positions_),
             slots(op, "slots", slots_), tables(op, "tables", tables_), row_table(op, "row_table", row_table_),
             keep(op, "keep", keep_);
-        x.required().dtype(DType::BF16).shape({ANY, hidden_}).contiguous();
+        x.required().dtype(dtype_).shape({ANY, hidden_}).contiguous();
         const int64_t n = x.size(0);
-        mlp_out.required().dtype(DType::BF16).shape({n, hidden_}).contiguous();
+        mlp_out.required().dtype(dtype_).shape({n, hidden_}).contiguous();
         for (TensorArg* t : {&positions, &slots, &row_table}) t->required().dtype(DType::I64).shape({n}).contiguous();
         tables.required().dtype(DType::I64).shape({ANY, ANY}).contiguous();
         keep.dtype(DType::I64).shape({ANY}).contiguous();
@@ -124,10 +124,10 @@ class BoundStack {
         for (size_t i = 0; i < cos_.size(); ++i) {
             cos.emplace_back(op, "cos", cos_[i]);
             sin.emplace_back(op, "sin", sin_[i]);
-            cos.back().required().dtype(DType::BF16).shape({n, ANY}).contiguous();
+            cos.back().required().dtype(dtype_).shape({n, ANY}).contiguous();
             const int64_t r = cos.back().size(1);
             if (r % 2 || r > d_) cos.back().fail("an even rotary width of at most the head dim", std::to_string(r));
-            sin.back().required().dtype(DType::BF16).shape({n, r}).contiguous();
+            sin.back().required().dtype(dtype_).shape({n, r}).contiguous();
             cos_p.push_back(cos.back().ptr()), sin_p.push_back(sin.back().ptr()), rot.push_back(r);
         }
         py::gil_scoped_release nogil;
@@ -144,6 +144,10 @@ class BoundStack {
                                   std::to_string(l.lin.n) + ", " + std::to_string(l.lin.k) + "]");
         if (!l.lin.weight && !l.lin.packed)
             throw py::value_error(std::string("minisgl.") + op + ": linear '" + name + "' has neither weight nor pack");
+        for (TensorArg t : {l.keep[0], l.keep[2]}) t.dtype(dtype_);  // weight and bias in the stack's dtype
+        if (dtype_ == DType::F32 && (l.lin.packed || l.lin.qweight))
+            throw py::value_error(std::string("minisgl.") + op + ": linear '" + name +
+                                  "' of a float32 stack reads its float32 weight (no pack, no int8)");
         if (l.lin.packed && pack_kind_ == 0)
             throw py::value_error(std::string("minisgl.") + op + ": linear '" + name +
                                   "' is packed but the stack's family packs nothing");
@@ -157,6 +161,7 @@ class BoundStack {
     LayerStack stack_;
     int64_t h_, kvh_, d_, hidden_, inter_, bs_, blocks_;
     int pack_kind_;
+    DType dtype_;  // the model's: bf16 or float32
     std::vector<TensorArg> keep_;
 };
 
@@ -500,9 +505,10 @@ PYBIND11_MODULE(_kernels, m) {
                            TensorArg(op, "bias", bias_), TensorArg(op, "qweight", qweight_),
                            TensorArg(op, "qscale", qscale_)};
                  TensorArg &w = l.keep[0], &p = l.keep[1], &b = l.keep[2], &qw = l.keep[3], &qs = l.keep[4];
-                 w.dtype(DType::BF16).shape({n, k}).contiguous();
+                 // bf16, or a float32 model's weight and bias (the stack checks they are its dtype)
+                 w.floating().shape({n, k}).contiguous();
                  p.dtype(DType::BF16).shape({ANY}).contiguous();
-                 b.dtype(DType::BF16).shape({n}).contiguous();
+                 b.dtype(w.present() && w.is(DType::F32) ? DType::F32 : DType::BF16).shape({n}).contiguous();
                  qw.dtype(DType::I8).shape({n, k}).contiguous();
                  qs.dtype(DType::F32).shape({n}).contiguous();
                  if (qw.present() != qs.present())
@@ -514,10 +520,10 @@ PYBIND11_MODULE(_kernels, m) {
              py::arg("k"));
     py::class_<BoundStack>(m, "LayerStack")
         .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, double, int64_t, int64_t, int, int,
-                      int, int64_t>(),
+                      int, int64_t, bool>(),
              py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"),
              py::arg("eps"), py::arg("scale"), py::arg("softcap"), py::arg("block_size"), py::arg("num_blocks"),
-             py::arg("scorer"), py::arg("pack_kind"), py::arg("isa"), py::arg("mlp_rows"))
+             py::arg("scorer"), py::arg("pack_kind"), py::arg("isa"), py::arg("mlp_rows"), py::arg("f32") = false)
         .def("add_layer", &BoundStack::add_layer, py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
              py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("kpool"),
              py::arg("vpool"), py::arg("window"), py::arg("rope"), py::arg("gated"),
@@ -529,5 +535,5 @@ PYBIND11_MODULE(_kernels, m) {
              "Every layer over a batch's rows: x [rows, hidden] in (embeddings) and out (residual stream), "
              "mlp_out [rows, hidden] the last layer's MLP output, both at the rows `keep` (int64 [m], in rows "
              "0..m-1; None: every row); positions, slots, row_table int64 [rows], tables int64 [tables, nb] "
-             "(row r reads tables[row_table[r]]); cos/sin [rows, rot] bf16 per RoPE.");
+             "(row r reads tables[row_table[r]]); cos/sin [rows, rot] per RoPE; tensors in the stack's dtype.");
 }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "pool.h"
@@ -52,7 +53,7 @@ struct AttnShape {
 bool tables_in_bounds(const int64_t* tables, const int64_t* row_table, const int64_t* positions, int64_t n,
                       int64_t num_tables, int64_t stride, int64_t block_size, int64_t num_blocks);
 // The checked entry point (bf16 or float32) and, for the layer stack, the unchecked typed one
-// (instantiated for bf16, uint16_t).
+// (instantiated for bf16, uint16_t, and float32).
 void paged_attention(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, uintptr_t tables, uintptr_t row_table,
                      uintptr_t positions, uintptr_t out, int64_t n, int64_t heads, int64_t kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t num_blocks, int64_t num_tables, int64_t table_stride, double scale,
@@ -63,7 +64,7 @@ void paged_attention_t(uintptr_t q, int64_t q_stride, uintptr_t k, uintptr_t v, 
                        int scorer, int threads, int isa);
 
 // ---- rowwise.cpp: RMSNorm (+ residual add), RoPE, SiLU x up, AVX-512 or AVX2 (isa), the K/V write; the typed forms
-// for the layer stack (instantiated for bf16, uint16_t) ----
+// for the layer stack (instantiated for bf16, uint16_t, and float32) ----
 void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t sum_out, uintptr_t weight, uintptr_t out, int64_t rows,
               int64_t dim, double eps, bool gemma, bool bf16, int threads, int isa);
 void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
@@ -121,7 +122,7 @@ class LayerStack {
    public:
     LayerStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
                double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer, int pack_kind, int isa,
-               int64_t mlp_rows);
+               int64_t mlp_rows, bool f32);
     void add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down, uintptr_t input_norm,
                    uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm, uintptr_t kpool, uintptr_t vpool,
                    int64_t window, int64_t rope, bool gated);
@@ -130,14 +131,28 @@ class LayerStack {
              std::vector<uintptr_t> cos, std::vector<uintptr_t> sin, std::vector<int64_t> rot, int threads) const;
 
    private:
-    // The activations of one run, kept from run to run (a prefill forward's are tens of megabytes,
-    // which fresh buffers would fault in and zero every time); one run at a time.
+    // The activations of one run, in the model's dtype, kept from run to run (a prefill forward's
+    // are tens of megabytes, which fresh buffers would fault in and zero every time); one run at a time.
+    template <typename T>
     struct Scratch {
-        std::vector<uint16_t> normed, qkv, attn, attn_out, gate_up, act, kept_x, kept_q;
+        std::vector<T> normed, qkv, attn, attn_out, gate_up, act, kept_x, kept_q;
         std::vector<int64_t> kept_table, kept_pos;
     };
+    template <typename T>
+    void run_t(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots, uintptr_t tables,
+               int64_t num_tables, int64_t table_stride, uintptr_t row_table, uintptr_t keep, int64_t kept,
+               const std::vector<uintptr_t>& cos, const std::vector<uintptr_t>& sin, const std::vector<int64_t>& rot,
+               int threads) const;
+    template <typename T>
+    Scratch<T>& scratch() const {
+        if constexpr (std::is_same_v<T, float>)
+            return scratch_f32_;
+        else
+            return scratch_bf16_;
+    }
     mutable std::mutex mu_;
-    mutable Scratch scratch_;
+    mutable Scratch<uint16_t> scratch_bf16_;
+    mutable Scratch<float> scratch_f32_;
     int64_t h_, kvh_, d_, hidden_, inter_;
     float eps_, scale_, softcap_;
     int64_t bs_, blocks_;
@@ -145,6 +160,7 @@ class LayerStack {
     int pack_kind_;
     int isa_;
     int64_t mlp_rows_;  // the most rows one MLP call takes (model/layers.py mlp_piece_rows)
+    bool f32_;          // a float32 model (else bf16)
     std::vector<StackLayer> layers_;
 };
 

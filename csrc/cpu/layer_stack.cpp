@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -43,11 +44,18 @@ void stack_linear(const StackLinear& l, int pack_kind, const uint16_t* x, uint16
         linear_bf16(xp, l.weight, l.bias, yp, m, l.n, l.k, threads, isa);
 }
 
+// A float32 model's linears: the float32 kernel (the builder keeps m within the rows Linear.forward
+// gives it, or any m where the batch-invariant forward set any_rows).
+void stack_linear(const StackLinear& l, int, const float* x, float* y, int64_t m, int threads, int isa) {
+    linear_f32(reinterpret_cast<uintptr_t>(x), l.weight, l.bias, reinterpret_cast<uintptr_t>(y), m, l.n, l.k, threads,
+               isa);
+}
+
 }  // namespace
 
 LayerStack::LayerStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate,
                        double eps, double scale, double softcap, int64_t block_size, int64_t num_blocks, int scorer,
-                       int pack_kind, int isa, int64_t mlp_rows)
+                       int pack_kind, int isa, int64_t mlp_rows, bool f32)
     : h_(heads),
       kvh_(kv_heads),
       d_(head_dim),
@@ -61,12 +69,13 @@ LayerStack::LayerStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_
       scorer_(scorer),
       pack_kind_(pack_kind),
       isa_(require_isa(isa)),
-      mlp_rows_(std::max<int64_t>(1, mlp_rows)) {
+      mlp_rows_(std::max<int64_t>(1, mlp_rows)),
+      f32_(f32) {
     if (heads % kv_heads != 0 || head_dim % (isa_ == ISA_AVX2 ? 8 : 16) != 0 || head_dim > 256)
         throw std::invalid_argument(
             "LayerStack: heads must be a multiple of kv_heads, head_dim of the lane width (16, avx2 8; <= 256)");
-    if (isa_ == ISA_AVX2 && pack_kind != PACK_NONE)
-        throw std::invalid_argument("LayerStack: the avx2 family packs nothing");
+    if ((isa_ == ISA_AVX2 || f32) && pack_kind != PACK_NONE)
+        throw std::invalid_argument("LayerStack: the avx2 family and float32 models pack nothing");
 }
 
 void LayerStack::add_layer(StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down, uintptr_t input_norm,
@@ -98,10 +107,24 @@ T* grown(std::vector<T>& buf, int64_t elems) {
 // at positions[i], writes its K/V at slots[i] and reads table row_table[i] of the num_tables tables:
 // a decode row a table of its own, a prefill chunk's rows one between them (row_tables in
 // model/batch.py). The last layer runs past its K/V only for the rows `keep` (DecoderLayer.forward).
+// In the model's dtype: bf16 (uint16_t) or float32, as the constructor was told.
 void LayerStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots, uintptr_t tables,
                      int64_t num_tables, int64_t table_stride, uintptr_t row_table, uintptr_t keep, int64_t kept,
                      std::vector<uintptr_t> cos, std::vector<uintptr_t> sin, std::vector<int64_t> rot,
                      int threads) const {
+    if (f32_)
+        run_t<float>(x, mlp_out, n, positions, slots, tables, num_tables, table_stride, row_table, keep, kept, cos, sin,
+                     rot, threads);
+    else
+        run_t<uint16_t>(x, mlp_out, n, positions, slots, tables, num_tables, table_stride, row_table, keep, kept, cos,
+                        sin, rot, threads);
+}
+
+template <typename T>
+void LayerStack::run_t(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots,
+                       uintptr_t tables, int64_t num_tables, int64_t table_stride, uintptr_t row_table, uintptr_t keep,
+                       int64_t kept, const std::vector<uintptr_t>& cos, const std::vector<uintptr_t>& sin,
+                       const std::vector<int64_t>& rot, int threads) const {
     const auto* pos = reinterpret_cast<const int64_t*>(positions);
     const auto* slot = reinterpret_cast<const int64_t*>(slots);
     const auto* tab = reinterpret_cast<const int64_t*>(tables);
@@ -120,44 +143,45 @@ void LayerStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positi
             sin.size() != rot.size())
             throw std::invalid_argument("LayerStack: a layer's RoPE index has no cos/sin pair");
     const std::lock_guard<std::mutex> hold(mu_);
-    Scratch& w = scratch_;
+    Scratch<T>& w = scratch<T>();
     const int64_t width = (h_ + 2 * kvh_) * d_, kv_row = kvh_ * d_;
-    uint16_t* normed = grown(w.normed, n * hidden_);
-    uint16_t* qkv = grown(w.qkv, n * width);
-    uint16_t* attn = grown(w.attn, n * h_ * d_);
-    uint16_t* attn_out = grown(w.attn_out, n * hidden_);
-    uint16_t* act = grown(w.act, std::min(n, mlp_rows_) * inter_);
-    auto* xs = reinterpret_cast<uint16_t*>(x);
-    auto* mlp = reinterpret_cast<uint16_t*>(mlp_out);
+    T* normed = grown(w.normed, n * hidden_);
+    T* qkv = grown(w.qkv, n * width);
+    T* attn = grown(w.attn, n * h_ * d_);
+    T* attn_out = grown(w.attn_out, n * hidden_);
+    T* act = grown(w.act, std::min(n, mlp_rows_) * inter_);
+    auto* xs = reinterpret_cast<T*>(x);
+    auto* mlp = reinterpret_cast<T*>(mlp_out);
     const AttnShape shape{h_, kvh_, d_, bs_, table_stride, scale_, softcap_, 0};
     for (size_t i = 0; i < layers_.size(); ++i) {
         const StackLayer& l = layers_[i];
         // The previous layer's `x + mlp(h)` fused into this layer's input norm (as add_and_norm).
-        rms_norm_t(xs, i ? mlp : nullptr, i ? xs : nullptr, reinterpret_cast<const uint16_t*>(l.input_norm), normed, n,
+        rms_norm_t(xs, i ? mlp : nullptr, i ? xs : nullptr, reinterpret_cast<const T*>(l.input_norm), normed, n,
                    hidden_, eps_, false, threads, isa_);
         stack_linear(l.qkv, pack_kind_, normed, qkv, n, threads, isa_);
         for (int64_t r = 0; l.q_norm && r < n; ++r) {  // Qwen3: each head's q and k normed, in place
-            uint16_t *qr = qkv + r * width, *kr = qr + h_ * d_;
-            const auto* qw = reinterpret_cast<const uint16_t*>(l.q_norm);
-            const auto* kw = reinterpret_cast<const uint16_t*>(l.k_norm);
-            rms_norm_t<uint16_t>(qr, nullptr, nullptr, qw, qr, h_, d_, eps_, false, threads, isa_);
-            rms_norm_t<uint16_t>(kr, nullptr, nullptr, kw, kr, kvh_, d_, eps_, false, threads, isa_);
+            T *qr = qkv + r * width, *kr = qr + h_ * d_;
+            const auto* qw = reinterpret_cast<const T*>(l.q_norm);
+            const auto* kw = reinterpret_cast<const T*>(l.k_norm);
+            rms_norm_t<T>(qr, nullptr, nullptr, qw, qr, h_, d_, eps_, false, threads, isa_);
+            rms_norm_t<T>(kr, nullptr, nullptr, kw, kr, kvh_, d_, eps_, false, threads, isa_);
         }
-        rope_t(qkv, reinterpret_cast<const uint16_t*>(cos[l.rope]), reinterpret_cast<const uint16_t*>(sin[l.rope]), n,
-               h_ + kvh_, rot[l.rope], width, d_, threads, isa_);
+        rope_t(qkv, reinterpret_cast<const T*>(cos[l.rope]), reinterpret_cast<const T*>(sin[l.rope]), n, h_ + kvh_,
+               rot[l.rope], width, d_, threads, isa_);
         kv_write(reinterpret_cast<uintptr_t>(qkv + h_ * d_), reinterpret_cast<uintptr_t>(qkv + (h_ + kvh_) * d_),
-                 width * 2, l.kpool, l.vpool, reinterpret_cast<uintptr_t>(slot), n, kv_row * 2, threads);
+                 width * sizeof(T), l.kpool, l.vpool, reinterpret_cast<uintptr_t>(slot), n, kv_row * sizeof(T),
+                 threads);
         // The rest of the layer for the rows it serves: all of them, or in the last layer the kept
         // ones, gathered (their queries, tables, positions and residual rows) into rows 0..m - 1.
         const bool gather = kept >= 0 && i + 1 == layers_.size();
         const int64_t m = gather ? kept : n;
         if (m == 0) break;  // no row wants logits: the K/V were all this forward had to leave
-        const uint16_t* q = qkv;
+        const T* q = qkv;
         int64_t q_stride = width;
         const int64_t *m_table = rows_table, *m_pos = pos;
-        uint16_t* res = xs;
+        T* res = xs;
         if (gather) {
-            uint16_t* kq = grown(w.kept_q, m * h_ * d_);
+            T* kq = grown(w.kept_q, m * h_ * d_);
             take_rows(qkv, width, keep_ids, m, h_ * d_, kq);
             q = kq, q_stride = h_ * d_;
             int64_t* kt = grown(w.kept_table, m);
@@ -169,25 +193,25 @@ void LayerStack::run(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positi
         }
         AttnShape ls = shape;
         ls.window = l.window;
-        paged_attention_t<uint16_t>(reinterpret_cast<uintptr_t>(q), q_stride, l.kpool, l.vpool, tables, m_table, m_pos,
-                                    reinterpret_cast<uintptr_t>(attn), m, ls, scorer_, threads, isa_);
+        paged_attention_t<T>(reinterpret_cast<uintptr_t>(q), q_stride, l.kpool, l.vpool, tables, m_table, m_pos,
+                             reinterpret_cast<uintptr_t>(attn), m, ls, scorer_, threads, isa_);
         stack_linear(l.o, pack_kind_, attn, attn_out, m, threads, isa_);
-        rms_norm_t(res, attn_out, res, reinterpret_cast<const uint16_t*>(l.post_norm), normed, m, hidden_, eps_, false,
+        rms_norm_t(res, attn_out, res, reinterpret_cast<const T*>(l.post_norm), normed, m, hidden_, eps_, false,
                    threads, isa_);
         for (int64_t r0 = 0; r0 < m; r0 += mlp_rows_) {  // MLP.forward's pieces of rows
             const int64_t rows = std::min(mlp_rows_, m - r0);
-            const uint16_t* in = normed + r0 * hidden_;
-            if (l.gated) {  // MLP.forward's fused path
+            const T* in = normed + r0 * hidden_;
+            if (std::is_same_v<T, uint16_t> && l.gated) {  // MLP.forward's fused path (bf16 packs only)
                 linear_dpbf16_silu(reinterpret_cast<uintptr_t>(in), l.gate_up.packed, reinterpret_cast<uintptr_t>(act),
                                    rows, inter_, hidden_, threads);
             } else {
-                uint16_t* gate_up = grown(w.gate_up, rows * 2 * inter_);
+                T* gate_up = grown(w.gate_up, rows * 2 * inter_);
                 stack_linear(l.gate_up, pack_kind_, in, gate_up, rows, threads, isa_);
                 silu_and_mul_t(gate_up, act, rows, inter_, threads, isa_);
             }
             stack_linear(l.down, pack_kind_, act, mlp + r0 * hidden_, rows, threads, isa_);
         }
-        if (gather) std::memcpy(xs, res, static_cast<size_t>(m * hidden_) * sizeof(uint16_t));
+        if (gather) std::memcpy(xs, res, static_cast<size_t>(m * hidden_) * sizeof(T));
     }
 }
 

@@ -67,9 +67,10 @@ void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, in
         }
     });
 }
-// The layer stack's (bf16).
+// The layer stack's (bf16 and float32).
 template void rms_norm_t(uint16_t*, const uint16_t*, uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, float,
                          bool, int, int);
+template void rms_norm_t(float*, const float*, float*, const float*, float*, int64_t, int64_t, float, bool, int, int);
 
 void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t sum_out, uintptr_t weight, uintptr_t out, int64_t rows,
               int64_t dim, double eps, bool gemma, bool bf16, int threads, int isa) {
@@ -103,6 +104,7 @@ void rope_t(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64
 }
 template void rope_t(uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int,
                      int);
+template void rope_t(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int, int);
 
 void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
           bool bf16, int threads, int isa) {
@@ -131,6 +133,7 @@ void silu_and_mul_t(const T* gate_up, T* out, int64_t rows, int64_t dim, int thr
     });
 }
 template void silu_and_mul_t(const uint16_t*, uint16_t*, int64_t, int64_t, int, int);
+template void silu_and_mul_t(const float*, float*, int64_t, int64_t, int, int);
 
 void silu_and_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, bool bf16, int threads, int isa) {
     if (bf16)

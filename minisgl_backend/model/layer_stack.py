@@ -9,12 +9,14 @@ from one call, the attention over the row tables the layer loop's plan builds an
 past its K/V for the logit rows alone, so its bits are the layer-by-layer forward's
 (tests/kernels/test_layer_stack.py).
 
-It serves a model whose every layer the kernels cover: bf16 on a CPU with the native kernels (any
-family but torch: the stack runs the family's kernels, AVX-512 or AVX2), a Llama-style block (Qwen3's
-q/k norm included; not Gemma's), SiLU, and every linear packed for the packed kernel (AMX or
-AVX512-BF16: any row count), or under avx2 its few-row kernel (any row count, int8 weights read
-dequantized, as Linear.forward), or else batches of up to cpu_kernels.MAX_KERNEL_ROWS rows (the
-AVX-512 few-row kernel; int8 weights on the int8 kernel).
+It serves a model whose every layer the kernels cover: bf16 or float32 on a CPU with the native
+kernels (any family but torch: the stack runs the family's kernels, AVX-512 or AVX2), a Llama-style
+block (Qwen3's q/k norm included; not Gemma's), SiLU, and in bf16 every linear packed for the packed
+kernel (AMX or AVX512-BF16: any row count), or under avx2 its few-row kernel (any row count, int8
+weights read dequantized, as Linear.forward), or else batches of up to cpu_kernels.MAX_KERNEL_ROWS
+rows (the AVX-512 few-row kernel; int8 weights on the int8 kernel); in float32 the float32 kernel,
+for batches of up to cpu_kernels.F32_KERNEL_ROWS rows (any row count where the batch-invariant
+forward set the linears' any_rows).
 It runs under the default and the batch-invariant forward alike (LayerStackForward wraps either),
 with that forward's RoPE tables.
 """
@@ -38,9 +40,17 @@ class LayerStack:
     def __init__(self, model: CausalLM, kv: KVCache) -> None:
         s = model.spec
         attn = model.model.layers[0].self_attn
-        self.packed = all(lin.packed is not None for lin in _linears(model))
-        # every linear's kernel takes any row count: packed, or the avx2 family's (kernel_row_limit)
-        self.any_rows = self.packed or cpu_kernels.kernel_row_limit() is None
+        linears = _linears(model)
+        f32 = model.lm_head.weight.dtype == torch.float32
+        self.packed = all(lin.packed is not None for lin in linears)
+        # every linear's kernel takes any row count: packed, or the avx2 family's (kernel_row_limit),
+        # or in float32 where the batch-invariant forward asked for it; else the few-row kernel's rows
+        if f32:
+            self.any_rows = all(lin.any_rows for lin in linears)
+            self.row_limit = cpu_kernels.F32_KERNEL_ROWS
+        else:
+            self.any_rows = self.packed or cpu_kernels.kernel_row_limit() is None
+            self.row_limit = cpu_kernels.MAX_KERNEL_ROWS
         self._native = cpu_kernels._native.LayerStack(
             s.num_heads,
             s.num_kv_heads,
@@ -53,9 +63,10 @@ class LayerStack:
             kv.block_size,
             kv.num_blocks,
             cpu_kernels.SCORERS[cpu_kernels.default_scorer()],
-            cpu_kernels.pack_kind(),
+            0 if f32 else cpu_kernels.pack_kind(),  # a float32 model packs nothing
             cpu_kernels.isa(),
-            mlp_piece_rows(s.intermediate_size, 2),
+            mlp_piece_rows(s.intermediate_size, model.lm_head.weight.element_size()),
+            f32,
         )
         for layer in model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
@@ -83,24 +94,25 @@ class LayerStack:
         back-end. Its linears must be Linear itself, whose forward the stack reproduces (a subclass,
         such as the batch-invariant TiledLinear, runs other kernels)."""
         s = model.spec
+        dtype = model.lm_head.weight.dtype
         return (
             isinstance(attention, PagedAttention)
             and cpu_kernels.available()
-            and model.lm_head.weight.dtype == torch.bfloat16
+            and dtype in (torch.bfloat16, torch.float32)
             and not s.gemma
             and s.hidden_act == "silu"
             and s.head_dim % cpu_kernels.lanes() == 0
             and s.head_dim <= 256
-            and kv.k[0].dtype == torch.bfloat16
+            and kv.k[0].dtype == dtype
             and all(kv.k[i].is_contiguous() and kv.v[i].is_contiguous() for i in range(s.num_layers))
-            and all(type(lin) is Linear and _native_ready(lin) for lin in _linears(model))
+            and all(type(lin) is Linear and _native_ready(lin, dtype) for lin in _linears(model))
         )
 
     def runs(self, batch: ForwardBatch) -> bool:
         """Whether this batch takes the stack: any rows, decode and prefill, at a row count every
         linear's kernel takes."""
         n = batch.input_ids.shape[0]
-        return n > 0 and (self.any_rows or n <= cpu_kernels.MAX_KERNEL_ROWS)
+        return n > 0 and (self.any_rows or n <= self.row_limit)
 
     def __call__(self, x: torch.Tensor, ropes: Ropes, batch: ForwardBatch) -> torch.Tensor:
         """The residual stream after the last layer at the rows batch.logits_index, for x = the
@@ -181,13 +193,15 @@ def _linears(model: CausalLM) -> list[Linear]:
     return out
 
 
-def _native_ready(lin: Linear) -> bool:
-    """What the native linears read: contiguous bf16 weight and bias (int8 weights and float32
-    scales where quantized)."""
+def _native_ready(lin: Linear, dtype: torch.dtype) -> bool:
+    """What the native linears read: contiguous weight and bias in the model's dtype (bf16: int8
+    weights and float32 scales where quantized; float32: the weight itself, never packed)."""
+    if dtype == torch.float32 and (lin.packed is not None or lin.qweight is not None):
+        return False
     return (
-        lin.weight.dtype == torch.bfloat16
+        lin.weight.dtype == dtype
         and lin.weight.is_contiguous()
-        and (lin.bias is None or (lin.bias.dtype == torch.bfloat16 and lin.bias.is_contiguous()))
+        and (lin.bias is None or (lin.bias.dtype == dtype and lin.bias.is_contiguous()))
         and (
             lin.qweight is None
             or (lin.qweight.is_contiguous() and lin.qscale is not None and lin.qscale.dtype == torch.float32)

@@ -1,7 +1,8 @@
 """The native layer stack (model/layer_stack.py) against the layer-by-layer forward it replaces, on
 decode, prefill and mixed batches: the same logits and the same K/V written, bit for bit, on tiny
-random-weight bf16 models (Llama; bias and sliding windows; Qwen3's q/k norm), for packed (AMX or
-AVX512-BF16), unpacked (few-row kernel), int8 and batch-invariant models, under every native kernel
+random-weight models (Llama; bias and sliding windows; Qwen3's q/k norm), for packed (AMX or
+AVX512-BF16), unpacked (few-row kernel), int8 and batch-invariant bf16 models and default and
+batch-invariant float32 ones, under every native kernel
 family this machine runs (avx2 included: its 8-lane kernels, no packing, int8 weights read
 dequantized); batches it does not take fall back to the layer loop. Skipped where the native kernels
 do not run (no AVX2 or not built)."""
@@ -51,11 +52,13 @@ def _spec(**over) -> ModelSpec:
 
 def _model(spec: ModelSpec, mode: str) -> CausalLM:
     model = random_bf16_model(spec)
+    if mode.startswith("float32"):
+        model = model.float()
     if mode == "int8":
         model.quantize_int8()
-    if mode != "unpacked":
+    if mode not in ("unpacked", "float32", "float32-deterministic"):
         model.pack_weights()
-    model.forward_strategy = forward_strategy(model, mode == "deterministic")  # as the engine's loader
+    model.forward_strategy = forward_strategy(model, mode.endswith("deterministic"))  # as the engine's loader
     return model
 
 
@@ -72,7 +75,13 @@ def _stack(model: CausalLM, kv: KVCache) -> LayerStack | None:
 def _prefilled(model: CausalLM, rows: int) -> tuple[KVCache, torch.Tensor]:
     s = model.spec
     kv = KVCache(
-        s.num_layers, rows * BLOCKS_PER_SEQ, BLOCK, s.num_kv_heads, s.head_dim, torch.bfloat16, "cpu"
+        s.num_layers,
+        rows * BLOCKS_PER_SEQ,
+        BLOCK,
+        s.num_kv_heads,
+        s.head_dim,
+        model.lm_head.weight.dtype,
+        "cpu",
     )
     tables = torch.randperm(rows * BLOCKS_PER_SEQ, generator=torch.Generator().manual_seed(1)).view(rows, -1)
     g = torch.Generator().manual_seed(2)
@@ -104,9 +113,11 @@ def _copy(kv: KVCache) -> KVCache:
     return twin
 
 
-# Every case runs packed, unpacked (the few-row kernel), int8 and batch-invariant models of three
-# layer kinds.
-MODES = pytest.mark.parametrize("mode", ["packed", "unpacked", "int8", "deterministic"])
+# Every case runs packed, unpacked (the few-row kernel), int8 and batch-invariant bf16 models, and
+# float32 ones (default and batch-invariant), of three layer kinds.
+MODES = pytest.mark.parametrize(
+    "mode", ["packed", "unpacked", "int8", "deterministic", "float32", "float32-deterministic"]
+)
 LAYER_KINDS = pytest.mark.parametrize(
     "over",
     [
@@ -132,7 +143,10 @@ def _case_model(mode: str, over: dict) -> CausalLM:
 def _takes(mode: str, rows: int) -> bool:
     """Whether the stack takes a batch of `rows` rows of a `mode` model: any row count where its
     linears are packed or under avx2's kernel (int8 too: under avx2 it reads the dequantized weight,
-    as Linear.forward does), else only the AVX-512 few-row kernel's."""
+    as Linear.forward does), else only the AVX-512 few-row kernel's; float32: up to the float32
+    kernel's rows, any number in the batch-invariant forward."""
+    if mode.startswith("float32"):
+        return mode == "float32-deterministic" or rows <= cpu_kernels.F32_KERNEL_ROWS
     packed = mode != "unpacked" and cpu_kernels.packs()
     return packed or cpu_kernels.kernel_row_limit() is None or rows <= cpu_kernels.MAX_KERNEL_ROWS
 
@@ -210,10 +224,12 @@ def test_the_stack_has_the_layer_loops_bits_on_prompt_chunks(mode, over, monkeyp
     """Prefill and mixed batches through the stack (first chunks, later chunks beside decode rows,
     logits at the last rows, at every row and at none; the MLP in pieces of 5 rows) against the
     layer loop on a copy of the pool: the same logits and the same K/V, bit for bit."""
-    monkeypatch.setattr(layers, "MLP_PIECE_BYTES", 5 * 2 * 96 * 2)  # intermediate 96, bf16
+    monkeypatch.setattr(layers, "MLP_PIECE_BYTES", 5 * 2 * 96 * 2)  # intermediate 96: 5 bf16 rows, 2 float32
     model = _case_model(mode, over)
     s = model.spec
-    kv = KVCache(s.num_layers, 3 * BLOCKS_PER_SEQ, BLOCK, s.num_kv_heads, s.head_dim, torch.bfloat16, "cpu")
+    kv = KVCache(
+        s.num_layers, 3 * BLOCKS_PER_SEQ, BLOCK, s.num_kv_heads, s.head_dim, model.lm_head.weight.dtype, "cpu"
+    )
     loop_kv = _copy(kv)
     tables = torch.randperm(3 * BLOCKS_PER_SEQ, generator=torch.Generator().manual_seed(1)).view(3, -1)
     batches = [
@@ -230,8 +246,8 @@ def test_the_stack_has_the_layer_loops_bits_on_prompt_chunks(mode, over, monkeyp
 
 
 def test_layer_stack_is_skipped_where_it_does_not_run():
-    """Without packs the AVX-512 few-row kernel bounds the rows a batch may have; fp32 and Gemma
-    models get no stack."""
+    """Without packs the AVX-512 few-row kernel bounds the rows a batch may have, and the float32
+    kernel's rows a float32 model's; Gemma models get no stack."""
     model = _model(_spec(), "unpacked")
     kv, tables = _prefilled(model, 2)
     stack = _stack(model, kv)
@@ -239,7 +255,13 @@ def test_layer_stack_is_skipped_where_it_does_not_run():
     large = _chunks_batch(tables, [(1, 17, 4)], [(0, 5)], "last", seed=3)
     assert stack.runs(small)
     assert stack.runs(large) == (cpu_kernels.kernel_row_limit() is None)
-    assert _stack(_model(_spec(), "packed").float(), _copy(kv)) is None
+    f32 = _model(_spec(), "float32")
+    f32_kv, f32_tables = _prefilled(f32, 2)
+    f32_stack = _stack(f32, f32_kv)
+    assert f32_stack is not None and f32_stack.runs(large)
+    wide = _chunks_batch(f32_tables, [(1, 17, cpu_kernels.F32_KERNEL_ROWS)], [(0, 5)], "last", seed=3)
+    assert not f32_stack.runs(wide)
+    assert _stack(f32, _copy(kv)) is None  # a bf16 pool under a float32 model
     assert _stack(_model(_spec(gemma=True), "packed"), kv) is None
 
 
