@@ -12,6 +12,7 @@
 // weight row, not on M, the tile the row lands in or the thread count. They differ between the two
 // widths (the lanes a k-step sums into).
 
+#include <algorithm>
 #include <vector>
 
 #include "common.h"

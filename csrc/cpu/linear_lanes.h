@@ -133,29 +133,43 @@ LANES_TARGET void tiles(const float* xa, const float* xb, int64_t xs, const T* w
     }
 }
 
-// y = x @ w^T (+ bias) for a few rows: the input rows split once into their two float32 halves
-// (Step's layout, zero-padded to whole k-steps), then the weight tiles over the threads.
+// Input rows per work item beyond a few rows: a thread runs every weight tile it claims against one
+// block of rows, which stays in L2 while the weights stream past, so the weights are read once per
+// block of rows rather than the rows once per weight tile.
+constexpr int64_t ROW_BLOCK = 64;
+
+// y = x @ w^T (+ bias): the input rows split once into their two float32 halves (Step's layout,
+// zero-padded to whole k-steps), then (row block, weight tile) items over the threads.
 template <typename T>
 void linear(const T* xp, const T* wp, const T* bp, T* yp, int64_t M, int64_t N, int64_t K, int threads) {
     const int64_t xs = (K + KSTEP - 1) / KSTEP * V::N;  // float32 per half row, padded to whole k-steps
     std::vector<float> split(static_cast<size_t>(2 * M * xs), 0.0f);
     float* halves[2] = {split.data(), split.data() + M * xs};
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k)
-            halves[Step<T>::half(k)][m * xs + Step<T>::at(k)] = Step<T>::widen(xp[m * K + k]);
+    for (int64_t m = 0; m < M; ++m) {
+        const T* row = xp + m * K;
+        if constexpr (std::is_same_v<T, float>) {  // each k-step's two runs of N, copied whole
+            for (int64_t k = 0; k < K; k += V::N)
+                std::memcpy(halves[Step<T>::half(k)] + m * xs + Step<T>::at(k), row + k,
+                            static_cast<size_t>(std::min<int64_t>(V::N, K - k)) * sizeof(float));
+        } else {
+            for (int64_t k = 0; k < K; ++k) halves[Step<T>::half(k)][m * xs + Step<T>::at(k)] = Step<T>::widen(row[k]);
+        }
+    }
     const float* xa = halves[0];
     const float* xb = halves[1];
     const int64_t blocks = N / TILE_ROWS, rest = N % TILE_ROWS;
-    // Each thread starts on one contiguous slice of the weight matrix (pool.h); the split input rows
-    // stay in L1, and a weight tile stays there while every input row uses it. The tail's single
-    // outputs come last.
-    parallel_for(threads, blocks + M * rest, 0, [&](int64_t i0, int64_t i1) {
+    const int64_t rows = std::min(M, ROW_BLOCK), row_blocks = (M + rows - 1) / rows;
+    // Each thread starts on one contiguous slice of the items (pool.h): at a few rows, of the weight
+    // matrix; the split input rows stay in L1, and a weight tile stays there while every input row
+    // uses it. The tail's single outputs come last.
+    parallel_for(threads, row_blocks * blocks + M * rest, 0, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
-            if (i < blocks) {
-                tiles(xa, xb, xs, wp, bp, yp, M, N, K, i);
+            if (i < row_blocks * blocks) {
+                const int64_t m0 = i / blocks * rows;
+                tiles(xa + m0 * xs, xb + m0 * xs, xs, wp, bp, yp + m0 * N, std::min(rows, M - m0), N, K, i % blocks);
                 continue;
             }
-            const int64_t t = i - blocks, m = t / rest, n = blocks * TILE_ROWS + t % rest;
+            const int64_t t = i - row_blocks * blocks, m = t / rest, n = blocks * TILE_ROWS + t % rest;
             tail(xa + m * xs, xb + m * xs, wp + n * K, bp ? bp + n : nullptr, yp + m * N + n, K);
         }
     });
