@@ -173,32 +173,28 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("has_avx2", &cpu_has_avx2, "True if this CPU runs the AVX2 + FMA kernels (isa=1).");
     m.def("has_amx", &cpu_has_amx, "True if this CPU runs linear_amx (and the process may use its tiles).");
     m.def("has_avx512_bf16", &cpu_has_avx512_bf16, "True if this CPU runs linear_dpbf16 (AVX512-BF16).");
-    m.def(
-        "linear_bf16",
-        [](py::handle x_, py::handle w_, py::handle bias_, py::handle y_, int threads, int isa) {
-            const char* op = "linear_bf16";
-            TensorArg x(op, "x", x_), w(op, "weight", w_), bias(op, "bias", bias_), y(op, "out", y_);
-            w.required().dtype(DType::BF16).shape({ANY, ANY}).contiguous();
-            check_linear_rows(x, bias, y, w.size(0));
-            x.shape({ANY, w.size(1)});
-            py::gil_scoped_release nogil;
-            linear_bf16(x.ptr(), w.ptr(), bias.ptr(), y.ptr(), x.size(0), w.size(0), w.size(1), threads, isa);
-        },
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("threads"), py::arg("isa"),
-        "out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N], or None); bfloat16; isa 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16.");
-    m.def(
-        "linear_f32",
-        [](py::handle x_, py::handle w_, py::handle bias_, py::handle y_, int threads, int isa) {
-            const char* op = "linear_f32";
-            TensorArg x(op, "x", x_), w(op, "weight", w_), bias(op, "bias", bias_), y(op, "out", y_);
-            w.required().dtype(DType::F32).shape({ANY, ANY}).contiguous();
-            check_linear_rows(x, bias, y, w.size(0), DType::F32);
-            x.shape({ANY, w.size(1)});
-            py::gil_scoped_release nogil;
-            linear_f32(x.ptr(), w.ptr(), bias.ptr(), y.ptr(), x.size(0), w.size(0), w.size(1), threads, isa);
-        },
-        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("threads"), py::arg("isa"),
-        "out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N], or None); float32; isa as linear_bf16.");
+    // linear_bf16 and linear_f32: the few-row FMA linear over weights of one dtype.
+    const auto fma_linear = [&m](const char* op, DType dtype,
+                                 void (*fn)(uintptr_t, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int64_t, int,
+                                            int),
+                                 const char* doc) {
+        m.def(
+            op,
+            [op, dtype, fn](py::handle x_, py::handle w_, py::handle bias_, py::handle y_, int threads, int isa) {
+                TensorArg x(op, "x", x_), w(op, "weight", w_), bias(op, "bias", bias_), y(op, "out", y_);
+                w.required().dtype(dtype).shape({ANY, ANY}).contiguous();
+                check_linear_rows(x, bias, y, w.size(0), dtype);
+                x.shape({ANY, w.size(1)});
+                py::gil_scoped_release nogil;
+                fn(x.ptr(), w.ptr(), bias.ptr(), y.ptr(), x.size(0), w.size(0), w.size(1), threads, isa);
+            },
+            py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("threads"), py::arg("isa"), doc);
+    };
+    fma_linear("linear_bf16", DType::BF16, &linear_bf16,
+               "out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N], or None); bfloat16; isa 1 AVX2, 2 AVX-512, 3 AVX-512 + "
+               "BF16.");
+    fma_linear("linear_f32", DType::F32, &linear_f32,
+               "out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N], or None); float32; isa as linear_bf16.");
     m.def("packed_amx_elems", &packed_amx_elems, py::arg("n"), py::arg("k"), "bf16 elements of pack_amx's output.");
     m.def(
         "pack_amx",

@@ -38,28 +38,32 @@ using V = Lanes8;
 }  // namespace
 }  // namespace avx2
 
-void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K, int threads,
-                 int isa) {
-    const auto* xp = reinterpret_cast<const uint16_t*>(x);
-    const auto* wp = reinterpret_cast<const uint16_t*>(w);
-    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
-    auto* yp = reinterpret_cast<uint16_t*>(y);
+namespace {
+
+// One entry point per weight type over the two widths' bodies.
+template <typename T>
+void linear_fma(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K, int threads,
+                int isa) {
+    const auto* xp = reinterpret_cast<const T*>(x);
+    const auto* wp = reinterpret_cast<const T*>(w);
+    const auto* bp = reinterpret_cast<const T*>(bias);
+    auto* yp = reinterpret_cast<T*>(y);
     if (require_isa(isa) != ISA_AVX2)
         avx512::linear(xp, wp, bp, yp, M, N, K, threads);
     else
         avx2::linear(xp, wp, bp, yp, M, N, K, threads);
 }
 
+}  // namespace
+
+void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K, int threads,
+                 int isa) {
+    linear_fma<uint16_t>(x, w, bias, y, M, N, K, threads, isa);
+}
+
 void linear_f32(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K, int threads,
                 int isa) {
-    const auto* xp = reinterpret_cast<const float*>(x);
-    const auto* wp = reinterpret_cast<const float*>(w);
-    const auto* bp = reinterpret_cast<const float*>(bias);
-    auto* yp = reinterpret_cast<float*>(y);
-    if (require_isa(isa) != ISA_AVX2)
-        avx512::linear(xp, wp, bp, yp, M, N, K, threads);
-    else
-        avx2::linear(xp, wp, bp, yp, M, N, K, threads);
+    linear_fma<float>(x, w, bias, y, M, N, K, threads, isa);
 }
 
 }  // namespace minisgl::cpu
