@@ -15,8 +15,7 @@
 
 namespace minisgl::cpu {
 
-// ---- linear_fma.cpp: a few rows on float32 FMAs over bf16 or float32 weights, AVX-512 or AVX2 (isa: common.h Isa)
-// ----
+// ---- linear_fma.cpp: rows on float32 FMAs over bf16 or float32 weights, AVX-512 or AVX2 (isa: common.h Isa) ----
 void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K, int threads,
                  int isa);
 void linear_f32(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K, int threads,
