@@ -141,13 +141,17 @@ AVX512 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-// The few-row kernels read 4 weight rows at a time, 4 interleaved streams per thread, which the
-// hardware prefetcher alone keeps well below the memory's read rate: so each 64 bytes of a row request
-// the same line of the next block's 4 rows (the rows the thread reads next; past the matrix a prefetch
-// never faults). A decode step at one row is a weight stream, so its time follows this read rate.
+// The few-row kernels read a tile of weight rows at a time, interleaved streams per thread, which the
+// hardware prefetcher alone keeps well below the memory's read rate. So each line of a tile's rows
+// requests the same line of the `rows` rows PREFETCH_ROWS further on into L2 (past the matrix a
+// prefetch never faults). Far ahead into L2 rather than the next tile into L1: a request into L1
+// one 4-row tile ahead arrives too late to hide a row's read from memory, and a decode step at one row
+// is a weight stream, so its time follows this read rate (docs/performance.md).
+constexpr int PREFETCH_ROWS = 8;
 template <typename W>
-AVX512 inline void prefetch_next_tile(const W* w, int64_t K, int64_t k) {
-    for (int j = 4; j < 8; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k), _MM_HINT_T0);
+inline void prefetch_rows_ahead(const W* w, int64_t K, int64_t k, int rows) {
+    for (int j = PREFETCH_ROWS; j < PREFETCH_ROWS + rows; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k), _MM_HINT_T1);
 }
 
 // ---- 16 lanes at a time ------------------------------------------------------------------------

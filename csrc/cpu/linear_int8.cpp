@@ -24,7 +24,7 @@ AVX512 inline void tile_int8(const float* x, int64_t xs, const int8_t* w, const 
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1);
         __m512 wf[4];
-        if ((k & 63) == 0) prefetch_next_tile(w, K, k);
+        if ((k & 63) == 0) prefetch_rows_ahead(w, K, k, 4);
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j)
             wf[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w + j * K + k)));

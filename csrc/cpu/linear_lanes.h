@@ -9,13 +9,6 @@
 constexpr int TILE_ROWS = V::N == 16 ? 4 : 2;
 constexpr int64_t KSTEP = 2 * V::N;  // weights per k-step: two float32 vectors' worth
 
-// Each cache line of a tile's rows requests the same line of TILE_ROWS rows PREFETCH_AHEAD rows further
-// on (past the matrix a prefetch never faults), into L1 (AVX-512: the next tile, as common.h
-// prefetch_next_tile) or into L2 (AVX2: 8 rows ahead; the next tile into L1 comes too late to hide a
-// weight stream from memory at one row and one thread, a distance the L2 prefetch covers).
-constexpr int PREFETCH_AHEAD = V::N == 16 ? 4 : 8;
-constexpr auto PREFETCH_HINT = V::N == 16 ? _MM_HINT_T0 : _MM_HINT_T1;
-
 // How one k-step of weights of type T becomes two float32 vectors (a, b), and where a row's input
 // element k goes to meet its weight: into half 0 (the `a` lanes) or half 1 (`b`) of the row's split
 // copy, at index `at`. Every weight is multiplied by its own input element; only the lane it is
@@ -66,10 +59,8 @@ LANES_TARGET inline void tile(const float* xa, const float* xb, int64_t xs, cons
         for (int j = 0; j < TILE_ROWS; ++j) acc[i][j] = V::zero();
     for (int64_t k = 0; k < K; k += KSTEP) {
         F wa[TILE_ROWS], wb[TILE_ROWS];
-        if (k % LINE == 0)
-            for (int j = PREFETCH_AHEAD; j < PREFETCH_AHEAD + TILE_ROWS; ++j)
-                for (int64_t p = 0; p < KSTEP; p += LINE)
-                    _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + p), PREFETCH_HINT);
+        if (k % LINE == 0)  // the k-step's lines, PREFETCH_ROWS rows on (common.h)
+            for (int64_t p = 0; p < KSTEP; p += LINE) prefetch_rows_ahead(w, K, k + p, TILE_ROWS);
 #pragma GCC unroll 4
         for (int j = 0; j < TILE_ROWS; ++j) Step<T>::load(w + j * K + k, K - k, wa[j], wb[j]);
 #pragma GCC unroll 4
