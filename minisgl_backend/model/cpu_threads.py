@@ -14,19 +14,19 @@ evenly and spin between ops; two teams spinning beside each other take each othe
   residual adds) and the kernels get the pool;
 - where torch's ops do much of it (float32; the avx512 family's many-row linears; the torch family),
   the kernels run on torch's OpenMP team, as torch's own ops do, and when that team is kept waiting
-  for cores (another busy process, which the pool sees in the kernel's run-queue statistics) the
-  forward drops to one thread until it is not: an evenly split op on a busy machine is slower than one
-  thread.
+  for cores by another busy process (the pool sees the wait in the kernel's run-queue statistics,
+  `OtherLoad` sees whose it is) the forward drops to one thread until it is not: an evenly split op
+  on a busy machine is slower than one thread.
 
 On the kernels' own pool a busy machine costs a step of a few decode rows more than its share too: such
 a step reads every weight once for little arithmetic, one thread draws most of the memory's rate on
 its own, and its ~150 short parallel regions each wake a second thread that the other process keeps
 from its core. So those steps also run on one thread while other processes use the CPUs (`adapt`,
 `OtherLoad`), and steps with more rows (prefill, wide decode batches), where the second thread's
-arithmetic pays for its wake-ups, keep the planned count. The pool's own busy signal does not serve
-here: it reads the kernels' threads kept waiting for a core, which the engine's own scheduler and
-sampling threads also do on a small machine, and a step put on one thread by mistake runs at half
-speed. A row's bits do not depend on the thread count on this pool.
+arithmetic pays for its wake-ups, keep the planned count. The pool's own busy signal never decides
+alone, on either team: it reads the kernels' threads kept waiting for a core, which the engine's own
+scheduler and sampling threads also do on a small machine, and a step put on one thread by mistake
+runs at half speed. A row's bits do not depend on the thread count on this pool.
 """
 
 from __future__ import annotations
@@ -216,7 +216,8 @@ def apply(p: ThreadPlan) -> bool:
 
 def adapt(decode_rows: int | None = None) -> None:
     """Before a forward (on the thread that runs it): one thread while the kernels' threads are kept
-    waiting for cores, the planned count otherwise, under a plan whose threads are OpenMP's; under
+    waiting for cores and other processes use the CPUs (OtherLoad), the planned count otherwise,
+    under a plan whose threads are OpenMP's; under
     the kernels' own pool, the same for a step of `decode_rows` decode rows and no prompt tokens
     (None: a step with prompt tokens) up to FEW_DECODE_ROWS while other processes use the CPUs
     (OtherLoad), and the planned count for any other."""
@@ -225,8 +226,11 @@ def adapt(decode_rows: int | None = None) -> None:
         return
     global _held_until
     now = time.monotonic()
+    others = _OTHERS.update(now)  # read every window, so the answer is about the latest one
     if p.openmp:
-        if cpu_kernels.contended():
+        # Both signals: the pool's alone reads the engine's own scheduler and sampling threads,
+        # which keep the team waiting for a core on a small machine too, as a busy machine.
+        if cpu_kernels.contended() and others:
             busy = True
             _held_until = now + HOLD_S
         else:
@@ -234,7 +238,7 @@ def adapt(decode_rows: int | None = None) -> None:
         want = 1 if busy else p.threads
     else:
         few = decode_rows is not None and decode_rows <= FEW_DECODE_ROWS
-        want = 1 if few and _OTHERS.update(now) else p.threads
+        want = 1 if few and others else p.threads
     if cpu_kernels.threads() != want:
         if p.openmp:
             log.info(

@@ -76,10 +76,21 @@ def test_plan_gives_the_kernels_their_pool_where_they_run_the_heavy_work(monkeyp
         assert (p.torch_threads, p.openmp) == (2, True)
 
 
+class _Others:
+    """OtherLoad's answer, set by the test."""
+
+    def __init__(self, busy: bool) -> None:
+        self.busy = busy
+
+    def update(self, now: float) -> bool:
+        return self.busy
+
+
 def test_a_forward_on_openmp_drops_to_one_thread_while_busy(monkeypatch):
     busy = [True]
     clock = [100.0]
     monkeypatch.setattr(cpu_kernels, "contended", lambda: busy[0])
+    monkeypatch.setattr(cpu_threads, "_OTHERS", _Others(True))
     monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(cpu_threads, "_held_until", 0.0)
     saved = torch.get_num_threads(), cpu_kernels._THREADS, cpu_threads._ACTIVE
@@ -113,18 +124,33 @@ def test_a_forward_on_openmp_drops_to_one_thread_while_busy(monkeypatch):
         cpu_threads._ACTIVE = saved[2]
 
 
+def test_a_forward_on_openmp_keeps_its_threads_when_only_its_own_threads_wait(monkeypatch):
+    """The team kept waiting for a core while no other process uses the CPUs: the engine's own
+    scheduler and sampling threads did it (they do on a 2-core machine), and a forward dropped to one
+    thread for that would run an idle machine at half speed."""
+    monkeypatch.setattr(cpu_kernels, "contended", lambda: True)
+    monkeypatch.setattr(cpu_threads, "_OTHERS", _Others(False))
+    monkeypatch.setattr(cpu_threads, "_held_until", 0.0)
+    saved = torch.get_num_threads(), cpu_kernels._THREADS, cpu_threads._ACTIVE
+    try:
+        cpu_threads.apply(cpu_threads.ThreadPlan(2, 2, openmp=True, why="test"))
+        for _ in range(3):
+            cpu_threads.adapt()
+            assert (cpu_kernels.threads(), torch.get_num_threads()) == (2, 2)
+    finally:
+        torch.set_num_threads(saved[0])
+        cpu_kernels.set_threads(saved[1])
+        cpu_kernels.use_openmp(False)
+        cpu_threads._ACTIVE = saved[2]
+
+
 def test_a_few_row_decode_step_on_the_own_pool_runs_on_one_thread_while_busy(monkeypatch):
     """A step of a few decode rows reads every weight for little arithmetic: beside a busy process
     one thread does it as fast as two that keep waking each other. Wider steps keep their threads,
     and so does every step while no other process uses the CPUs, whatever the pool's own signal says
     (the engine's own threads trip that one)."""
-    others = [True]
-
-    class Stub:
-        def update(self, now: float) -> bool:
-            return others[0]
-
-    monkeypatch.setattr(cpu_threads, "_OTHERS", Stub())
+    others = _Others(True)
+    monkeypatch.setattr(cpu_threads, "_OTHERS", others)
     monkeypatch.setattr(cpu_kernels, "contended", lambda: True)
     saved = torch.get_num_threads(), cpu_kernels._THREADS, cpu_threads._ACTIVE
     try:
@@ -138,7 +164,7 @@ def test_a_few_row_decode_step_on_the_own_pool_runs_on_one_thread_while_busy(mon
         assert cpu_kernels.threads() == 2, "a wide decode step pays for its second thread"
         cpu_threads.adapt(None)
         assert cpu_kernels.threads() == 2, "so does a step with prompt tokens"
-        others[0] = False
+        others.busy = False
         cpu_threads.adapt(1)
         assert cpu_kernels.threads() == 2, "no other process: the pool's own signal is not enough"
     finally:
