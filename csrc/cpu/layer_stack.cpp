@@ -29,8 +29,8 @@ enum PackKind : int { PACK_NONE = 0, PACK_AMX = 1, PACK_DPBF16 = 2 };
 // Linear.forward's choice at m rows: int8 at one row where packed (at up to 4 where not; AVX-512
 // only: the avx2 family reads the dequantized bf16 weight, as cpu_kernels.linear_int8 declines there),
 // the packed kernel (AMX tiles or AVX512-BF16 panels) where packed, else the few-row kernel of the
-// family's ISA (under the AVX-512 families the builder never lets m exceed 4 there; the avx2 one
-// takes any m, as cpu_kernels.linear does).
+// family's ISA (the builder lets m exceed 4 there only where cpu_kernels.kernel_row_limit() has no
+// limit, as cpu_kernels.linear does).
 void stack_linear(const StackLinear& l, int pack_kind, const uint16_t* x, uint16_t* y, int64_t m, int threads,
                   int isa) {
     const auto xp = reinterpret_cast<uintptr_t>(x), yp = reinterpret_cast<uintptr_t>(y);

@@ -39,10 +39,12 @@ try:  # built by setup.py when a C++ compiler is present (optional, like the in-
 except ImportError:  # pragma: no cover - depends on the build
     _native = None
 
-# Rows up to which linear() uses the kernel under the AVX-512 families: beyond, oneDNN's AMX/AVX-512
-# matmul reuses each weight across more rows than the kernel's 4-row tiles and wins. Under avx2 it
-# runs at every row count (kernel_row_limit()): oneDNN's bf16 matmul capped at AVX2 converts its
-# operands on every call and runs well below the kernel at any row count.
+# Rows up to which linear() uses the kernel where torch's bf16 matmul (oneDNN) runs on the CPU's bf16
+# dot products (AVX512-BF16 or AMX): beyond, it reuses each weight across more rows than the kernel's
+# 4-row tiles and wins. Where it does not (the avx2 family, and the avx512 family on a CPU without
+# them), the kernel runs at every row count (kernel_row_limit()): oneDNN's bf16 matmul then converts
+# its operands on every call and runs well below the kernel, and below float32's own matmul, at any
+# row count.
 MAX_KERNEL_ROWS = 4
 # Rows up to which linear() runs float32 rows on the same kernel over float32 weights, on every
 # family: a decode batch streams each weight once, which the BLAS's float32 matrix-vector and
@@ -55,7 +57,8 @@ F32_KERNEL_ROWS = 32
 #   amx         bf16 linears and attention scores on the AMX tile unit (Sapphire Rapids and later)
 #   avx512bf16  bf16 linears on vdpbf16ps (AMD Zen 4/5, Cooper Lake); the rest as avx512
 #   avx512      AVX-512 F/BW/DQ/VL: few-row linears (bf16 and int8), paged attention, row-wise ops;
-#               F.linear beyond
+#               F.linear beyond, or on a CPU without AVX512-BF16 (Skylake to Ice Lake) the bf16
+#               linear at every row count
 #   avx2        AVX2 + FMA (Haswell, Zen 1-3): the bf16 linear at every row count, paged attention,
 #               row-wise ops and the layer stack, at 8 lanes; no packing; int8 linears read their
 #               dequantized bf16 weight
@@ -91,22 +94,29 @@ KERNEL_ALIASES = {"MINISGL_AMX": "avx512bf16", "MINISGL_CPU_KERNELS": "torch"}
 class KernelFamily:
     """What every wrapper below runs under one kernel family, decided once from its name (one of
     FAMILIES) and never changed: whether any native kernel runs, the AMX tile kernels, which packed
-    linear pack()/linear_packed() run ("amx", "dpbf16" or None) and the vector code (ISA_AVX2,
-    ISA_AVX512 or ISA_AVX512_BF16) of the native entry points. Build one with KernelFamily.named."""
+    linear pack()/linear_packed() run ("amx", "dpbf16" or None), the vector code (ISA_AVX2,
+    ISA_AVX512 or ISA_AVX512_BF16) of the native entry points and the bf16 few-row kernel's row
+    limit (which also depends on the CPU: library_bf16). Build one with KernelFamily.named."""
 
     name: str
     native: bool
     amx: bool
     packs: str | None
     isa: int
+    row_limit: int | None  # kernel_row_limit()
 
     @classmethod
-    def named(cls, name: str) -> KernelFamily:
+    def named(cls, name: str, library_bf16: bool | None = None) -> KernelFamily:
+        """The family `name` where torch's bf16 matmul does (library_bf16) or does not run on bf16
+        dot products, which decides the few-row kernel's row limit (None: as on this machine)."""
+        if library_bf16 is None:
+            library_bf16 = _LIBRARY_BF16
         if name not in FAMILIES:
             raise ValueError(f"{name!r} is not a kernel family; valid: {', '.join(FAMILIES)}")
         packs = {"amx": "amx", "avx512bf16": "dpbf16"}.get(name)
         isa = {"avx2": ISA_AVX2, "amx": ISA_AVX512_BF16, "avx512bf16": ISA_AVX512_BF16}.get(name, ISA_AVX512)
-        return cls(name, name != "torch", name == "amx", packs, isa)
+        row_limit = MAX_KERNEL_ROWS if library_bf16 and isa != ISA_AVX2 else None
+        return cls(name, name != "torch", name == "amx", packs, isa, row_limit)
 
     @property
     def lanes(self) -> int:
@@ -129,8 +139,26 @@ def family_from_env(env: Mapping[str, str] = os.environ) -> str:
     return max(cap, machine_family(), key=FAMILIES.index)
 
 
+# oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) below its first with bf16 dot products (AVX512_CORE_BF16).
+ONEDNN_BELOW_BF16 = frozenset(
+    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+)
+
+
+def library_bf16(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether torch's bf16 matmul (oneDNN) runs on this CPU's bf16 dot products: the CPU has
+    AVX512-BF16 (every CPU with AMX has it too) and ONEDNN_MAX_CPU_ISA (or its older name
+    DNNL_MAX_CPU_ISA), which torch's oneDNN reads, does not cap oneDNN below them. Without them
+    oneDNN converts a bf16 matmul's operands to float32 on every call."""
+    if _native is None or not _native.has_avx512_bf16():
+        return False
+    cap = (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    return cap not in ONEDNN_BELOW_BF16
+
+
 # The family this process runs, chosen once at import; family_override swaps in another for a block.
-_ACTIVE = KernelFamily.named(family_from_env())
+_LIBRARY_BF16 = library_bf16()
+_ACTIVE = KernelFamily.named(family_from_env(), _LIBRARY_BF16)
 
 
 def active() -> KernelFamily:
@@ -144,14 +172,16 @@ def runs_family(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def family_override(name: str) -> Iterator[None]:
+def family_override(name: str, library_bf16: bool | None = None) -> Iterator[None]:
     """Run the block as if the process had started with MINISGL_KERNELS=`name` (tests and benchmarks
-    compare families in one process). Weights packed before or inside the block keep their layout:
-    pack them inside it, and build a LayerStack there too."""
+    compare families in one process), and, where `library_bf16` is given, as if torch's bf16 matmul
+    did or did not run on bf16 dot products (the few-row kernel's row limit; default: this
+    machine's). Weights packed before or inside the block keep their layout: pack them inside it,
+    and build a LayerStack there too."""
     global _ACTIVE
     if name not in FAMILIES or not runs_family(name):
         raise ValueError(f"kernel family {name!r} does not run here; these do: {', '.join(_runnable())}")
-    saved, _ACTIVE = _ACTIVE, KernelFamily.named(name)
+    saved, _ACTIVE = _ACTIVE, KernelFamily.named(name, library_bf16)
     try:
         yield
     finally:
@@ -281,10 +311,11 @@ def _bf16_cpu_input(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 def kernel_row_limit() -> int | None:
-    """The most rows `linear` runs its kernel for: MAX_KERNEL_ROWS under the AVX-512 families, no
-    limit (None) under avx2, where the kernel beats oneDNN at every row count. Decided by the
-    family alone, never by a batch."""
-    return None if _ACTIVE.isa == ISA_AVX2 else MAX_KERNEL_ROWS
+    """The most rows `linear` runs its bf16 kernel for: MAX_KERNEL_ROWS under the AVX-512 families
+    where torch's bf16 matmul runs on bf16 dot products (library_bf16), no limit (None) under avx2
+    and under avx512 on a CPU without them, where the kernel beats oneDNN at every row count.
+    Decided by the family and the CPU once, never by a batch."""
+    return _ACTIVE.row_limit
 
 
 def _few_bf16_rows(x: torch.Tensor, bias: torch.Tensor | None, limit: int | None = MAX_KERNEL_ROWS) -> bool:
@@ -300,8 +331,8 @@ def _few_bf16_rows(x: torch.Tensor, bias: torch.Tensor | None, limit: int | None
 
 
 def linear_row_invariant(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `linear` over this weight runs the kernel at every row count (the avx2 family, a
-    contiguous bf16 CPU weight and bias), so a row's bits never depend on the rows beside it or
+    """Whether `linear` over this weight runs the kernel at every row count (kernel_row_limit() is
+    None, a contiguous bf16 CPU weight and bias), so a row's bits never depend on the rows beside it or
     their number: the batch-invariant forward keeps such a linear as it is."""
     return (
         kernel_row_limit() is None
@@ -329,7 +360,7 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, any_rows: bool = False
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for 2-D x; the kernel for contiguous bf16 CPU rows, up to
-    kernel_row_limit() of them (any number under avx2), and for float32 rows up to F32_KERNEL_ROWS
+    kernel_row_limit() of them (any number where it has none), and for float32 rows up to F32_KERNEL_ROWS
     of them, or any number with `any_rows` (the batch-invariant forward's linears: one kernel for
     every call, so a row's bits never depend on the call).
 

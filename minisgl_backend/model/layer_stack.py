@@ -12,11 +12,12 @@ past its K/V for the logit rows alone, so its bits are the layer-by-layer forwar
 It serves a model whose every layer the kernels cover: bf16 or float32 on a CPU with the native
 kernels (any family but torch: the stack runs the family's kernels, AVX-512 or AVX2), a Llama-style
 block (Qwen3's q/k norm included; not Gemma's), SiLU, and in bf16 every linear packed for the packed
-kernel (AMX or AVX512-BF16: any row count), or under avx2 its few-row kernel (any row count, int8
-weights read dequantized, as Linear.forward), or else batches of up to cpu_kernels.MAX_KERNEL_ROWS
-rows (the AVX-512 few-row kernel; int8 weights on the int8 kernel); in float32 the float32 kernel,
-for batches of up to cpu_kernels.F32_KERNEL_ROWS rows (any row count where the batch-invariant
-forward set the linears' any_rows).
+kernel (AMX or AVX512-BF16: any row count), or the few-row kernel of the family's ISA: at any row
+count where it has no row limit (cpu_kernels.kernel_row_limit(): avx2, and avx512 on a CPU without
+AVX512-BF16), else in batches of up to cpu_kernels.MAX_KERNEL_ROWS rows (int8 weights on the int8
+kernel at up to 4 rows under AVX-512, read dequantized otherwise, as Linear.forward); in float32
+the float32 kernel, for batches of up to cpu_kernels.F32_KERNEL_ROWS rows (any row count where the
+batch-invariant forward set the linears' any_rows).
 It runs under the default and the batch-invariant forward alike (LayerStackForward wraps either),
 with that forward's RoPE tables.
 """
@@ -43,7 +44,7 @@ class LayerStack:
         linears = _linears(model)
         f32 = model.lm_head.weight.dtype == torch.float32
         self.packed = all(lin.packed is not None for lin in linears)
-        # every linear's kernel takes any row count: packed, or the avx2 family's (kernel_row_limit),
+        # every linear's kernel takes any row count: packed, or the few-row one without a row limit,
         # or in float32 where the batch-invariant forward asked for it; else the few-row kernel's rows
         if f32:
             self.any_rows = all(lin.any_rows for lin in linears)

@@ -25,10 +25,11 @@ class Linear(nn.Linear):
     where there is no AMX) at any row count, and the packed tensor is the layer's only copy of its
     weight: `weight` keeps the shape and dtype on the meta device, and dense() reads the values back
     from the pack. Where neither packed family runs, few-row bf16 calls (decode steps) run the
-    AVX-512 kernel and the rest F.linear, or under the avx2 family every bf16 call runs its AVX2
-    kernel (cpu_kernels.kernel_row_limit). After quantize_int8() the few-row calls (one row where
-    packed) read int8 weights instead (half the bytes; AVX-512 only), and the rest runs on their
-    dequantized bf16 copy, so prefill and decode use the same quantized weights."""
+    AVX-512 kernel and the rest F.linear, or every bf16 call runs the family's kernel where it has no
+    row limit (cpu_kernels.kernel_row_limit: avx2, and avx512 on a CPU without AVX512-BF16). After
+    quantize_int8() the few-row calls (one row where packed) read int8 weights instead (half the
+    bytes; AVX-512 only), and the rest runs on their dequantized bf16 copy, so prefill and decode
+    use the same quantized weights."""
 
     qweight: torch.Tensor | None = None  # int8 [out, in], set by quantize_int8
     qscale: torch.Tensor | None = None  # float32 [out]: weight ~ qweight * qscale[:, None]

@@ -124,14 +124,16 @@ def test_float32_rows_take_the_kernel_up_to_its_row_limit(vector_family, monkeyp
     assert calls == [1, cpu_kernels.F32_KERNEL_ROWS]
 
 
+@pytest.mark.parametrize("family", ["avx2", "avx512"])
 @pytest.mark.parametrize("n,k", [(576, 576), (7, 37), (1, 33)])
-def test_avx2_linear_runs_every_row_count_with_each_rows_bits(n, k):
-    """The avx2 family's linear runs its kernel at any row count (oneDNN's AVX2 bf16 matmul is
-    ~3x slower at every one): within bf16 rounding of a float32 reference, and a row's bits the
-    same alone as among 5-300 rows at any offset and at one thread, so the batch-invariant forward
-    keeps such a Linear as it is."""
-    if not cpu_kernels.runs_family("avx2"):
-        pytest.skip("this CPU does not run the avx2 family")
+def test_linear_without_a_native_bf16_library_runs_every_row_count_with_each_rows_bits(family, n, k):
+    """Where torch's bf16 matmul has no bf16 dot products to run on (the avx2 family; the avx512
+    family on a CPU without AVX512-BF16), it converts its operands on every call and runs 2-4x below
+    the kernel at every row count, so the family's linear runs its kernel at any row count: within
+    bf16 rounding of a float32 reference, and a row's bits the same alone as among 5-300 rows at any
+    offset and at one thread, so the batch-invariant forward keeps such a Linear as it is."""
+    if not cpu_kernels.runs_family(family):
+        pytest.skip(f"this CPU does not run the {family} family")
     from minisgl_backend.model.batch_invariant import _row_invariant
     from minisgl_backend.model.layers import Linear
 
@@ -139,7 +141,7 @@ def test_avx2_linear_runs_every_row_count_with_each_rows_bits(n, k):
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
     x = torch.randn(300, k, generator=g).bfloat16()
-    with cpu_kernels.family_override("avx2"):
+    with cpu_kernels.family_override(family, library_bf16=False):
         assert cpu_kernels.kernel_row_limit() is None and cpu_kernels.linear_row_invariant(w, b)
         y = cpu_kernels.linear(x, w, b)
         ref = x.float() @ w.float().t() + b.float()
@@ -152,9 +154,22 @@ def test_avx2_linear_runs_every_row_count_with_each_rows_bits(n, k):
         with _threads(1):
             assert torch.equal(cpu_kernels.linear(x, w, b), y), "bits depend on the thread count"
         assert _row_invariant(Linear(k, n).bfloat16()) and not _row_invariant(Linear(k, n))  # fp32: tiled
-    with cpu_kernels.family_override("avx512"):
-        assert cpu_kernels.kernel_row_limit() == cpu_kernels.MAX_KERNEL_ROWS
-        assert not cpu_kernels.linear_row_invariant(w, b)
+    with cpu_kernels.family_override(family, library_bf16=True):
+        # the avx2 family's kernel keeps every row count; AVX-512 stops where oneDNN's bf16 wins
+        limit = None if family == "avx2" else cpu_kernels.MAX_KERNEL_ROWS
+        assert cpu_kernels.kernel_row_limit() == limit
+        assert cpu_kernels.linear_row_invariant(w, b) is (limit is None)
+
+
+def test_the_library_runs_bf16_on_dot_products_only_where_the_cpu_and_onednn_have_them():
+    """library_bf16: the CPU's AVX512-BF16 decides, and oneDNN capped below its bf16 ISA (the
+    variable torch's oneDNN reads, by either name) counts as without it."""
+    has = cpu_kernels._native is not None and cpu_kernels._native.has_avx512_bf16()
+    assert cpu_kernels.library_bf16({}) is has
+    assert cpu_kernels.library_bf16({"ONEDNN_MAX_CPU_ISA": "avx512_core_bf16"}) is has
+    assert cpu_kernels.library_bf16({"ONEDNN_MAX_CPU_ISA": "ALL"}) is has
+    assert not cpu_kernels.library_bf16({"ONEDNN_MAX_CPU_ISA": "avx512_core"})
+    assert not cpu_kernels.library_bf16({"DNNL_MAX_CPU_ISA": "AVX2"})
 
 
 def _threads(n: int):

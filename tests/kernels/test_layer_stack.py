@@ -31,14 +31,24 @@ pytestmark = pytest.mark.skipif(
 
 BLOCK, BLOCKS_PER_SEQ = 16, 4
 NATIVE_FAMILIES = [f for f in cpu_kernels.FAMILIES if f != "torch" and cpu_kernels.runs_family(f)]
+# The avx512 family a second time with torch's bf16 matmul on the other side of library_bf16: its
+# few-row kernel then has the other row limit, so both of its stacks run here.
+FAMILY_CASES = [(f, None) for f in NATIVE_FAMILIES] + (
+    [("avx512", not cpu_kernels.library_bf16())] if "avx512" in NATIVE_FAMILIES else []
+)
 
 
-@pytest.fixture(autouse=True, params=NATIVE_FAMILIES)
+@pytest.fixture(
+    autouse=True,
+    params=FAMILY_CASES,
+    ids=[f if lib is None else f"{f}-library-bf16-{lib}" for f, lib in FAMILY_CASES],
+)
 def family(request):
     """Every test under each native kernel family this machine runs (packing, the stack's linears
     and attention scorer follow it)."""
-    with cpu_kernels.family_override(request.param):
-        yield request.param
+    name, library_bf16 = request.param
+    with cpu_kernels.family_override(name, library_bf16):
+        yield name
 
 
 CONTEXTS = [5, 17, 30, 9, 23]  # prompt lengths of the sequences that then decode together
@@ -131,7 +141,7 @@ LAYER_KINDS = pytest.mark.parametrize(
 
 def _case_model(mode: str, over: dict) -> CausalLM:
     """The model of one (mode, layer kind) case; skipped where another case covers it."""
-    # linears whose kernel takes every row count: packed, or the avx2 family's
+    # linears whose kernel takes every row count: packed, or a few-row kernel without a row limit
     any_rows = cpu_kernels.packs() or cpu_kernels.kernel_row_limit() is None
     if mode == "packed" and not cpu_kernels.packs():
         pytest.skip("this kernel family packs nothing: the unpacked case covers it")
@@ -142,9 +152,9 @@ def _case_model(mode: str, over: dict) -> CausalLM:
 
 def _takes(mode: str, rows: int) -> bool:
     """Whether the stack takes a batch of `rows` rows of a `mode` model: any row count where its
-    linears are packed or under avx2's kernel (int8 too: under avx2 it reads the dequantized weight,
-    as Linear.forward does), else only the AVX-512 few-row kernel's; float32: up to the float32
-    kernel's rows, any number in the batch-invariant forward."""
+    linears are packed or their few-row kernel has no row limit (int8 too: beyond the int8 kernel's
+    rows it reads the dequantized weight, as Linear.forward does), else only the few-row kernel's;
+    float32: up to the float32 kernel's rows, any number in the batch-invariant forward."""
     if mode.startswith("float32"):
         return mode == "float32-deterministic" or rows <= cpu_kernels.F32_KERNEL_ROWS
     packed = mode != "unpacked" and cpu_kernels.packs()

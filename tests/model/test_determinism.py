@@ -90,16 +90,21 @@ def test_tiny_grid_deterministic_mode_gives_one_output_per_request(tiny_reports)
     assert on.ok
 
 
-# The kernel families this machine runs beside the process's own (which the grid above uses).
-OTHER_FAMILIES = [f for f in cpu_kernels.FAMILIES if cpu_kernels.runs_family(f) and f != cpu_kernels.family()]
+# The kernel families this machine runs beside the process's own (which the grid above uses), and
+# avx512 with torch's bf16 matmul on the other side of library_bf16 (its linears' other row limit).
+OTHER_FAMILIES = [
+    (f, None) for f in cpu_kernels.FAMILIES if cpu_kernels.runs_family(f) and f != cpu_kernels.family()
+] + ([("avx512", not cpu_kernels.library_bf16())] if cpu_kernels.runs_family("avx512") else [])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", OTHER_FAMILIES or [pytest.param(None, marks=pytest.mark.skip("none"))])
-def test_tiny_grid_is_deterministic_under_every_kernel_family(tiny_model_dir, family):
+@pytest.mark.parametrize(
+    "family,library_bf16", OTHER_FAMILIES or [pytest.param(None, None, marks=pytest.mark.skip("none"))]
+)
+def test_tiny_grid_is_deterministic_under_every_kernel_family(tiny_model_dir, family, library_bf16):
     """The bf16 grid (the dtype whose linears and attention scorer change with the family) under
     each other family this CPU runs: one output per request, decode == prefill bitwise."""
-    with cpu_kernels.family_override(family):
+    with cpu_kernels.family_override(family, library_bf16):
         on = _check(
             TINY_GRID, str(tiny_model_dir), True, compare_within={"dtype": ["bfloat16"]}, max_points=3
         )
