@@ -9,10 +9,12 @@ pieces a free thread claims and waits without spinning once the machine is busy,
 OS deschedules costs the others little. Torch's intra-op threads are OpenMP's, which split each op
 evenly and spin between ops; two teams spinning beside each other take each other's cores. So:
 
-- where the kernels run the whole forward's heavy work (bfloat16 under a family with its own linears:
-  amx, avx512bf16, avx2), torch gets one thread (what is left to it is small: embedding rows,
+- where the kernels run the whole forward's heavy work (bfloat16 under a family whose kernels take
+  every linear at every row count: amx, avx512bf16, avx2, and avx512 on a CPU without AVX512-BF16,
+  cpu_kernels.kernel_row_limit), torch gets one thread (what is left to it is small: embedding rows,
   residual adds) and the kernels get the pool;
-- where torch's ops do much of it (float32; the avx512 family's many-row linears; the torch family),
+- where torch's ops do much of it (float32; the avx512 family's many-row linears where torch's bf16
+  matmul has AVX512-BF16; the torch family),
   the kernels run on torch's OpenMP team, as torch's own ops do, and when that team is kept waiting
   for cores by another busy process (the pool sees the wait in the kernel's run-queue statistics,
   `OtherLoad` sees whose it is) the forward drops to one thread until it is not: an evenly split op
@@ -45,9 +47,6 @@ log = logging.getLogger("minisgl")
 
 # Torch's intra-op default when this module is first imported (the physical cores, or what the user set).
 _TORCH_DEFAULT = torch.get_num_threads()
-
-# The families whose native linears run every row count in bfloat16.
-_OWN_LINEARS = ("amx", "avx512bf16", "avx2")
 
 
 def cgroup_cpu_quota(
@@ -140,8 +139,13 @@ def plan(num_threads: int | None, dtype: str, deterministic: bool = False) -> Th
         threads, why = num_threads, "num_threads"
     else:
         threads, why = usable_cpus()
-    family = cpu_kernels.family()
-    own = dtype == "bfloat16" and family in _OWN_LINEARS  # without the native build the family is torch
+    # the kernels run every bf16 linear at every row count: packed (amx, avx512bf16), or the few-row
+    # kernel without a row limit (avx2; avx512 where torch's bf16 matmul lacks AVX512-BF16)
+    own = (
+        dtype == "bfloat16"
+        and cpu_kernels.available()
+        and (cpu_kernels.packs() or cpu_kernels.kernel_row_limit() is None)
+    )
     return ThreadPlan(threads, 1 if own else threads, openmp=not own, why=why, adaptive=not deterministic)
 
 

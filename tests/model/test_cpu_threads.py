@@ -64,13 +64,17 @@ def test_thread_count_follows_affinity_and_quota(monkeypatch):
 
 def test_plan_gives_the_kernels_their_pool_where_they_run_the_heavy_work(monkeypatch):
     monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: (2, "test"))
-    for family in ("amx", "avx512bf16", "avx2"):
+    for family, library_bf16 in (("amx", None), ("avx512bf16", None), ("avx2", None), ("avx512", False)):
         if cpu_kernels.runs_family(family):
-            with cpu_kernels.family_override(family):
+            with cpu_kernels.family_override(family, library_bf16):
                 p = cpu_threads.plan(None, "bfloat16")
                 assert (p.threads, p.torch_threads, p.openmp) == (2, 1, False), family
                 p = cpu_threads.plan(None, "float32")
                 assert (p.threads, p.torch_threads, p.openmp) == (2, 2, True), family
+    if cpu_kernels.runs_family("avx512"):  # oneDNN's bf16 matmul runs its many-row linears
+        with cpu_kernels.family_override("avx512", library_bf16=True):
+            p = cpu_threads.plan(None, "bfloat16")
+            assert (p.torch_threads, p.openmp) == (2, True)
     with cpu_kernels.family_override("torch"):
         p = cpu_threads.plan(None, "bfloat16")
         assert (p.torch_threads, p.openmp) == (2, True)
