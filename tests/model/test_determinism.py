@@ -14,6 +14,7 @@ import random
 import subprocess
 
 import pytest
+import torch
 
 from minisgl_backend import Engine, EngineConfig, SamplingParams
 from minisgl_backend.errors import ConfigError
@@ -310,3 +311,64 @@ def test_replica_axis_sees_a_replica_that_computes_differently(tiny_model_dir, m
 def test_replica_counts_are_checked():
     with pytest.raises(ConfigError, match="replica counts"):
         Grid.from_dict({"axes": {"replicas": [2, 0]}})
+
+
+# torch ops that hand a product's summation order to a BLAS or oneDNN (which pick their kernels by
+# CPU model, shape, thread count and, on some CPUs, the data's alignment).
+LIBRARY_PRODUCTS = {
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "mv", "addmv", "dot", "einsum",
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+}  # fmt: skip
+
+# (family, library_bf16, dtype, whether the forward may call the library): where the native
+# kernels take every product; and bf16 under avx512 beside a bf16 oneDNN, whose linears past the
+# few-row kernel's rows are fixed-tile library calls (so the check sees library calls where they are).
+_NATIVE_PRODUCTS = [
+    (family, library_bf16, dtype, family == "avx512" and dtype == "bfloat16" and library_bf16)
+    for family in ("avx512bf16", "avx512", "avx2")
+    if cpu_kernels.runs_family(family)
+    for library_bf16 in ((False, True) if family == "avx512" else (None,))
+    for dtype in ("float32", "bfloat16")
+]
+
+
+@pytest.mark.parametrize(
+    "family,library_bf16,dtype,library",
+    _NATIVE_PRODUCTS or [pytest.param(*[None] * 4, marks=pytest.mark.skip("no native kernels"))],
+)
+def test_the_deterministic_forward_leaves_no_product_to_a_library(
+    tiny_model_dir, monkeypatch, family, library_bf16, dtype, library
+):
+    """With the native kernels, every product of the deterministic forward (projections, MLP,
+    attention, LM head) runs on the engine's own kernels, whose summation order their code fixes:
+    none is left to the BLAS or oneDNN, whose kernel choice can follow the CPU model, the thread
+    count or the data's alignment, so a replica with another history could get other bits.
+    Prompts past the float32 kernel's default 32 rows, prefix reuse and decode steps."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from minisgl_backend.model.llama import CausalLM
+
+    seen: set[str] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    forward = CausalLM.forward
+
+    def recorded(self, *args, **kwargs):
+        with Record():
+            return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "forward", recorded)
+    with cpu_kernels.family_override(family, library_bf16):
+        config = EngineConfig(model=str(tiny_model_dir), deterministic=True, dtype=dtype, **_BASE)
+        with Engine(config) as engine:
+            g = torch.Generator().manual_seed(3)
+            prompts = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in (70, 9, 40)]
+            params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            engine.generate(prompts + [prompts[0][:50] + [5, 6, 7]], params, use_tqdm=False)
+    assert seen, "the recorder saw the forward's ops"
+    called = seen & LIBRARY_PRODUCTS
+    assert bool(called) is library, f"{family} {dtype}: library products {sorted(called)}"
