@@ -80,6 +80,17 @@ def test_plan_gives_the_kernels_their_pool_where_they_run_the_heavy_work(monkeyp
         assert (p.torch_threads, p.openmp) == (2, True)
 
 
+@pytest.fixture
+def thread_state():
+    """Restores torch's thread count, the kernels' count and pool, and the plan after the test."""
+    saved = torch.get_num_threads(), cpu_kernels._THREADS, cpu_threads._ACTIVE
+    yield
+    torch.set_num_threads(saved[0])
+    cpu_kernels.set_threads(saved[1])
+    cpu_kernels.use_openmp(False)
+    cpu_threads._ACTIVE = saved[2]
+
+
 class _Others:
     """OtherLoad's answer, set by the test."""
 
@@ -90,65 +101,51 @@ class _Others:
         return self.busy
 
 
-def test_a_forward_on_openmp_drops_to_one_thread_while_busy(monkeypatch):
+def test_a_forward_on_openmp_drops_to_one_thread_while_busy(monkeypatch, thread_state):
     busy = [True]
     clock = [100.0]
     monkeypatch.setattr(cpu_kernels, "contended", lambda: busy[0])
     monkeypatch.setattr(cpu_threads, "_OTHERS", _Others(True))
     monkeypatch.setattr(cpu_threads.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(cpu_threads, "_held_until", 0.0)
-    saved = torch.get_num_threads(), cpu_kernels._THREADS, cpu_threads._ACTIVE
-    try:
-        cpu_threads.apply(cpu_threads.ThreadPlan(2, 2, openmp=True, why="test"))
-        cpu_threads.adapt()
-        assert (cpu_kernels.threads(), torch.get_num_threads()) == (1, 1)
-        busy[0] = False
-        clock[0] += cpu_threads.HOLD_S / 2
-        cpu_threads.adapt()
-        assert cpu_kernels.threads() == 1, "it holds one thread for a while before it tries again"
-        clock[0] += cpu_threads.HOLD_S
-        cpu_threads.adapt()
-        assert (cpu_kernels.threads(), torch.get_num_threads()) == (2, 2)
-        # the own pool keeps its threads for a step with prompt tokens: it stops spinning instead
-        cpu_threads.apply(cpu_threads.ThreadPlan(2, 1, openmp=False, why="test"))
-        busy[0] = True
-        cpu_threads.adapt()
-        assert cpu_kernels.threads() == 2
-        # the deterministic mode's plan keeps its count: its probed row tiles hold at that count only
-        deterministic = cpu_threads.plan(2, "float32", deterministic=True)
-        assert deterministic.openmp and not deterministic.adaptive
-        cpu_threads.apply(deterministic)
-        clock[0] += 10 * cpu_threads.HOLD_S
-        cpu_threads.adapt()
-        assert (cpu_kernels.threads(), torch.get_num_threads()) == (2, 2)
-    finally:
-        torch.set_num_threads(saved[0])
-        cpu_kernels.set_threads(saved[1])
-        cpu_kernels.use_openmp(False)
-        cpu_threads._ACTIVE = saved[2]
+    cpu_threads.apply(cpu_threads.ThreadPlan(2, 2, openmp=True, why="test"))
+    cpu_threads.adapt()
+    assert (cpu_kernels.threads(), torch.get_num_threads()) == (1, 1)
+    busy[0] = False
+    clock[0] += cpu_threads.HOLD_S / 2
+    cpu_threads.adapt()
+    assert cpu_kernels.threads() == 1, "it holds one thread for a while before it tries again"
+    clock[0] += cpu_threads.HOLD_S
+    cpu_threads.adapt()
+    assert (cpu_kernels.threads(), torch.get_num_threads()) == (2, 2)
+    # the own pool keeps its threads for a step with prompt tokens: it stops spinning instead
+    cpu_threads.apply(cpu_threads.ThreadPlan(2, 1, openmp=False, why="test"))
+    busy[0] = True
+    cpu_threads.adapt()
+    assert cpu_kernels.threads() == 2
+    # the deterministic mode's plan keeps its count: its probed row tiles hold at that count only
+    deterministic = cpu_threads.plan(2, "float32", deterministic=True)
+    assert deterministic.openmp and not deterministic.adaptive
+    cpu_threads.apply(deterministic)
+    clock[0] += 10 * cpu_threads.HOLD_S
+    cpu_threads.adapt()
+    assert (cpu_kernels.threads(), torch.get_num_threads()) == (2, 2)
 
 
-def test_a_forward_on_openmp_keeps_its_threads_when_only_its_own_threads_wait(monkeypatch):
+def test_a_forward_on_openmp_keeps_its_threads_when_only_its_own_threads_wait(monkeypatch, thread_state):
     """The team kept waiting for a core while no other process uses the CPUs: the engine's own
     scheduler and sampling threads did it (they do on a 2-core machine), and a forward dropped to one
     thread for that would run an idle machine at half speed."""
     monkeypatch.setattr(cpu_kernels, "contended", lambda: True)
     monkeypatch.setattr(cpu_threads, "_OTHERS", _Others(False))
     monkeypatch.setattr(cpu_threads, "_held_until", 0.0)
-    saved = torch.get_num_threads(), cpu_kernels._THREADS, cpu_threads._ACTIVE
-    try:
-        cpu_threads.apply(cpu_threads.ThreadPlan(2, 2, openmp=True, why="test"))
-        for _ in range(3):
-            cpu_threads.adapt()
-            assert (cpu_kernels.threads(), torch.get_num_threads()) == (2, 2)
-    finally:
-        torch.set_num_threads(saved[0])
-        cpu_kernels.set_threads(saved[1])
-        cpu_kernels.use_openmp(False)
-        cpu_threads._ACTIVE = saved[2]
+    cpu_threads.apply(cpu_threads.ThreadPlan(2, 2, openmp=True, why="test"))
+    for _ in range(3):
+        cpu_threads.adapt()
+        assert (cpu_kernels.threads(), torch.get_num_threads()) == (2, 2)
 
 
-def test_a_few_row_decode_step_on_the_own_pool_runs_on_one_thread_while_busy(monkeypatch):
+def test_a_few_row_decode_step_on_the_own_pool_runs_on_one_thread_while_busy(monkeypatch, thread_state):
     """A step of a few decode rows reads every weight for little arithmetic: beside a busy process
     one thread does it as fast as two that keep waking each other. Wider steps keep their threads,
     and so does every step while no other process uses the CPUs, whatever the pool's own signal says
@@ -156,26 +153,19 @@ def test_a_few_row_decode_step_on_the_own_pool_runs_on_one_thread_while_busy(mon
     others = _Others(True)
     monkeypatch.setattr(cpu_threads, "_OTHERS", others)
     monkeypatch.setattr(cpu_kernels, "contended", lambda: True)
-    saved = torch.get_num_threads(), cpu_kernels._THREADS, cpu_threads._ACTIVE
-    try:
-        cpu_threads.apply(cpu_threads.ThreadPlan(2, 1, openmp=False, why="test"))
-        cpu_threads.adapt(1)
-        assert cpu_kernels.threads() == 1
-        assert torch.get_num_threads() == 1, "torch keeps its own count on this plan"
-        cpu_threads.adapt(cpu_threads.FEW_DECODE_ROWS)
-        assert cpu_kernels.threads() == 1
-        cpu_threads.adapt(cpu_threads.FEW_DECODE_ROWS + 1)
-        assert cpu_kernels.threads() == 2, "a wide decode step pays for its second thread"
-        cpu_threads.adapt(None)
-        assert cpu_kernels.threads() == 2, "so does a step with prompt tokens"
-        others.busy = False
-        cpu_threads.adapt(1)
-        assert cpu_kernels.threads() == 2, "no other process: the pool's own signal is not enough"
-    finally:
-        torch.set_num_threads(saved[0])
-        cpu_kernels.set_threads(saved[1])
-        cpu_kernels.use_openmp(False)
-        cpu_threads._ACTIVE = saved[2]
+    cpu_threads.apply(cpu_threads.ThreadPlan(2, 1, openmp=False, why="test"))
+    cpu_threads.adapt(1)
+    assert cpu_kernels.threads() == 1
+    assert torch.get_num_threads() == 1, "torch keeps its own count on this plan"
+    cpu_threads.adapt(cpu_threads.FEW_DECODE_ROWS)
+    assert cpu_kernels.threads() == 1
+    cpu_threads.adapt(cpu_threads.FEW_DECODE_ROWS + 1)
+    assert cpu_kernels.threads() == 2, "a wide decode step pays for its second thread"
+    cpu_threads.adapt(None)
+    assert cpu_kernels.threads() == 2, "so does a step with prompt tokens"
+    others.busy = False
+    cpu_threads.adapt(1)
+    assert cpu_kernels.threads() == 2, "no other process: the pool's own signal is not enough"
 
 
 def _fake_proc(tmp_path, machine_busy: int, own: int) -> None:
