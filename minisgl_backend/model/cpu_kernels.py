@@ -43,8 +43,7 @@ except ImportError:  # pragma: no cover - depends on the build
 # dot products (AVX512-BF16 or AMX): beyond, it reuses each weight across more rows than the kernel's
 # 4-row tiles and wins. Where it does not (the avx2 family, and the avx512 family on a CPU without
 # them), the kernel runs at every row count (kernel_row_limit()): oneDNN's bf16 matmul then converts
-# its operands on every call and runs well below the kernel, and below float32's own matmul, at any
-# row count.
+# its operands on every call and runs well below the kernel at any row count.
 MAX_KERNEL_ROWS = 4
 # Rows up to which linear() runs float32 rows on the same kernel over float32 weights, on every
 # family: a decode batch streams each weight once, which the BLAS's float32 matrix-vector and

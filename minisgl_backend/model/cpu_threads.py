@@ -221,10 +221,9 @@ def apply(p: ThreadPlan) -> bool:
 def adapt(decode_rows: int | None = None) -> None:
     """Before a forward (on the thread that runs it): one thread while the kernels' threads are kept
     waiting for cores and other processes use the CPUs (OtherLoad), the planned count otherwise,
-    under a plan whose threads are OpenMP's; under
-    the kernels' own pool, the same for a step of `decode_rows` decode rows and no prompt tokens
-    (None: a step with prompt tokens) up to FEW_DECODE_ROWS while other processes use the CPUs
-    (OtherLoad), and the planned count for any other."""
+    under a plan whose threads are OpenMP's; under the kernels' own pool, one thread for a step of
+    `decode_rows` decode rows and no prompt tokens (None: a step with prompt tokens) up to
+    FEW_DECODE_ROWS while other processes use the CPUs, and the planned count for any other."""
     p = _ACTIVE
     if p is None or not p.adaptive or p.threads == 1:
         return
