@@ -50,30 +50,37 @@ def process_seconds(pid: int) -> float:
     return _stat_seconds(f"/proc/{pid}/stat") or 0.0
 
 
-def _by_tid() -> dict[int, float]:
-    out: dict[int, float] = {}
+def _schedstat(tid: str) -> tuple[float, float] | None:
+    """A thread's seconds on a CPU and seconds runnable but off one (the scheduler's run-queue wait:
+    what other work on the machine cost it), both counted in nanoseconds; None where the thread has
+    ended or the kernel keeps no schedstats."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            run, wait = f.read().split()[:2]
+        return int(run) / 1e9, int(wait) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def _by_tid() -> tuple[dict[int, float], dict[int, float]]:
+    """Every live thread's CPU seconds, and its run-queue wait where the kernel keeps schedstats.
+    The CPU seconds come from schedstat too where it is there: `stat` counts in clock ticks (10 ms
+    on most kernels), so a thread that ran a few ms between two samples could read zero."""
+    cpu: dict[int, float] = {}
+    waits: dict[int, float] = {}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return out
+        return cpu, waits
     for tid in tids:
+        sched = _schedstat(tid)
+        if sched is not None:
+            cpu[int(tid)], waits[int(tid)] = sched
+            continue
         seconds = _stat_seconds(f"/proc/self/task/{tid}/stat")
         if seconds is not None:  # else the thread ended between listing and reading
-            out[int(tid)] = seconds
-    return out
-
-
-def _waits_by_tid(tids: list[int]) -> dict[int, float]:
-    """Seconds each thread spent runnable but off a CPU (the scheduler's run-queue wait, schedstat's
-    second field): what other work on the machine cost it, apart from what it computed."""
-    out: dict[int, float] = {}
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                out[tid] = int(f.read().split()[1]) / 1e9
-        except (OSError, IndexError, ValueError):  # ended, or a kernel without schedstats
-            continue
-    return out
+            cpu[int(tid)] = seconds
+    return cpu, waits
 
 
 def role(name: str | None) -> str:
@@ -90,8 +97,7 @@ class Sample:
 
     def __init__(self) -> None:
         names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-        self.cpu = _by_tid()
-        self.waits = _waits_by_tid(list(self.cpu))
+        self.cpu, self.waits = _by_tid()
         self.roles = {tid: role(names.get(tid)) for tid in self.cpu}
 
     def _per_role(self, now: dict[int, float], then: dict[int, float]) -> dict[str, float]:

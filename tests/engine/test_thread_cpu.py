@@ -54,6 +54,21 @@ def test_each_thread_is_charged_the_cpu_it_spent_under_its_role():
     assert thread_cpu.server_seconds(split) == pytest.approx(split["compute"] + split["event loop"], abs=0.05)
 
 
+def test_a_thread_that_ran_a_few_ms_is_charged_them_not_zero():
+    """A tiny served run's compute thread may spend only a few ms between the two samples: that is
+    read to the microsecond, not in the clock ticks of /proc's stat (which would read 0 or 10 ms)."""
+    if thread_cpu._schedstat(str(threading.get_native_id())) is None:
+        pytest.skip("this kernel keeps no schedstats")
+    threads, release, burnt = _busy_threads(("minisgl-compute", 0.003))
+    before = thread_cpu.Sample()
+    threads[0].start()
+    assert burnt[0].wait(120)
+    split = thread_cpu.Sample().since(before)
+    release.set()
+    threads[0].join()
+    assert 0.002 <= split["compute"] < 0.009
+
+
 def test_roles_follow_the_names_the_engine_and_the_server_give_their_threads():
     assert thread_cpu.role("minisgl-serve-cpu_0") == "server workers"
     assert thread_cpu.role("minisgl-serve") == "event loop"
