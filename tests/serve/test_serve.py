@@ -1175,9 +1175,16 @@ def test_a_signal_drains_the_requests_in_flight_and_refuses_new_ones(server):
     then the server stops. Its own app over the module's engine: only it stops."""
     from minisgl_backend.serve import start_in_thread
 
-    srv = start_in_thread(_engine(server), api_key=KEY, model_name=MODEL, shutdown_timeout=120)
+    eng = _engine(server)
+    srv = start_in_thread(eng, api_key=KEY, model_name=MODEL, shutdown_timeout=120)
     cmpl = {"model": MODEL, "prompt": "hi", "ignore_eos": True, "temperature": 0}
     whole: dict = {}
+    release, entered = threading.Event(), threading.Event()
+
+    def blocker(_ids, logits):
+        entered.set()
+        release.wait(60)
+        return logits
 
     def post_whole() -> None:
         with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as c:
@@ -1189,6 +1196,11 @@ def test_a_signal_drains_the_requests_in_flight_and_refuses_new_ones(server):
             with c.stream("POST", "/v1/completions", json=body) as r:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")  # the stream is under way
+                # The engine is held until the late requests were refused: the stream cannot end
+                # before the second request is in flight, nor both before the signal, however
+                # slowly a loaded machine runs this thread.
+                gate = eng.submit([1, 2, 3], SamplingParams(max_tokens=1, logits_processors=(blocker,)))
+                assert entered.wait(60)
                 t = threading.Thread(target=post_whole)
                 t.start()
                 deadline = time.monotonic() + 60
@@ -1205,6 +1217,8 @@ def test_a_signal_drains_the_requests_in_flight_and_refuses_new_ones(server):
                         assert late.status_code == 503, late.text
                         assert late.json()["error"]["code"] == "shutting_down"
                         assert late.headers["retry-after"] == "1"
+                release.set()
+                gate.result(60)
                 events = _sse_events(lines)
             t.join(120)
         assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 200
@@ -1215,6 +1229,7 @@ def test_a_signal_drains_the_requests_in_flight_and_refuses_new_ones(server):
         srv.thread.join(60)  # then it stops by itself
         assert not srv.thread.is_alive()
     finally:
+        release.set()
         srv.stop()
 
 

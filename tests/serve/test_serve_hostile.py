@@ -46,6 +46,21 @@ def server(tiny_model_dir):
         yield srv
 
 
+@pytest.fixture(scope="module")
+def patient(server):
+    """A second server over the same engine whose body timeout no loaded machine reaches, for the
+    uploads of tens of MB whose answer a test checks: under the module's 1 s one, an upload slowed
+    by the machine would be answered 408 instead."""
+    from dataclasses import replace
+
+    from minisgl_backend.serve import start_in_thread
+
+    limits = replace(LIMITS, body_timeout_s=120.0)
+    srv = start_in_thread(server.state.engine, api_key=KEY, model_name=MODEL, limits=limits)
+    yield srv
+    srv.stop()
+
+
 SUR = "a\ud800b"  # a lone surrogate: JSON can carry it (as an escape), UTF-8 cannot
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 TOOL = {
@@ -233,16 +248,16 @@ def test_hostile_input_gets_a_4xx_error_object_and_the_server_keeps_serving(
     assert_serves(client, MODEL)
 
 
-def test_a_20_mb_prompt_does_not_hold_up_health(server, client):
+def test_a_20_mb_prompt_does_not_hold_up_health(patient, client):
     prompt = "word " * (4 * 1024 * 1024)  # 20 MiB
     result: dict = {}
 
     def send() -> None:
-        with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
+        with httpx.Client(base_url=patient.url, headers=AUTH, timeout=120) as c:
             result["r"] = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
 
     worst = 0.0
-    with httpx.Client(base_url=server.url, timeout=10) as h:
+    with httpx.Client(base_url=patient.url, timeout=10) as h:
         h.get("/health")  # connected before the upload starts
         t = threading.Thread(target=send)
         t.start()
@@ -477,7 +492,7 @@ def test_half_sent_headers_and_slow_bodies_are_cut_off(server, client):
         ("chunked", "wrong", 401, "invalid_api_key"),
     ],
 )
-def test_an_answer_mid_upload_ends_in_a_clean_close_not_a_reset(server, client, framing, key, status, code):
+def test_an_answer_mid_upload_ends_in_a_clean_close_not_a_reset(patient, client, framing, key, status, code):
     # The server answers while the client is still sending. Were the unread rest of the body left
     # in the socket at close, the kernel would reset the connection, and a client still writing
     # can lose the answer it was sent (CI saw httpx get 0 bytes of a 413). The server reads and
@@ -485,7 +500,7 @@ def test_an_answer_mid_upload_ends_in_a_clean_close_not_a_reset(server, client, 
     head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     head += b"Authorization: Bearer " + key.encode() + b"\r\n"
     part = b"x" * (4 * 1024 * 1024)
-    sock = _connect(server)
+    sock = _connect(patient)
     if framing == "content-length":
         total = LIMITS.max_body_bytes + len(part)
         sock.sendall(head + b"Content-Length: %d\r\n\r\n" % total)
@@ -505,27 +520,41 @@ def test_an_answer_mid_upload_ends_in_a_clean_close_not_a_reset(server, client, 
 
 
 def test_past_the_connection_cap_a_clean_503_then_service_resumes(server, client):
-    connections = server.server.server_state.connections
+    """The cap is filled with idle sockets, on a server of its own whose header timeout outlasts the
+    test: with the module's 1 s one, a loaded machine could close the first sockets before the last
+    one is open, and the probe would find room."""
+    from dataclasses import replace
+
+    from minisgl_backend.serve import start_in_thread
+
+    limits = replace(LIMITS, header_timeout_s=120.0)
+    srv = start_in_thread(server.state.engine, api_key=KEY, model_name=MODEL, limits=limits)
+    connections = srv.server.server_state.connections
     idle = []
     try:
-        while len(connections) < LIMITS.max_connections:  # fill the cap with idle sockets
-            idle.append(_connect(server))
-            deadline = time.monotonic() + 2
-            while len(connections) < min(LIMITS.max_connections, len(idle)) and time.monotonic() < deadline:
-                time.sleep(0.005)
-        with httpx.Client(base_url=server.url, headers=AUTH, timeout=10) as c:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            while len(connections) < LIMITS.max_connections:  # fill the cap with idle sockets
+                idle.append(_connect(srv))
+                deadline = time.monotonic() + 60
+                while len(connections) < min(LIMITS.max_connections, len(idle)):
+                    assert time.monotonic() < deadline, len(connections)
+                    time.sleep(0.005)
             r = c.get("/health")
-        assert r.status_code == 503, r.text
-        assert r.headers["connection"] == "close" and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["code"] == "too_many_connections"
+            assert r.status_code == 503, r.text
+            assert r.headers["connection"] == "close" and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "too_many_connections"
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 60
+        while len(connections) >= LIMITS.max_connections:
+            assert time.monotonic() < deadline, len(connections)
+            time.sleep(0.01)
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+            assert c.get("/health").status_code == 200
     finally:
         for s in idle:
             s.close()
-    deadline = time.monotonic() + 5
-    while len(connections) >= LIMITS.max_connections and time.monotonic() < deadline:
-        time.sleep(0.01)
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=10) as c:
-        assert c.get("/health").status_code == 200
+        srv.stop()
     assert_serves(client, MODEL)
 
 
@@ -704,7 +733,7 @@ def test_kv_usage_counts_blocks_held_by_requests_and_cached_blocks_apart(server,
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
     assert r.status_code == 200
     server.state.engine.drain(timeout=30)
-    deadline = time.monotonic() + 5  # the engine folds its gauges about once a second
+    deadline = time.monotonic() + 30  # the engine folds its gauges about once a second
     while True:
         g = gauges()
         if g["minisgl:kv_cache_cached_perc"] > 0 or time.monotonic() > deadline:

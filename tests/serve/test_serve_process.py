@@ -3,6 +3,7 @@ its stop on SIGTERM with a request in flight."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -83,17 +84,25 @@ def test_sigterm_does_not_wait_past_the_shutdown_timeout_for_a_tokenizer_job(tin
     ]
     with serve_process(tiny_model_dir, *flags) as srv:
         answer: list = []
+        # Built before the clock starts: making 24 Mi characters in Python takes seconds of its own,
+        # which on a loaded machine could outlast the wait below and leave nothing in flight.
+        body = json.dumps({"prompt": _text(chars)}).encode()
+        sending = threading.Event()
 
         def tokenize() -> None:
             with httpx.Client(base_url=srv.url, timeout=120) as c:
                 try:
-                    answer.append(c.post("/tokenize", json={"prompt": _text(chars)}))
+                    sending.set()
+                    answer.append(
+                        c.post("/tokenize", content=body, headers={"content-type": "application/json"})
+                    )
                 except httpx.TransportError as e:
                     answer.append(e)
 
         client = threading.Thread(target=tokenize)
         client.start()
-        time.sleep(4)  # the body is sent and parsed; tokenising it takes far longer
+        assert sending.wait(60)
+        time.sleep(3)  # the body is sent and parsed; tokenising it takes far longer
         srv.proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         out, err = srv.proc.communicate(timeout=120)
