@@ -88,7 +88,9 @@ class Sizes:
             big_prompts=4,
             big_n=16,
             big_tokens=8,
-            drain_tokens=40,
+            # long enough that the late request and the probes meet the server while it drains
+            # even when a loaded machine delays them: a tiny model decodes a few dozen in a blink
+            drain_tokens=400,
             burst=40,
             burst_concurrency=8,
             burst_tokens=4,

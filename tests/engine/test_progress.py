@@ -55,7 +55,7 @@ def test_preemption_under_a_tight_pool_always_finishes(tiny_model_dir, policy):
         assert [o.token_ids for o in outs] == expected
         # Progress, not thrash: each preemption costs at most a recompute of one request.
         assert sum(o.num_preemptions for o in outs) <= 20, [o.num_preemptions for o in outs]
-        assert wall < 10, f"{wall:.1f}s"
+        assert wall < 60, f"{wall:.1f}s"  # a livelock runs into the result timeouts; this bounds a crawl
         counts = eng.drain(timeout=30, flush_cache=True)
         assert counts["FREE"] == eng.num_blocks, counts
         assert eng.metrics().get("stalls", 0) == 0

@@ -7,6 +7,8 @@ range, NaN); a logits copy not ordered after the forward raises StreamHazardErro
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -101,6 +103,10 @@ def test_decode_at_graph_buckets_on_simulated_streams_matches_the_cpu_executor(
 def test_simulated_copies_are_poisoned_until_they_land_and_event_waits_wait() -> None:
     ops = SimulatedOps(delay_s=0.05)
     copy = ops.stream("copy")
+    # Each copy below is held behind a gate until its destination was checked: a random delay alone
+    # can be shorter than this thread's stall on a loaded machine.
+    gate = threading.Event()
+    copy.submit(lambda: gate.wait(60))
     try:
         host = torch.arange(6, dtype=torch.int64)
         with ops.use(copy):
@@ -109,13 +115,17 @@ def test_simulated_copies_are_poisoned_until_they_land_and_event_waits_wait() ->
             ops.record(landed, copy)
         host.fill_(-1)  # a copy reads its source when it runs: the staging buffer must outlive it
         assert (dev == torch.iinfo(torch.int64).max).all()  # issued, not landed
+        gate.set()
         compute = ops.stream("compute")
         ops.wait(compute, landed)  # blocks this thread, as the compute worker, until the copy landed
         assert torch.equal(dev, torch.full((6,), -1))
         out = torch.zeros(3)
+        gate = threading.Event()
+        copy.submit(lambda: gate.wait(60))
         with ops.use(copy):
             ops.d2h(torch.ones(3), out)
         assert out.isnan().all()
+        gate.set()
         ops.synchronize()
         assert torch.equal(out, torch.ones(3))
         assert poison_(torch.zeros(2, dtype=torch.bool)).all()

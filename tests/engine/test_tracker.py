@@ -71,7 +71,7 @@ def test_wait_times_out_empty(make) -> None:
     t = make()
     start = time.monotonic()
     assert t.wait(0.05) == []
-    assert 0.04 <= time.monotonic() - start < 1.0
+    assert 0.04 <= time.monotonic() - start < 10.0  # returns after its timeout, not never
     assert t.wait(0) == []  # zero: non-blocking
 
 

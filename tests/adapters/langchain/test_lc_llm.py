@@ -67,7 +67,9 @@ def test_batch_puts_every_prompt_into_the_engine_before_any_finishes(tiny, monke
 
     monkeypatch.setattr(eng, "submit", spy)
     prompts = [f"Story number {i}:" for i in range(6)]
-    outs = tiny.batch(prompts)
+    # Long enough that a loaded machine's stalls between two submits (the caller's thread tokenises
+    # each prompt while the engine's threads hold the interpreter) cannot let the first one finish.
+    outs = tiny.batch(prompts, max_tokens=300, ignore_eos=True)
     assert len(outs) == 6 and all(isinstance(o, str) for o in outs)
     assert len(submitted) == 6
     assert max(submitted) < min(finished), "batch() waited for a request before submitting the next"
@@ -93,14 +95,17 @@ async def test_async_variants_do_not_block_the_event_loop(tiny):
 
     t = asyncio.create_task(ticker())
     handler = AsyncTokens()
-    text = await tiny.ainvoke("Once upon a time")
-    outs = await tiny.abatch(["Once upon a time", "In a galaxy far"])
-    chunks = [c async for c in tiny.astream("Once upon a time", config={"callbacks": [handler]})]
+    # Long generations: a loop that is not blocked ticks hundreds of times over them even when a
+    # loaded machine delays it, and one that is blocked ticks hardly at all.
+    long = {"max_tokens": 200, "ignore_eos": True}
+    text = await tiny.ainvoke("Once upon a time", **long)
+    outs = await tiny.abatch(["Once upon a time", "In a galaxy far"], **long)
+    chunks = [c async for c in tiny.astream("Once upon a time", config={"callbacks": [handler]}, **long)]
     done.set()
     await t
     assert text == outs[0] == "".join(chunks)
     assert len(chunks) > 1 and "".join(handler.tokens) == text
-    assert ticks >= 5, "the event loop was blocked while the engine worked"
+    assert ticks >= 20, "the event loop was blocked while the engine worked"
 
 
 def test_stop_sequences_invoke_and_stream():
