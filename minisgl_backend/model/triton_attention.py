@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -261,6 +262,35 @@ def _dot_precision(q: torch.Tensor) -> str | None:
     return "ieee" if _f32_dot(q) else None
 
 
+# Tiles and warps per program. Each program keeps a query tile, a K and a V tile, the scores and a
+# float32 accumulator in registers; a variant whose tiles do not fit the registers of its warps
+# spills to local memory, which on a GPU costs more than smaller tiles' extra loop trips. A 64-wide
+# head in 16 bits keeps 4 warps and 64-key tiles (what has run on a GPU); wider heads and float32
+# take 8 warps and the largest tiles at which no variant spills on the GPUs the back-end targets.
+# `python -m minisgl_backend.tools.triton_check` compiles every launched variant for those GPUs
+# and says where one would spill (no GPU needed).
+
+
+class Tiles(NamedTuple):
+    block_m: int  # query rows per program (prefill; decode scores one row's query heads)
+    block_n: int  # keys per loop trip
+    num_warps: int
+
+
+def decode_tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
+    d = _pow2(head_dim)
+    if dtype == torch.float32:
+        return Tiles(0, 16 if d > 128 else 32, 8)
+    return Tiles(0, 64, 4) if d <= 64 else Tiles(0, 64 if d <= 128 else 32, 8)
+
+
+def prefill_tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
+    d = _pow2(head_dim)
+    if dtype == torch.float32:
+        return Tiles(32, 32, 8) if d <= 64 else Tiles(16, 32 if d <= 128 else 16, 8)
+    return Tiles(64, 64, 4) if d <= 64 else Tiles(64, 32, 8) if d <= 128 else Tiles(16, 32, 8)
+
+
 def _check_strides(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, out: torch.Tensor) -> None:
     # Both kernels take one set of strides for K and V (the pool's two tensors of one shape) and
     # index the head dim with unit stride.
@@ -272,7 +302,22 @@ def _check_strides(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
     )
 
 
-def paged_decode_attention(
+class Launch(NamedTuple):
+    """One kernel launch: its grid, its runtime arguments in the kernel's order and its
+    compile-time ones. The launchers run it; the compile check (tools/triton_check.py) compiles
+    the same arguments for a GPU it does not have."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any]
+    num_warps: int
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps)
+
+
+def decode_launch(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
@@ -281,25 +326,18 @@ def paged_decode_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
-    row_table: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    block_n: int = 64,
-) -> torch.Tensor:
-    """Each query row over its paged K/V: q [N, h, d] (rows may be strided views); k_pool/v_pool
-    [num_blocks, block_size, kvh, d]; tables [T, nb] block ids; row i reads table row_table[i] (i when
-    row_table is None) at keys 0..positions[i], or the last `window` of them. Returns out [N, h, d]
-    in q's dtype. The same contract as cpu_kernels.paged_attention, without its bounds check: a
-    table entry past a row's position is never read, but one at or before it must be a valid block."""
+    row_table: torch.Tensor | None,
+    out: torch.Tensor,
+    block_n: int | None = None,
+) -> Launch:
+    """The launch `paged_decode_attention` runs (its arguments)."""
     n, h, d = q.shape
     kvh = k_pool.shape[2]
     group = h // kvh
-    if out is None:
-        out = torch.empty(n, h, d, dtype=q.dtype, device=q.device)
-    if n == 0:
-        return out
+    tiles = decode_tiles(d, q.dtype)
     _check_strides(q, k_pool, v_pool, out)
     assert tables.stride(1) == 1
-    _decode_kernel[(n, kvh)](
+    args = (
         q,
         k_pool,
         v_pool,
@@ -316,22 +354,54 @@ def paged_decode_attention(
         scale,
         softcap or 0.0,
         window or 0,
+    )
+    constexprs = dict(
         BS=k_pool.shape[1],
         GROUP=group,
         BLOCK_G=_pow2(group),
         D=d,
         BLOCK_D=_pow2(d),
-        BLOCK_N=block_n,
+        BLOCK_N=block_n or tiles.block_n,
         HAS_ROW_TABLE=row_table is not None,
         USE_CAP=softcap is not None,
         USE_WINDOW=window is not None,
         F32_DOT=_f32_dot(q),
         DOT_PREC=_dot_precision(q),
     )
+    return Launch(_decode_kernel, (n, kvh), args, constexprs, tiles.num_warps)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    row_table: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Each query row over its paged K/V: q [N, h, d] (rows may be strided views); k_pool/v_pool
+    [num_blocks, block_size, kvh, d]; tables [T, nb] block ids; row i reads table row_table[i] (i when
+    row_table is None) at keys 0..positions[i], or the last `window` of them. Returns out [N, h, d]
+    in q's dtype. The same contract as cpu_kernels.paged_attention, without its bounds check: a
+    table entry past a row's position is never read, but one at or before it must be a valid block.
+    `block_n`: keys per tile (default: `decode_tiles`)."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0:
+        return out
+    launch = decode_launch(
+        q, k_pool, v_pool, tables, positions, scale, window, softcap, row_table, out, block_n
+    )
+    launch.run()
     return out
 
 
-def paged_prefill_attention(
+def prefill_launch(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
@@ -343,20 +413,17 @@ def paged_prefill_attention(
     window: int | None,
     softcap: float | None,
     out: torch.Tensor,
-    block_m: int = 64,
-    block_n: int = 64,
-) -> torch.Tensor:
-    """The rows [start, start + length) of q [N, h, d], one prompt chunk ending at context length
-    ctx_len, over its paged K/V (block_table [ceil(ctx_len / block_size)] block ids; the chunk's own
-    K/V already written): row start + i is at position ctx_len - length + i and sees keys 0..that
-    position (or the last `window` of them). Writes those rows of out [N, h, d] and returns out."""
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> Launch:
+    """The launch `paged_prefill_attention` runs (its arguments)."""
     h, d = q.shape[1], q.shape[2]
     kvh = k_pool.shape[2]
-    if length == 0:
-        return out
     _check_strides(q, k_pool, v_pool, out)
     assert block_table.dim() == 1 and block_table.stride(0) == 1
-    _prefill_kernel[(triton.cdiv(length, block_m), h)](
+    tiles = prefill_tiles(d, q.dtype)
+    block_m, block_n = block_m or tiles.block_m, block_n or tiles.block_n
+    args = (
         q,
         k_pool,
         v_pool,
@@ -373,6 +440,8 @@ def paged_prefill_attention(
         scale,
         softcap or 0.0,
         window or 0,
+    )
+    constexprs = dict(
         BS=k_pool.shape[1],
         GROUP=h // kvh,
         D=d,
@@ -384,6 +453,34 @@ def paged_prefill_attention(
         F32_DOT=_f32_dot(q),
         DOT_PREC=_dot_precision(q),
     )
+    return Launch(_prefill_kernel, (triton.cdiv(length, block_m), h), args, constexprs, tiles.num_warps)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    start: int,
+    length: int,
+    ctx_len: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    out: torch.Tensor,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """The rows [start, start + length) of q [N, h, d], one prompt chunk ending at context length
+    ctx_len, over its paged K/V (block_table [ceil(ctx_len / block_size)] block ids; the chunk's own
+    K/V already written): row start + i is at position ctx_len - length + i and sees keys 0..that
+    position (or the last `window` of them). Writes those rows of out [N, h, d] and returns out.
+    `block_m`, `block_n`: query rows and keys per tile (default: `prefill_tiles`)."""
+    if length == 0:
+        return out
+    prefill_launch(
+        q, k_pool, v_pool, block_table, start, length, ctx_len, scale, window, softcap, out, block_m, block_n
+    ).run()
     return out
 
 
