@@ -24,8 +24,11 @@ import it only where triton is installed (`available()` says so without importin
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -303,9 +306,8 @@ def _check_strides(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
 
 
 class Launch(NamedTuple):
-    """One kernel launch: its grid, its runtime arguments in the kernel's order and its
-    compile-time ones. The launchers run it; the compile check (tools/triton_check.py) compiles
-    the same arguments for a GPU it does not have."""
+    """One kernel launch: its grid, its runtime arguments in the kernel's order, its compile-time
+    ones and its warps."""
 
     kernel: Any
     grid: tuple[int, ...]
@@ -313,11 +315,32 @@ class Launch(NamedTuple):
     constexprs: dict[str, Any]
     num_warps: int
 
-    def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps)
+
+_captured = threading.local()
 
 
-def decode_launch(
+@contextlib.contextmanager
+def captured_launches() -> Iterator[list[Launch]]:
+    """Within it, this thread's kernel launches are recorded into the list it yields instead of
+    run: the compile check (tools/triton_check.py) calls the launchers over meta tensors this way
+    and compiles exactly the launches they would make, for a GPU it does not have."""
+    before = getattr(_captured, "launches", None)
+    _captured.launches = launches = []
+    try:
+        yield launches
+    finally:
+        _captured.launches = before
+
+
+def _launch(launch: Launch) -> None:
+    record = getattr(_captured, "launches", None)
+    if record is not None:
+        record.append(launch)
+    else:
+        launch.kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps)
+
+
+def paged_decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
@@ -326,17 +349,26 @@ def decode_launch(
     scale: float,
     window: int | None,
     softcap: float | None,
-    row_table: torch.Tensor | None,
-    out: torch.Tensor,
+    row_table: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     block_n: int | None = None,
-) -> Launch:
-    """The launch `paged_decode_attention` runs (its arguments)."""
+) -> torch.Tensor:
+    """Each query row over its paged K/V: q [N, h, d] (rows may be strided views); k_pool/v_pool
+    [num_blocks, block_size, kvh, d]; tables [T, nb] block ids; row i reads table row_table[i] (i when
+    row_table is None) at keys 0..positions[i], or the last `window` of them. Returns out [N, h, d]
+    in q's dtype. The same contract as cpu_kernels.paged_attention, without its bounds check: a
+    table entry past a row's position is never read, but one at or before it must be a valid block.
+    `block_n`: keys per tile (default: `decode_tiles`)."""
     n, h, d = q.shape
     kvh = k_pool.shape[2]
     group = h // kvh
-    tiles = decode_tiles(d, q.dtype)
+    if out is None:
+        out = torch.empty(n, h, d, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
     _check_strides(q, k_pool, v_pool, out)
     assert tables.stride(1) == 1
+    tiles = decode_tiles(d, q.dtype)
     args = (
         q,
         k_pool,
@@ -368,40 +400,11 @@ def decode_launch(
         F32_DOT=_f32_dot(q),
         DOT_PREC=_dot_precision(q),
     )
-    return Launch(_decode_kernel, (n, kvh), args, constexprs, tiles.num_warps)
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    tables: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    row_table: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    block_n: int | None = None,
-) -> torch.Tensor:
-    """Each query row over its paged K/V: q [N, h, d] (rows may be strided views); k_pool/v_pool
-    [num_blocks, block_size, kvh, d]; tables [T, nb] block ids; row i reads table row_table[i] (i when
-    row_table is None) at keys 0..positions[i], or the last `window` of them. Returns out [N, h, d]
-    in q's dtype. The same contract as cpu_kernels.paged_attention, without its bounds check: a
-    table entry past a row's position is never read, but one at or before it must be a valid block.
-    `block_n`: keys per tile (default: `decode_tiles`)."""
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if q.shape[0] == 0:
-        return out
-    launch = decode_launch(
-        q, k_pool, v_pool, tables, positions, scale, window, softcap, row_table, out, block_n
-    )
-    launch.run()
+    _launch(Launch(_decode_kernel, (n, kvh), args, constexprs, tiles.num_warps))
     return out
 
 
-def prefill_launch(
+def paged_prefill_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
@@ -415,10 +418,16 @@ def prefill_launch(
     out: torch.Tensor,
     block_m: int | None = None,
     block_n: int | None = None,
-) -> Launch:
-    """The launch `paged_prefill_attention` runs (its arguments)."""
+) -> torch.Tensor:
+    """The rows [start, start + length) of q [N, h, d], one prompt chunk ending at context length
+    ctx_len, over its paged K/V (block_table [ceil(ctx_len / block_size)] block ids; the chunk's own
+    K/V already written): row start + i is at position ctx_len - length + i and sees keys 0..that
+    position (or the last `window` of them). Writes those rows of out [N, h, d] and returns out.
+    `block_m`, `block_n`: query rows and keys per tile (default: `prefill_tiles`)."""
     h, d = q.shape[1], q.shape[2]
     kvh = k_pool.shape[2]
+    if length == 0:
+        return out
     _check_strides(q, k_pool, v_pool, out)
     assert block_table.dim() == 1 and block_table.stride(0) == 1
     tiles = prefill_tiles(d, q.dtype)
@@ -453,34 +462,7 @@ def prefill_launch(
         F32_DOT=_f32_dot(q),
         DOT_PREC=_dot_precision(q),
     )
-    return Launch(_prefill_kernel, (triton.cdiv(length, block_m), h), args, constexprs, tiles.num_warps)
-
-
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    start: int,
-    length: int,
-    ctx_len: int,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-    out: torch.Tensor,
-    block_m: int | None = None,
-    block_n: int | None = None,
-) -> torch.Tensor:
-    """The rows [start, start + length) of q [N, h, d], one prompt chunk ending at context length
-    ctx_len, over its paged K/V (block_table [ceil(ctx_len / block_size)] block ids; the chunk's own
-    K/V already written): row start + i is at position ctx_len - length + i and sees keys 0..that
-    position (or the last `window` of them). Writes those rows of out [N, h, d] and returns out.
-    `block_m`, `block_n`: query rows and keys per tile (default: `prefill_tiles`)."""
-    if length == 0:
-        return out
-    prefill_launch(
-        q, k_pool, v_pool, block_table, start, length, ctx_len, scale, window, softcap, out, block_m, block_n
-    ).run()
+    _launch(Launch(_prefill_kernel, (triton.cdiv(length, block_m), h), args, constexprs, tiles.num_warps))
     return out
 
 

@@ -6,11 +6,11 @@ kernel that the GPU compiler rejects, that spills registers to local memory or t
 shared memory than a GPU has would pass every interpreted test and fail (or crawl) on the first GPU.
 This check compiles each variant the back-end launches (model/triton_attention.py: decode and
 prefill, every dtype, the usual head sizes, with and without the softcap, window and row-table
-switches) to a cubin for each architecture, with the same arguments the launchers pass (built by
-the same functions, over meta tensors), and reads each cubin's registers, stack (spilled
-registers) and shared memory. It needs Triton's NVIDIA back-end, which its wheel ships (the GPU
-compiler included), and no GPU or driver. Exit status 1 if a variant fails to compile, spills, or
-needs more shared memory than the architecture gives one block.
+switches) to a cubin for each architecture. The launchers themselves are called, over meta tensors
+with their launches captured, so what is compiled is what they would launch. Each cubin's registers,
+stack (spilled registers) and shared memory are read back. It needs Triton's NVIDIA back-end, which
+its wheel ships (the GPU compiler included), and no GPU or driver. Exit status 1 if a variant fails
+to compile, spills, or needs more shared memory than the architecture gives one block.
 """
 
 from __future__ import annotations
@@ -126,9 +126,11 @@ def launches(dtype: torch.dtype, head_dim: int) -> list[tuple[str, str, Any]]:
     rows, table = t(32, dt=torch.int64), t(8, dt=torch.int64)
     found: list[tuple[str, str, Any]] = []
     for name, window, cap, row_table in (("plain", None, None, None), ("window+softcap", 8, 30.0, rows)):
-        decode = ta.decode_launch(q, pool, pool, tables, pos, 0.1, window, cap, row_table, out)
+        with ta.captured_launches() as launched:
+            ta.paged_decode_attention(q, pool, pool, tables, pos, 0.1, window, cap, row_table, out)
+            ta.paged_prefill_attention(q, pool, pool, table, 0, 32, 100, 0.1, window, cap, out)
+        decode, prefill = launched
         found.append(("decode", name + ("+row table" if row_table is not None else ""), decode))
-        prefill = ta.prefill_launch(q, pool, pool, table, 0, 32, 100, 0.1, window, cap, out)
         found.append(("prefill", name, prefill))
     return found
 
