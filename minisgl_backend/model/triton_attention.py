@@ -325,7 +325,8 @@ def captured_launches() -> Iterator[list[Launch]]:
     run: the compile check (tools/triton_check.py) calls the launchers over meta tensors this way
     and compiles exactly the launches they would make, for a GPU it does not have."""
     before = getattr(_captured, "launches", None)
-    _captured.launches = launches = []
+    launches: list[Launch] = []
+    _captured.launches = launches
     try:
         yield launches
     finally:
