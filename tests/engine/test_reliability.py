@@ -519,8 +519,21 @@ def _wait_threads(n: int, timeout: float = 20.0) -> int:
     return _engine_threads()
 
 
+def _settled_threads(timeout: float = 20.0) -> int:
+    """The engine thread count once it stopped changing for half a second: the threads of an
+    engine that an earlier test closed may still be on their way out on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    last, since = _engine_threads(), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < 0.5:
+        gc.collect()
+        time.sleep(0.05)
+        if (n := _engine_threads()) != last:
+            last, since = n, time.monotonic()
+    return last
+
+
 def test_dropped_engine_is_closed_by_its_finaliser(tiny_model_dir):
-    base = _wait_threads(_engine_threads(), 0)
+    base = _settled_threads()
     eng = Engine(EngineConfig(model=str(tiny_model_dir), num_blocks=32, block_size=4, num_threads=1))
     assert eng.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].finish_reason == "length"
     assert _engine_threads() == base + 4  # scheduler, compute, copy, metrics
@@ -530,7 +543,7 @@ def test_dropped_engine_is_closed_by_its_finaliser(tiny_model_dir):
 
 
 def test_engine_dropped_with_work_in_flight_finishes_it_then_closes(tiny_model_dir):
-    base = _engine_threads()
+    base = _settled_threads()
     handle = Engine(
         EngineConfig(model=str(tiny_model_dir), num_blocks=32, block_size=4, num_threads=1)
     ).submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
