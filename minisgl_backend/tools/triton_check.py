@@ -81,11 +81,22 @@ def _signature(launch: Any) -> tuple[dict[str, str], dict[str, Any]]:
     return sig, dict(launch.constexprs)
 
 
+def cuobjdump() -> str | None:
+    """The CUDA toolkit's cubin reader that Triton's NVIDIA back-end ships, or None where triton or
+    that back-end is not installed (then nothing can be compiled for a GPU here)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return tool if os.path.exists(tool) else None
+
+
 def _usage(cubin: bytes) -> tuple[int, int]:
     """(registers, stack bytes) of the one kernel in a cubin, as the CUDA toolkit's dump reads them."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = cuobjdump()
+    if tool is None:
+        raise RuntimeError("triton's NVIDIA back-end (its cuobjdump) is not installed")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

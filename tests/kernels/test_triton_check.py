@@ -13,22 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from minisgl_backend.tools import triton_check
+
 pytestmark = pytest.mark.gpu_sim
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _nvidia_backend() -> bool:
-    try:
-        import triton
-    except ImportError:
-        return False
-    return os.path.exists(
-        os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    )
-
-
-needs_backend = pytest.mark.skipif(not _nvidia_backend(), reason="triton without its NVIDIA back-end")
+needs_backend = pytest.mark.skipif(
+    triton_check.cuobjdump() is None, reason="triton without its NVIDIA back-end"
+)
 
 
 def _check(tmp_path: Path, *args: str) -> tuple[int, list[dict], str]:
