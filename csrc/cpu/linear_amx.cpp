@@ -24,6 +24,13 @@ constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x'
 // The weight tiles of the k-step this many steps ahead are prefetched: the hardware prefetcher
 // alone does not run far enough ahead of a stream of tiles that each take only a few instructions.
 constexpr int64_t AMX_PREFETCH_STEPS = 2;
+// The panel order (linear_amx_panels) serves rows whose 32-row block of x, packed, fits in L1 beside
+// the weight tiles streaming past it: K up to this many k-steps (32 x 640 bf16 = 40 KB).
+constexpr int64_t PANEL_MAX_KSTEPS = 20;
+// Bytes of packed weights per panel: the panel stays in L2 while every row block of a row chunk
+// passes over it.
+constexpr int64_t PANEL_WEIGHT_BYTES = 896 * 1024;
+constexpr int64_t PANEL_ROW_CHUNK = 512;  // rows per work item of the panel order
 
 // The 2 KB (32 lines) of weight tiles of one k-step into L1; past the block's end it is the next
 // block's start, which the thread reads next (a prefetch never faults).
@@ -96,6 +103,108 @@ AMX void amx_block(const uint16_t* x, int64_t xs, const uint16_t* wb, int64_t KB
     _tile_stored(1, sums + 16, 128);
 }
 
+// x's rows, packed for the tile unit: 16-row tiles, each k-step of a tile one contiguous 1 KB
+// ([M/16][KB][16 rows][32]), K and the last tile's rows zero-padded. A tile loads from here
+// with a 64-byte stride, which the unit reads several times faster than rows K elements apart.
+AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t KB, uint16_t* out, int threads) {
+    const int64_t tiles = (M + 15) / 16;
+    parallel_for(threads, tiles, 4, [&](int64_t t0, int64_t t1) AMX {
+        for (int64_t t = t0; t < t1; ++t)
+            for (int64_t kb = 0; kb < KB; ++kb) {
+                const int64_t cols = std::min<int64_t>(32, K - kb * 32);
+                const __mmask32 mask = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+                uint16_t* dst = out + (t * KB + kb) * 512;
+                for (int r = 0; r < 16; ++r) {
+                    const int64_t row = t * 16 + r;
+                    const __m512i v =
+                        row < M ? _mm512_maskz_loadu_epi16(mask, x + row * K + kb * 32) : _mm512_setzero_si512();
+                    _mm512_store_si512(dst + r * 32, v);
+                }
+            }
+    });
+}
+
+// The same block as amx_block over packed rows: a (ra rows) and b (rb rows, 0: none) are 16-row
+// tiles of pack_rows' layout. The same instructions in the same order per output: the same bits.
+AMX void amx_block_packed(const uint16_t* a, const uint16_t* b, const uint16_t* wb, int64_t KB, float* sums) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (b) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
+            _tile_loadd(4, a + kb * 512, 64);
+            _tile_loadd(5, b + kb * 512, 64);
+            _tile_loadd(6, wb + kb * 1024, 64);
+            _tile_loadd(7, wb + kb * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, sums + 16 * 32, 128);
+        _tile_stored(3, sums + 16 * 32 + 16, 128);
+    } else {
+        for (int64_t kb = 0; kb < KB; ++kb) {
+            prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
+            _tile_loadd(4, a + kb * 512, 64);
+            _tile_loadd(6, wb + kb * 1024, 64);
+            _tile_loadd(7, wb + kb * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, sums, 128);
+    _tile_stored(1, sums + 16, 128);
+}
+
+// Many rows at small K (a prompt chunk through SmolLM2-sized layers): x is packed once, then each
+// work item is one panel of weight blocks (kept in L2) x one chunk of rows, walked row block by row
+// block, each packed row block staying in L1 while the panel's weight tiles stream past it. The
+// order over the weight blocks (linear_amx's) reloads each row block from L2 for every weight block
+// instead, and its strided tile loads are the kernel's bottleneck there.
+AMX void linear_amx_panels(const uint16_t* xp, const uint16_t* wp, const uint16_t* bp, uint16_t* yp, int64_t M,
+                           int64_t N, int64_t K, int threads) {
+    const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32, tiles = (M + 15) / 16;
+    // The caller's scratch, grown and kept (a fresh buffer per call pays page faults on every
+    // touch); 64-byte elements keep each packed tile row on one cache line.
+    struct alignas(64) Line {
+        uint16_t e[32];
+    };
+    static thread_local std::vector<Line> scratch;
+    if (scratch.size() < static_cast<size_t>(tiles * KB * 16)) scratch.resize(static_cast<size_t>(tiles * KB * 16));
+    auto* packed = reinterpret_cast<uint16_t*>(scratch.data());
+    pack_rows(xp, M, K, KB, packed, threads);
+    const uint16_t* ap = packed;
+    const int64_t panel = std::max<int64_t>(1, PANEL_WEIGHT_BYTES / (KB * 2048));
+    const int64_t panels = (NB + panel - 1) / panel, chunks = (M + PANEL_ROW_CHUNK - 1) / PANEL_ROW_CHUNK;
+    run_parallel(threads, panels * chunks, 1, [&](WorkShare& share, int slot) AMX {
+        alignas(64) float sums[32 * 32];
+        int ra_now = -1, rb_now = -1;
+        for (int64_t i0, i1; share.claim(slot, i0, i1);)
+            for (int64_t item = i0; item < i1; ++item) {
+                const int64_t nb0 = item % panels * panel, nb1 = std::min(NB, nb0 + panel);
+                const int64_t c0 = item / panels * PANEL_ROW_CHUNK, c1 = std::min(M, c0 + PANEL_ROW_CHUNK);
+                for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+                    const int rows = static_cast<int>(std::min<int64_t>(32, c1 - m0));
+                    const int ra = std::min(16, rows), rb = rows - ra;
+                    if (ra != ra_now || rb != rb_now) {
+                        configure_tiles(ra, rb);
+                        ra_now = ra;
+                        rb_now = rb;
+                    }
+                    const uint16_t* a = ap + m0 / 16 * KB * 512;
+                    for (int64_t nb = nb0; nb < nb1; ++nb) {
+                        amx_block_packed(a, rb ? a + KB * 512 : nullptr, wp + nb * KB * 1024, KB, sums);
+                        store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N);
+                    }
+                }
+            }
+        if (ra_now >= 0) _tile_release();
+    });
+}
+
 }  // namespace
 
 int64_t packed_amx_elems(int64_t N, int64_t K) { return (N + 31) / 32 * ((K + 31) / 32) * 1024; }
@@ -144,6 +253,7 @@ AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, 
     const auto* bp = reinterpret_cast<const uint16_t*>(bias);
     auto* yp = reinterpret_cast<uint16_t*>(y);
     const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32, xs = KB * 32;
+    if (M > 32 && KB <= PANEL_MAX_KSTEPS) return linear_amx_panels(xp, wp, bp, yp, M, N, K, threads);
     std::vector<uint16_t> padded;  // x with K zero-padded to whole k-steps, when it is not already
     if (xs != K) {
         padded.assign(static_cast<size_t>(M * xs), 0);

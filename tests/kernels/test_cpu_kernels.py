@@ -205,25 +205,32 @@ def packing(request):
         yield request.param
 
 
-# (2048, 1024): a pack of 4 MB, which lives in its own huge-page mapping (cpu_kernels.huge_page_empty)
-@pytest.mark.parametrize("n,k", [(576, 576), (960, 1536), (49, 64), (7, 37), (1, 33), (100, 2), (2048, 1024)])
+# (2048, 1024): a pack of 4 MB, which lives in its own huge-page mapping (cpu_kernels.huge_page_empty);
+# (3072, 576) with 600 rows: AMX's panel order over several weight panels and row chunks
+@pytest.mark.parametrize(
+    "n,k,rows",
+    [(576, 576, 300), (960, 1536, 300), (49, 64, 300), (7, 37, 300), (1, 33, 300), (100, 2, 300)]
+    + [(2048, 1024, 300), (3072, 576, 600)],
+)
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_reference_and_is_row_invariant(packing, n, k, bias):
+def test_packed_linear_matches_reference_and_is_row_invariant(packing, n, k, rows, bias):
     """The packed kernels: within bf16 rounding of a float32 reference, at row counts across their
-    tiles (AMX: 16-row tiles, 32-row blocks, 256-row chunks; AVX512-BF16: 6-row tiles, 96-row
+    tiles (AMX: 16-row tiles, 32-row blocks, 256-row chunks over the weight blocks, and past 32 rows
+    at K <= 640 the panel order over packed rows in 512-row chunks; AVX512-BF16: 6-row tiles, 96-row
     chunks, K blocks beyond 6 rows) and K, N that are not whole tiles or pairs; a row's bits are the
     same alone, at any offset in any batch, and at any thread count."""
     g = _gen(11)
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     packed = cpu_kernels.pack(w)
-    x = torch.randn(300, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
     y = cpu_kernels.linear_packed(x, packed, (n, k), b)
     ref = x.float() @ w.float().t() + (0 if b is None else b.float())
     assert (y.float() - ref).abs().max() <= ref.abs().max() * 2**-7 + 1e-6
-    for m, at in ((1, 0), (1, 299), (3, 13), (16, 5), (17, 40), (33, 250), (260, 20)):
+    spans = ((1, 0), (1, rows - 1), (3, 13), (16, 5), (17, 40), (33, 250), (260, 20), (40, rows - 40))
+    for m, at in spans + (((100, 480),) if rows > 580 else ()):
         part = cpu_kernels.linear_packed(x[at : at + m], packed, (n, k), b)
-        assert torch.equal(part, y[at : at + m]), f"rows {at}..{at + m} alone differ from the batch of 300"
+        assert torch.equal(part, y[at : at + m]), f"rows {at}..{at + m} alone differ from the batch of {rows}"
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
