@@ -1,11 +1,12 @@
 """The determinism check (`minisgl determinism`): one request set under a grid of scheduling configs.
 
 The engine promises that scheduling never changes a request's output. The check runs the same requests
-(each prompt once per sampling mode: greedy, seeded) under every point of a config grid, each point
+(each prompt once per sampling mode: greedy, seeded, scored) under every point of a config grid, each point
 in a fresh engine with its own shuffled arrival order, arrival bursts and random co-running "filler"
 requests (so batch composition differs), and counts, per request, how many distinct outputs it
 produced: token ids, and token ids plus logprobs compared bitwise (float32 bytes of the sampled
-token's logprob and of its top alternatives). Fillers are never compared.
+token's logprob and of its top alternatives, and of the prompt's logprobs where a mode asks for
+`prompt_logprobs`, as lm-eval's loglikelihood requests do). Fillers are never compared.
 
 Grid YAML (`configs/determinism/default.yaml`): `base` (EngineConfig overrides at every point),
 `compare_within` (fields whose values legitimately change the numbers, e.g. dtype: outputs are
@@ -17,7 +18,7 @@ each engine with its share of the threads and serving its share alone, one engin
 outputs are then compared with the other points' like any other.
 
 Prompts YAML (`configs/determinism/prompts.yaml`): `prompts`, `sampling` (mode name -> SamplingParams
-fields), `max_tokens`, `logprobs`.
+fields, `prompt_logprobs` among them), `max_tokens`, `logprobs`.
 """
 
 from __future__ import annotations
@@ -211,16 +212,19 @@ def _lp_bytes(lps: Sequence[TokenLogprob | None]) -> bytes:
 @dataclass(frozen=True)
 class Fingerprint:
     """What is compared of one output: token ids, and the logprobs bit for bit, of every sample
-    (one for n = 1)."""
+    (one for n = 1), and the prompt's logprobs where the request asked for them (what lm-eval's
+    loglikelihood requests read: a cached or replicated prefix must not move them either)."""
 
     token_ids: tuple[tuple[int, ...], ...]
     logprobs: tuple[bytes, ...]
+    prompt_logprobs: bytes = b""
 
     @classmethod
     def of(cls, out: RequestOutput) -> Fingerprint:
         return cls(
             tuple(tuple(s.token_ids) for s in out.samples),
             tuple(_lp_bytes(s.logprobs or []) for s in out.samples),
+            _lp_bytes(out.prompt_logprobs or []),
         )
 
 

@@ -143,6 +143,38 @@ def test_injected_one_bit_perturbation_is_detected(tiny_model_dir):
     assert sum(r.distinct_outputs > 1 for r in reports.values()) == 1
 
 
+SCORED_PROMPTS = {
+    **TINY_PROMPTS,
+    "sampling": {
+        **TINY_PROMPTS["sampling"],
+        "scored": {"temperature": 0, "max_tokens": 1, "prompt_logprobs": 2},
+    },
+}
+
+
+def test_prompt_logprobs_are_compared_bitwise(tiny_model_dir):
+    """A `prompt_logprobs` mode (lm-eval's loglikelihood request) puts the prompt's logprobs in the
+    fingerprint: two real runs agree, and one flipped bit in one prompt logprob is a second output
+    with the same tokens."""
+    workload = Workload.from_dict(SCORED_PROMPTS)
+    with Engine(EngineConfig(model=str(tiny_model_dir), deterministic=True, **_BASE)) as engine:
+        runs = {
+            str(i): {
+                n: Fingerprint.of(o) for n, o in run_point(engine, workload, random.Random(i), 3).items()
+            }
+            for i in range(2)
+        }
+    assert all(r.distinct_outputs == 1 for r in compare("g", runs))
+    victim = runs["1"]["1/scored"]
+    assert len(victim.prompt_logprobs) > 8 * 3 * 10  # 25 scored prompt tokens x (token + 2 alternatives)
+    flipped = bytearray(victim.prompt_logprobs)
+    flipped[-1] ^= 1  # the last alternative's float32, one bit
+    runs["1"]["1/scored"] = dataclasses.replace(victim, prompt_logprobs=bytes(flipped))
+    reports = {r.name: r for r in compare("g", runs)}
+    assert reports["1/scored"].distinct_outputs == 2 and reports["1/scored"].distinct_tokens == 1
+    assert sum(r.distinct_outputs > 1 for r in reports.values()) == 1
+
+
 def test_seeded_request_keeps_its_output_beside_unseeded_ones(tiny_model_dir):
     seeded = SamplingParams(temperature=1.0, seed=123, max_tokens=12, logprobs=1, ignore_eos=True)
     unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
@@ -183,9 +215,10 @@ def test_shipped_grid_and_prompts_load():
     assert len(grid.points()) == grid.max_points and grid.points()[0] == {
         k: v[0] for k, v in grid.axes.items()
     }
-    assert {r.name.split("/")[1] for r in workload.requests} == {"greedy", "seeded"}
-    seeds = {r.params.seed for r in workload.requests if r.name.endswith("seeded")}
-    assert len(seeds) == len(workload.requests) // 2  # one fixed seed per prompt
+    assert {r.name.split("/")[1] for r in workload.requests} == {"greedy", "seeded", "scored"}
+    seeded = [r for r in workload.requests if r.name.endswith("seeded")]
+    assert len({r.params.seed for r in seeded}) == len(seeded)  # one fixed seed per prompt
+    assert all(r.params.prompt_logprobs for r in workload.requests if r.name.endswith("scored"))
 
 
 @pytest.mark.parametrize(
@@ -298,6 +331,16 @@ def test_replica_axis_splits_the_requests_over_engines_and_agrees(tiny_model_dir
     assert [c.num_threads for c in built] == [None, share, share]
     assert served[0] == served[1] + served[2] == 8 + 3 and min(served) > 0  # the set and its fillers
     assert report.ok and all(r.distinct_outputs == 1 and r.points == 2 for r in report.requests)
+
+
+def test_replicas_give_one_engine_s_prompt_logprobs(tiny_model_dir, monkeypatch):
+    """lm-eval's loglikelihood path on replicas: scored requests (prompt logprobs), with the prefix
+    cache on, get the one engine's bits on two replicas."""
+    _, served = _counting_engines(monkeypatch)
+    report = _check(REPLICA_GRID, str(tiny_model_dir), True, workload=SCORED_PROMPTS)
+    assert len(served) == 3 and min(served) > 0
+    scored = [r for r in report.requests if r.name.endswith("/scored")]
+    assert len(scored) == 4 and report.ok and all(r.points == 2 for r in scored)
 
 
 def test_replica_axis_sees_a_replica_that_computes_differently(tiny_model_dir, monkeypatch):
