@@ -24,13 +24,18 @@ constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x'
 // The weight tiles of the k-step this many steps ahead are prefetched: the hardware prefetcher
 // alone does not run far enough ahead of a stream of tiles that each take only a few instructions.
 constexpr int64_t AMX_PREFETCH_STEPS = 2;
-// The panel order (linear_amx_panels) serves rows whose 32-row block of x, packed, fits in L1 beside
-// the weight tiles streaming past it: K up to this many k-steps (32 x 640 bf16 = 40 KB).
+// The panel order (linear_amx_panels) keeps a 32-row block of x, packed, in L1 beside the weight
+// tiles streaming past it: up to this many k-steps of it at a time (32 x 640 bf16 = 40 KB).
 constexpr int64_t PANEL_MAX_KSTEPS = 20;
 // Bytes of packed weights per panel: the panel stays in L2 while every row block of a row chunk
 // passes over it.
 constexpr int64_t PANEL_WEIGHT_BYTES = 896 * 1024;
+constexpr int64_t PANEL_MIN_BLOCKS = 2;   // ... but at least this many weight blocks (long K)
 constexpr int64_t PANEL_ROW_CHUNK = 512;  // rows per work item of the panel order
+
+struct alignas(64) Line {  // one cache line of scratch
+    uint16_t e[32];
+};
 
 // The 2 KB (32 lines) of weight tiles of one k-step into L1; past the block's end it is the next
 // block's start, which the thread reads next (a prefetch never faults).
@@ -124,15 +129,31 @@ AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t KB, uint16_t
     });
 }
 
-// The same block as amx_block over packed rows: a (ra rows) and b (rb rows, 0: none) are 16-row
-// tiles of pack_rows' layout. The same instructions in the same order per output: the same bits.
-AMX void amx_block_packed(const uint16_t* a, const uint16_t* b, const uint16_t* wb, int64_t KB, float* sums) {
-    _tile_zero(0);
-    _tile_zero(1);
+// The same block as amx_block over packed rows, for k-steps [k0, k1) of it: a (ra rows) and b (rb
+// rows, 0: none) are 16-row tiles of pack_rows' layout. The first part starts from zero sums, a later
+// one from the float32 sums the part before it left in `part` (four 16 x 16 tiles, 64-byte rows); the
+// last part stores the block's sums as amx_block does, any other its sums to `part`. Storing a float32
+// sum and loading it back is exact, so each output is the same chain of tile products in the same
+// order as amx_block's, however K is cut: the same bits.
+AMX void amx_block_packed(const uint16_t* a, const uint16_t* b, const uint16_t* wb, int64_t k0, int64_t k1, bool first,
+                          bool last, float* part, float* sums) {
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (b) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+    } else {
+        _tile_loadd(0, part, 64);
+        _tile_loadd(1, part + 256, 64);
+        if (b) {
+            _tile_loadd(2, part + 512, 64);
+            _tile_loadd(3, part + 768, 64);
+        }
+    }
     if (b) {
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kb = 0; kb < KB; ++kb) {
+        for (int64_t kb = k0; kb < k1; ++kb) {
             prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
             _tile_loadd(4, a + kb * 512, 64);
             _tile_loadd(5, b + kb * 512, 64);
@@ -143,10 +164,8 @@ AMX void amx_block_packed(const uint16_t* a, const uint16_t* b, const uint16_t* 
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(2, sums + 16 * 32, 128);
-        _tile_stored(3, sums + 16 * 32 + 16, 128);
     } else {
-        for (int64_t kb = 0; kb < KB; ++kb) {
+        for (int64_t kb = k0; kb < k1; ++kb) {
             prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
             _tile_loadd(4, a + kb * 512, 64);
             _tile_loadd(6, wb + kb * 1024, 64);
@@ -155,32 +174,46 @@ AMX void amx_block_packed(const uint16_t* a, const uint16_t* b, const uint16_t* 
             _tile_dpbf16ps(1, 4, 7);
         }
     }
+    if (!last) {
+        _tile_stored(0, part, 64);
+        _tile_stored(1, part + 256, 64);
+        if (b) {
+            _tile_stored(2, part + 512, 64);
+            _tile_stored(3, part + 768, 64);
+        }
+        return;
+    }
     _tile_stored(0, sums, 128);
     _tile_stored(1, sums + 16, 128);
+    if (b) {
+        _tile_stored(2, sums + 16 * 32, 128);
+        _tile_stored(3, sums + 16 * 32 + 16, 128);
+    }
 }
 
-// Many rows at small K (a prompt chunk through SmolLM2-sized layers): x is packed once, then each
-// work item is one panel of weight blocks (kept in L2) x one chunk of rows, walked row block by row
-// block, each packed row block staying in L1 while the panel's weight tiles stream past it. The
-// order over the weight blocks (linear_amx's) reloads each row block from L2 for every weight block
-// instead, and its strided tile loads are the kernel's bottleneck there.
+// Many rows (a prompt chunk): x is packed once, then each work item is one panel of weight blocks
+// (kept in L2) x one chunk of rows, walked row block by row block. Each packed row block stays in L1
+// while the panel's weight tiles stream past it; where K is too long for that, the row block is cut
+// into parts of up to PANEL_MAX_KSTEPS k-steps, each part passing over the whole panel with the
+// blocks' float32 sums kept between parts. The order over the weight blocks (linear_amx's) reloads
+// each row block from L2 for every weight block instead, with strided tile loads, which are the
+// kernel's bottleneck there.
 AMX void linear_amx_panels(const uint16_t* xp, const uint16_t* wp, const uint16_t* bp, uint16_t* yp, int64_t M,
                            int64_t N, int64_t K, int threads) {
     const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32, tiles = (M + 15) / 16;
     // The caller's scratch, grown and kept (a fresh buffer per call pays page faults on every
     // touch); 64-byte elements keep each packed tile row on one cache line.
-    struct alignas(64) Line {
-        uint16_t e[32];
-    };
     static thread_local std::vector<Line> scratch;
     if (scratch.size() < static_cast<size_t>(tiles * KB * 16)) scratch.resize(static_cast<size_t>(tiles * KB * 16));
     auto* packed = reinterpret_cast<uint16_t*>(scratch.data());
     pack_rows(xp, M, K, KB, packed, threads);
     const uint16_t* ap = packed;
-    const int64_t panel = std::max<int64_t>(1, PANEL_WEIGHT_BYTES / (KB * 2048));
+    const int64_t panel = std::max<int64_t>(PANEL_MIN_BLOCKS, PANEL_WEIGHT_BYTES / (KB * 2048));
     const int64_t panels = (NB + panel - 1) / panel, chunks = (M + PANEL_ROW_CHUNK - 1) / PANEL_ROW_CHUNK;
+    const int64_t parts = (KB + PANEL_MAX_KSTEPS - 1) / PANEL_MAX_KSTEPS, step = (KB + parts - 1) / parts;
     run_parallel(threads, panels * chunks, 1, [&](WorkShare& share, int slot) AMX {
         alignas(64) float sums[32 * 32];
+        std::vector<Line> kept(static_cast<size_t>(parts > 1 ? panel * 64 : 0));  // 4 KB of sums per block
         int ra_now = -1, rb_now = -1;
         for (int64_t i0, i1; share.claim(slot, i0, i1);)
             for (int64_t item = i0; item < i1; ++item) {
@@ -195,9 +228,14 @@ AMX void linear_amx_panels(const uint16_t* xp, const uint16_t* wp, const uint16_
                         rb_now = rb;
                     }
                     const uint16_t* a = ap + m0 / 16 * KB * 512;
-                    for (int64_t nb = nb0; nb < nb1; ++nb) {
-                        amx_block_packed(a, rb ? a + KB * 512 : nullptr, wp + nb * KB * 1024, KB, sums);
-                        store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N);
+                    for (int64_t k0 = 0; k0 < KB; k0 += step) {
+                        const int64_t k1 = std::min(KB, k0 + step);
+                        for (int64_t nb = nb0; nb < nb1; ++nb) {
+                            float* part = parts > 1 ? reinterpret_cast<float*>(kept.data() + (nb - nb0) * 64) : nullptr;
+                            amx_block_packed(a, rb ? a + KB * 512 : nullptr, wp + nb * KB * 1024, k0, k1, k0 == 0,
+                                             k1 == KB, part, sums);
+                            if (k1 == KB) store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N);
+                        }
                     }
                 }
             }
@@ -253,7 +291,7 @@ AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, 
     const auto* bp = reinterpret_cast<const uint16_t*>(bias);
     auto* yp = reinterpret_cast<uint16_t*>(y);
     const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32, xs = KB * 32;
-    if (M > 32 && KB <= PANEL_MAX_KSTEPS) return linear_amx_panels(xp, wp, bp, yp, M, N, K, threads);
+    if (M > 32) return linear_amx_panels(xp, wp, bp, yp, M, N, K, threads);
     std::vector<uint16_t> padded;  // x with K zero-padded to whole k-steps, when it is not already
     if (xs != K) {
         padded.assign(static_cast<size_t>(M * xs), 0);
