@@ -45,11 +45,21 @@ void check_ids(const char* op, TensorArg& ids, TensorArg& out, int64_t n, int64_
                                   std::to_string(n) + " rows");
 }
 
-int64_t dpbf16_elems(int64_t n, int64_t k, bool gated) {
+// A gated pack ([gate | up], N = 2I) needs whole gate panels: I a multiple of 32.
+void check_gated(const char* op, int64_t n, bool gated) {
     if (gated && n % 64)
-        throw py::value_error("minisgl.pack_dpbf16: a gated weight's rows must be a multiple of 64, got " +
+        throw py::value_error(std::string("minisgl.") + op + ": a gated weight's rows must be a multiple of 64, got " +
                               std::to_string(n));
+}
+
+int64_t dpbf16_elems(int64_t n, int64_t k, bool gated) {
+    check_gated("pack_dpbf16", n, gated);
     return packed_dpbf16_elems(n, k);
+}
+
+int64_t amx_elems(int64_t n, int64_t k, bool gated) {
+    check_gated("pack_amx", n, gated);
+    return packed_amx_elems(n, k);
 }
 
 // One linear of the layer stack, with its tensors (the views keep them alive).
@@ -84,8 +94,8 @@ class BoundStack {
         expect(op, "o", o, hidden_, h_ * d_);
         expect(op, "gate_up", gate_up, 2 * inter_, hidden_);
         expect(op, "down", down, hidden_, inter_);
-        if (gated && (!gate_up.lin.packed || pack_kind_ != 2))
-            throw py::value_error("minisgl.LayerStack.add_layer: a gated gate_up needs its AVX512-BF16 pack");
+        if (gated && (!gate_up.lin.packed || pack_kind_ == 0))
+            throw py::value_error("minisgl.LayerStack.add_layer: a gated gate_up needs its AMX or AVX512-BF16 pack");
         TensorArg input_norm(op, "input_norm", input_norm_), post_norm(op, "post_norm", post_norm_),
             q_norm(op, "q_norm", q_norm_), k_norm(op, "k_norm", k_norm_), kpool(op, "kpool", kpool_),
             vpool(op, "vpool", vpool_);
@@ -198,28 +208,29 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("packed_amx_elems", &packed_amx_elems, py::arg("n"), py::arg("k"), "bf16 elements of pack_amx's output.");
     m.def(
         "pack_amx",
-        [](py::handle w_, py::handle out_, int threads) {
+        [](py::handle w_, py::handle out_, bool gated, int threads) {
             const char* op = "pack_amx";
             TensorArg w(op, "weight", w_), out(op, "out", out_);
             w.required().dtype(DType::BF16).shape({ANY, ANY}).contiguous();
-            check_pack(out, packed_amx_elems(w.size(0), w.size(1)));
+            check_pack(out, amx_elems(w.size(0), w.size(1), gated));
             py::gil_scoped_release nogil;
-            pack_amx(w.ptr(), out.ptr(), w.size(0), w.size(1), threads);
+            pack_amx(w.ptr(), out.ptr(), w.size(0), w.size(1), gated, threads);
         },
-        py::arg("weight"), py::arg("out"), py::arg("threads"),
-        "weight [N,K] bf16 into linear_amx's tile layout (out: packed_amx_elems(N, K) long).");
+        py::arg("weight"), py::arg("out"), py::arg("gated"), py::arg("threads"),
+        "weight [N,K] bf16 into linear_amx's tile layout (out: packed_amx_elems(N, K) long; gated: a "
+        "[gate | up] weight for linear_amx_silu).");
     m.def(
         "packed_rows_amx",
-        [](py::handle packed_, int64_t n, int64_t k, py::handle ids_, py::handle out_, int threads) {
+        [](py::handle packed_, int64_t n, int64_t k, bool gated, py::handle ids_, py::handle out_, int threads) {
             const char* op = "packed_rows_amx";
             TensorArg packed(op, "packed", packed_), ids(op, "ids", ids_), out(op, "out", out_);
-            check_pack(packed, packed_amx_elems(n, k));
+            check_pack(packed, amx_elems(n, k, gated));
             check_ids(op, ids, out, n, k);
             py::gil_scoped_release nogil;
-            packed_rows_amx(packed.ptr(), n, k, ids.ptr(), ids.size(0), out.ptr(), threads);
+            packed_rows_amx(packed.ptr(), n, k, gated, ids.ptr(), ids.size(0), out.ptr(), threads);
         },
-        py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("ids"), py::arg("out"), py::arg("threads"),
-        "out[count,K] = rows ids (int64 [count]) of the [N,K] weight pack_amx packed; bfloat16.");
+        py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("gated"), py::arg("ids"), py::arg("out"),
+        py::arg("threads"), "out[count,K] = rows ids (int64 [count]) of the [N,K] weight pack_amx packed; bfloat16.");
     m.def(
         "linear_amx",
         [](py::handle x_, py::handle packed_, int64_t n, py::handle bias_, py::handle y_, int threads) {
@@ -232,6 +243,18 @@ PYBIND11_MODULE(_kernels, m) {
         },
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("out"), py::arg("threads"),
         "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], or None) for any M over pack_amx(w); bfloat16.");
+    m.def(
+        "linear_amx_silu",
+        [](py::handle x_, py::handle packed_, int64_t n, py::handle y_, int threads) {
+            const char* op = "linear_amx_silu";
+            TensorArg x(op, "x", x_), packed(op, "packed", packed_), none(op, "bias", py::none()), y(op, "out", y_);
+            check_linear_rows(x, none, y, n / 2);
+            check_pack(packed, amx_elems(n, x.size(1), true));
+            py::gil_scoped_release nogil;
+            linear_amx_silu(x.ptr(), packed.ptr(), y.ptr(), x.size(0), n / 2, x.size(1), threads);
+        },
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("out"), py::arg("threads"),
+        "out[M,N/2] = silu(x @ gate^T) * (x @ up^T) over pack_amx([gate | up] [N,K], gated=True).");
     m.def("packed_dpbf16_elems", &packed_dpbf16_elems, py::arg("n"), py::arg("k"),
           "bf16 elements of pack_dpbf16's output.");
     m.def(

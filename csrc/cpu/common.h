@@ -20,7 +20,7 @@
 #include <unistd.h>
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl")))
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 #define DPBF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
@@ -76,10 +76,13 @@ inline bool cpu_has_avx512() {
 }
 
 // Linux hands the tile registers to a process only after it asks (ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); without it the first tile instruction is SIGILL. Asked once at import.
+// XFEATURE_XTILEDATA); without it the first tile instruction is SIGILL. Asked once at import. The
+// family also rounds with AVX512-BF16's conversions (every CPU with AMX-BF16 has them).
 inline bool cpu_has_amx() {
     __builtin_cpu_init();
-    if (!cpu_has_avx512() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    if (!cpu_has_avx512() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+        !__builtin_cpu_supports("avx512bf16"))
+        return false;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }

@@ -23,10 +23,12 @@ void linear_f32(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M
 
 // ---- linear_amx.cpp: any row count on the AMX tile unit, over weights packed at load ----
 int64_t packed_amx_elems(int64_t N, int64_t K);
-void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads);
-void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, uintptr_t ids, int64_t count, uintptr_t out, int threads);
+void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, int threads);
+void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr_t ids, int64_t count, uintptr_t out,
+                     int threads);
 void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
                 int threads);
+void linear_amx_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K, int threads);
 
 // ---- linear_dpbf16.cpp: any row count on vdpbf16ps (AVX512-BF16), over weights packed at load ----
 int64_t packed_dpbf16_elems(int64_t N, int64_t K);

@@ -202,8 +202,9 @@ void LayerStack::run_t(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t posi
             const int64_t rows = std::min(mlp_rows_, m - r0);
             const T* in = normed + r0 * hidden_;
             if (std::is_same_v<T, uint16_t> && l.gated) {  // MLP.forward's fused path (bf16 packs only)
-                linear_dpbf16_silu(reinterpret_cast<uintptr_t>(in), l.gate_up.packed, reinterpret_cast<uintptr_t>(act),
-                                   rows, inter_, hidden_, threads);
+                (pack_kind_ == PACK_AMX ? linear_amx_silu : linear_dpbf16_silu)(
+                    reinterpret_cast<uintptr_t>(in), l.gate_up.packed, reinterpret_cast<uintptr_t>(act), rows, inter_,
+                    hidden_, threads);
             } else {
                 T* gate_up = grown(w.gate_up, rows * 2 * inter_);
                 stack_linear(l.gate_up, pack_kind_, in, gate_up, rows, threads, isa_);

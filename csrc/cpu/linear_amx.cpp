@@ -3,7 +3,9 @@
 // a 32 x 16 tile of weights into 16 x 16 float32 sums in one instruction. The weights are packed
 // once at load (pack_amx) into the unit's pair-interleaved layout, in the order the kernel streams
 // them: [N/32][K/32][2 tiles][16 k-pairs][16 outputs x 2], zero-padded to whole tiles, so one
-// 32-output block is one contiguous run of memory.
+// 32-output block is one contiguous run of memory. A fused [gate | up] weight may be packed `gated`:
+// block b's two tiles are then gate rows 16b.. and up rows I + 16b.. (I = N / 2), so
+// linear_amx_silu finds both halves of 16 outputs of silu(gate) * up in one block.
 //
 // Bit-exactness: each output element is the unit's dot product over K in 32-element steps in a
 // fixed order, summed into float32 in the unit; nothing else touches it but the bias add and one
@@ -24,7 +26,7 @@ constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x'
 // The weight tiles of the k-step this many steps ahead are prefetched: the hardware prefetcher
 // alone does not run far enough ahead of a stream of tiles that each take only a few instructions.
 constexpr int64_t AMX_PREFETCH_STEPS = 2;
-// The panel order (linear_amx_panels) keeps a 32-row block of x, packed, in L1 beside the weight
+// The panel order (amx_panels) keeps a 32-row block of x, packed, in L1 beside the weight
 // tiles streaming past it: up to this many k-steps of it at a time (32 x 640 bf16 = 40 KB).
 constexpr int64_t PANEL_MAX_KSTEPS = 20;
 // Bytes of packed weights per panel: the panel stays in L2 while every row block of a row chunk
@@ -71,6 +73,19 @@ AMX void store_sums(const float* sums, int rows, int64_t n0, int64_t N, const ui
         uint16_t* yr = y + r * N + n0;
         _mm256_mask_storeu_epi16(yr, lo, round_to_bf16(v0));
         _mm256_mask_storeu_epi16(yr + 16, hi, round_to_bf16(v1));
+    }
+}
+
+// rows x 16 outputs of silu(gate) * up from a gated block's sums (gate in columns 0-15, up in 16-31)
+// into y's columns 16 nb.. (row stride I), rounding as linear_amx then silu_and_mul do in turn (the
+// sums to bf16, SiLU to bf16, then the product): the same bits without the [rows, 2I] intermediate.
+AMX void store_silu(const float* sums, int rows, int64_t nb, int64_t I, uint16_t* y) {
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+        const __m512 g = round16_dp(_mm512_load_ps(sums + r * 32));
+        const __m512 u = round16_dp(_mm512_load_ps(sums + r * 32 + 16));
+        const __m512 act = round16_dp(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, g)))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * I + nb * 16), round_to_bf16_dp(_mm512_mul_ps(act, u)));
     }
 }
 
@@ -198,8 +213,10 @@ AMX void amx_block_packed(const uint16_t* a, const uint16_t* b, const uint16_t* 
 // blocks' float32 sums kept between parts. The order over the weight blocks (linear_amx's) reloads
 // each row block from L2 for every weight block instead, with strided tile loads, which are the
 // kernel's bottleneck there.
-AMX void linear_amx_panels(const uint16_t* xp, const uint16_t* wp, const uint16_t* bp, uint16_t* yp, int64_t M,
-                           int64_t N, int64_t K, int threads) {
+// finish(sums, rows, nb, m0) stores a block's sums (store_sums or store_silu).
+template <typename Finish>
+AMX void amx_panels(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K, int threads,
+                    const Finish& finish) {
     const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32, tiles = (M + 15) / 16;
     // The caller's scratch, grown and kept (a fresh buffer per call pays page faults on every
     // touch); 64-byte elements keep each packed tile row on one cache line.
@@ -234,7 +251,7 @@ AMX void linear_amx_panels(const uint16_t* xp, const uint16_t* wp, const uint16_
                             float* part = parts > 1 ? reinterpret_cast<float*>(kept.data() + (nb - nb0) * 64) : nullptr;
                             amx_block_packed(a, rb ? a + KB * 512 : nullptr, wp + nb * KB * 1024, k0, k1, k0 == 0,
                                              k1 == KB, part, sums);
-                            if (k1 == KB) store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N);
+                            if (k1 == KB) finish(sums, rows, nb, m0);
                         }
                     }
                 }
@@ -243,55 +260,12 @@ AMX void linear_amx_panels(const uint16_t* xp, const uint16_t* wp, const uint16_
     });
 }
 
-}  // namespace
-
-int64_t packed_amx_elems(int64_t N, int64_t K) { return (N + 31) / 32 * ((K + 31) / 32) * 1024; }
-
-void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, int threads) {
-    const auto* wp = reinterpret_cast<const uint16_t*>(w);
-    auto* op = reinterpret_cast<uint16_t*>(out);
-    const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32;
-    parallel_for(threads, NB, 0, [&](int64_t nb0, int64_t nb1) {
-        for (int64_t nb = nb0; nb < nb1; ++nb)
-            for (int64_t kb = 0; kb < KB; ++kb)
-                for (int64_t j = 0; j < 2; ++j)
-                    for (int64_t pair = 0; pair < 16; ++pair)
-                        for (int64_t n = 0; n < 16; ++n)
-                            for (int64_t e = 0; e < 2; ++e) {
-                                const int64_t row = nb * 32 + j * 16 + n, col = kb * 32 + 2 * pair + e;
-                                op[((((nb * KB + kb) * 2 + j) * 16 + pair) * 16 + n) * 2 + e] =
-                                    row < N && col < K ? wp[row * K + col] : 0;
-                            }
-    });
-}
-
-// Rows `ids` of the weight pack_amx laid out, back in [count, K] order: the inverse of its index map,
-// so a packed weight is the only copy the model needs (a tied embedding reads its rows from here).
-void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, uintptr_t ids, int64_t count, uintptr_t out, int threads) {
-    const auto* pp = reinterpret_cast<const uint16_t*>(packed);
-    const auto* ip = reinterpret_cast<const int64_t*>(ids);
-    auto* op = reinterpret_cast<uint16_t*>(out);
-    const int64_t KB = (K + 31) / 32;
-    (void)N;
-    parallel_for(threads, count, 16, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-            const int64_t row = ip[r], nb = row / 32, j = row % 32 / 16, n = row % 16;
-            for (int64_t col = 0; col < K; ++col) {
-                const int64_t kb = col / 32, pair = col % 32 / 2, e = col % 2;
-                op[r * K + col] = pp[((((nb * KB + kb) * 2 + j) * 16 + pair) * 16 + n) * 2 + e];
-            }
-        }
-    });
-}
-
-AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
-                    int threads) {
-    const auto* xp = reinterpret_cast<const uint16_t*>(x);
-    const auto* wp = reinterpret_cast<const uint16_t*>(packed);
-    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
-    auto* yp = reinterpret_cast<uint16_t*>(y);
+// Few rows, or x as it lies: over weight blocks, each thread starting on one contiguous slice of the
+// weights (pool.h), a block's weights staying in L1/L2 while every row of a chunk uses them.
+template <typename Finish>
+AMX void amx_rows(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K, int threads,
+                  const Finish& finish) {
     const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32, xs = KB * 32;
-    if (M > 32) return linear_amx_panels(xp, wp, bp, yp, M, N, K, threads);
     std::vector<uint16_t> padded;  // x with K zero-padded to whole k-steps, when it is not already
     if (xs != K) {
         padded.assign(static_cast<size_t>(M * xs), 0);
@@ -300,8 +274,6 @@ AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, 
     }
     for (int64_t c0 = 0; c0 < M; c0 += AMX_ROW_CHUNK) {
         const int64_t c1 = std::min(M, c0 + AMX_ROW_CHUNK);
-        // Over weight blocks: each thread starts on one contiguous slice of the weights (pool.h), and
-        // a block's weights stay in L1/L2 while every row of the chunk uses them.
         run_parallel(threads, NB, 0, [&](WorkShare& share, int slot) AMX {
             alignas(64) float sums[32 * 32];
             int ra_now = -1, rb_now = -1;  // the thread's tile shape (ldtilecfg only when it changes)
@@ -316,11 +288,85 @@ AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, 
                             rb_now = rb;
                         }
                         amx_block(xp + m0 * xs, xs, wp + nb * KB * 1024, KB, ra, rb, sums);
-                        store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N);
+                        finish(sums, rows, nb, m0);
                     }
             if (ra_now >= 0) _tile_release();
         });
     }
+}
+
+// Many rows in panel order (the packed rows), few as they lie (amx_rows).
+template <typename Finish>
+AMX void amx_gemm(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K, int threads,
+                  const Finish& finish) {
+    if (M > 32) return amx_panels(xp, wp, M, N, K, threads, finish);
+    amx_rows(xp, wp, M, N, K, threads, finish);
+}
+
+}  // namespace
+
+int64_t packed_amx_elems(int64_t N, int64_t K) { return (N + 31) / 32 * ((K + 31) / 32) * 1024; }
+
+// The weight row in tile j's output n of block nb (pack_amx's order; gated: gate rows, then up rows).
+inline int64_t amx_row(int64_t nb, int64_t j, int64_t n, int64_t N, bool gated) {
+    return gated ? j * (N / 2) + nb * 16 + n : nb * 32 + j * 16 + n;
+}
+
+void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, int threads) {
+    const auto* wp = reinterpret_cast<const uint16_t*>(w);
+    auto* op = reinterpret_cast<uint16_t*>(out);
+    const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32;
+    parallel_for(threads, NB, 0, [&](int64_t nb0, int64_t nb1) {
+        for (int64_t nb = nb0; nb < nb1; ++nb)
+            for (int64_t kb = 0; kb < KB; ++kb)
+                for (int64_t j = 0; j < 2; ++j)
+                    for (int64_t pair = 0; pair < 16; ++pair)
+                        for (int64_t n = 0; n < 16; ++n)
+                            for (int64_t e = 0; e < 2; ++e) {
+                                const int64_t row = amx_row(nb, j, n, N, gated), col = kb * 32 + 2 * pair + e;
+                                op[((((nb * KB + kb) * 2 + j) * 16 + pair) * 16 + n) * 2 + e] =
+                                    row < N && col < K ? wp[row * K + col] : 0;
+                            }
+    });
+}
+
+// Rows `ids` of the weight pack_amx laid out, back in [count, K] order: the inverse of its index map,
+// so a packed weight is the only copy the model needs (a tied embedding reads its rows from here).
+void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr_t ids, int64_t count, uintptr_t out,
+                     int threads) {
+    const auto* pp = reinterpret_cast<const uint16_t*>(packed);
+    const auto* ip = reinterpret_cast<const int64_t*>(ids);
+    auto* op = reinterpret_cast<uint16_t*>(out);
+    const int64_t KB = (K + 31) / 32;
+    parallel_for(threads, count, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t row = ip[r], half = N / 2;  // amx_row's inverse
+            const int64_t j = gated ? row / half : row % 32 / 16, within = gated ? row % half : row;
+            const int64_t nb = gated ? within / 16 : row / 32, n = within % 16;
+            for (int64_t col = 0; col < K; ++col) {
+                const int64_t kb = col / 32, pair = col % 32 / 2, e = col % 2;
+                op[r * K + col] = pp[((((nb * KB + kb) * 2 + j) * 16 + pair) * 16 + n) * 2 + e];
+            }
+        }
+    });
+}
+
+AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
+                    int threads) {
+    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
+    auto* yp = reinterpret_cast<uint16_t*>(y);
+    amx_gemm(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed), M, N, K, threads,
+             [&](const float* sums, int rows, int64_t nb, int64_t m0)
+                 AMX { store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N); });
+}
+
+// y [M, I] = silu(gate) * up over a fused [gate | up] weight packed `gated` (N = 2I): the GEMM and
+// silu_and_mul in one pass, the same bits as the two in turn.
+AMX void linear_amx_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K, int threads) {
+    auto* yp = reinterpret_cast<uint16_t*>(y);
+    amx_gemm(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed), M, 2 * I, K, threads,
+             [&](const float* sums, int rows, int64_t nb, int64_t m0)
+                 AMX { store_silu(sums, rows, nb, I, yp + m0 * I); });
 }
 
 }  // namespace minisgl::cpu

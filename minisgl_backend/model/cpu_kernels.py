@@ -410,9 +410,9 @@ def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     a new tensor of about the same size (zero-padded to whole tiles); None where linear_packed
     cannot run on it (neither family, other dtype or device). The pack is a copy: a later change
     to `weight` does not reach it (packed_rows reads the weight back). gated: a fused [gate | up]
-    weight packed for linear_packed_silu (AVX512-BF16, gate rows a multiple of 32; None elsewhere):
-    linear_packed cannot read it."""
-    if gated and not (_ACTIVE.packs == "dpbf16" and weight.dim() == 2 and weight.shape[0] % 64 == 0):
+    weight packed for linear_packed_silu (gate rows a multiple of 32; None elsewhere): linear_packed
+    cannot read it."""
+    if gated and not (weight.dim() == 2 and weight.shape[0] % 64 == 0):
         return None
     if not (
         _ACTIVE.packs and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
@@ -423,7 +423,7 @@ def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     elems = _native.packed_amx_elems(n, k) if _ACTIVE.packs == "amx" else _native.packed_dpbf16_elems(n, k)
     out = huge_page_empty(elems, torch.bfloat16)
     if _ACTIVE.packs == "amx":
-        _native.pack_amx(weight, out, threads())
+        _native.pack_amx(weight, out, gated, threads())
     else:
         _native.pack_dpbf16(weight, out, gated, threads())
     return out
@@ -441,7 +441,7 @@ def packed_rows(
     out = torch.empty(flat.numel(), k, dtype=torch.bfloat16)
     if flat.numel():  # IndexError from the native bounds check for an id outside [0, n)
         if _ACTIVE.packs == "amx":
-            _native.packed_rows_amx(packed, n, k, flat, out, threads())
+            _native.packed_rows_amx(packed, n, k, gated, flat, out, threads())
         else:
             _native.packed_rows_dpbf16(packed, n, k, gated, flat, out, threads())
     return out.reshape(*ids.shape, k)
@@ -452,12 +452,13 @@ def linear_packed_silu(x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, 
     gated=True), as silu_and_mul of linear_packed rounds it (the same bits) without the [.., 2I]
     intermediate. None where it cannot run."""
     n, k = shape
-    if not (_ACTIVE.packs == "dpbf16" and x.dim() >= 1 and x.shape[-1] == k and _bf16_cpu_input(x, None)):
+    if not (_ACTIVE.packs and x.dim() >= 1 and x.shape[-1] == k and _bf16_cpu_input(x, None)):
         return None
     m = x.numel() // k if k else 0
     out = torch.empty(*x.shape[:-1], n // 2, dtype=x.dtype)
     if m:
-        _native.linear_dpbf16_silu(x.reshape(m, k).contiguous(), packed, n, out.view(m, n // 2), threads())
+        fused = _native.linear_amx_silu if _ACTIVE.packs == "amx" else _native.linear_dpbf16_silu
+        fused(x.reshape(m, k).contiguous(), packed, n, out.view(m, n // 2), threads())
     return out
 
 
@@ -759,9 +760,12 @@ def stream_read_gbps(megabytes: int = 512, repeat: int = 5) -> float | None:
 # layer (docs/architecture.md, "CPU kernels").
 OP_SCHEMAS = {
     "linear_bf16": "(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, int threads, int isa) -> ()",
-    "pack_amx": "(Tensor weight, Tensor(a!) out, int threads) -> ()",
-    "packed_rows_amx": "(Tensor packed, int n, int k, Tensor ids, Tensor(a!) out, int threads) -> ()",
+    "pack_amx": "(Tensor weight, Tensor(a!) out, bool gated, int threads) -> ()",
+    "packed_rows_amx": (
+        "(Tensor packed, int n, int k, bool gated, Tensor ids, Tensor(a!) out, int threads) -> ()"
+    ),
     "linear_amx": "(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int threads) -> ()",
+    "linear_amx_silu": "(Tensor x, Tensor packed, int n, Tensor(a!) out, int threads) -> ()",
     "pack_dpbf16": "(Tensor weight, Tensor(a!) out, bool gated, int threads) -> ()",
     "packed_rows_dpbf16": (
         "(Tensor packed, int n, int k, bool gated, Tensor ids, Tensor(a!) out, int threads) -> ()"

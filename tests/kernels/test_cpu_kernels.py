@@ -289,14 +289,14 @@ def test_packed_linear_layer_holds_its_weight_once(packing):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels on this machine")
-@pytest.mark.parametrize("layout", ["amx", "dpbf16", "dpbf16-gated"])
+@pytest.mark.parametrize("layout", ["amx", "amx-gated", "dpbf16", "dpbf16-gated"])
 @pytest.mark.parametrize("n,k", [(64, 64), (7, 37), (100, 2), (128, 96), (49, 33), (2048, 64)])
 def test_packed_rows_read_back_every_layout(layout, n, k):
     """packed_rows inverts each pack layout bit for bit (zero-padded tiles and panels, odd K, a
     gated [gate | up] weight): whatever the CPU, since packing and reading back are plain index
     moves (only the matmuls over the AMX layout need the tile unit)."""
     native = cpu_kernels._native
-    gated = layout == "dpbf16-gated"
+    gated = layout.endswith("-gated")
     if gated and n % 64:
         pytest.skip("a gated pack takes gate rows in whole panels")
     g = _gen(n * 1000 + k)
@@ -304,10 +304,10 @@ def test_packed_rows_read_back_every_layout(layout, n, k):
     ids = torch.randint(0, n, (3, 5), generator=g)
     rows = torch.empty(ids.numel(), k, dtype=torch.bfloat16)
     flat = ids.reshape(-1).contiguous()
-    if layout == "amx":
+    if layout.startswith("amx"):
         packed = torch.empty(native.packed_amx_elems(n, k), dtype=torch.bfloat16)
-        native.pack_amx(w, packed, 2)
-        native.packed_rows_amx(packed, n, k, flat, rows, 2)
+        native.pack_amx(w, packed, gated, 2)
+        native.packed_rows_amx(packed, n, k, gated, flat, rows, 2)
     else:
         packed = torch.empty(native.packed_dpbf16_elems(n, k), dtype=torch.bfloat16)
         native.pack_dpbf16(w, packed, gated, 2)
@@ -762,13 +762,12 @@ def test_stream_read_probe_reads(family):
         assert cpu_kernels.stream_read_gbps(megabytes=64, repeat=2) > 0.5
 
 
-def test_packed_linear_outputs_keep_their_subnormals():
-    """The AVX512-BF16 GEMMs round their outputs with vcvtneps2bf16, which flushes float32 subnormals
-    to zero: a vector holding one must take the exact rounding instead. Outputs that are a
-    subnormal bias (rows of zeros), and SiLU x up of tiny gates and ups (silu(g) = g / 2 exactly,
-    then a product below the smallest normal), bitwise against torch's."""
-    if not cpu_kernels.runs_family("avx512bf16"):
-        pytest.skip("this CPU has no AVX512-BF16")
+def test_packed_linear_outputs_keep_their_subnormals(packing):
+    """The packed GEMMs round their outputs with vcvtneps2bf16 (the AVX512-BF16 GEMM, both families'
+    fused SiLU x up), which flushes float32 subnormals to zero: a vector holding one must take the
+    exact rounding instead. Outputs that are a subnormal bias (rows of zeros), and SiLU x up of tiny
+    gates and ups (silu(g) = g / 2 exactly, then a product below the smallest normal), bitwise
+    against torch's."""
     g = _gen(41)
     tiny = torch.finfo(torch.float32).smallest_normal
     w = (torch.randn(64, 32, generator=g) * 0.1).bfloat16()
@@ -780,7 +779,7 @@ def test_packed_linear_outputs_keep_their_subnormals():
     gate_up[:32, 0] = (torch.rand(32, generator=g) * 2.0**-64 + 2.0**-66).bfloat16()  # tiny gates
     gate_up[32:, 0] = (torch.rand(32, generator=g) * 2.0**-64 + 2.0**-66).bfloat16()  # tiny ups
     ones = torch.ones(3, 32).bfloat16()
-    with cpu_kernels.family_override("avx512bf16"), torch.inference_mode():
+    with torch.inference_mode():
         out = cpu_kernels.linear_packed(x, cpu_kernels.pack(w), w.shape, bias)
         act = cpu_kernels.linear_packed_silu(ones, cpu_kernels.pack(gate_up, gated=True), gate_up.shape)
     ref = F.linear(x.float(), w.float(), bias.float())
@@ -792,22 +791,19 @@ def test_packed_linear_outputs_keep_their_subnormals():
     assert torch.equal(act, want)
 
 
-@pytest.mark.parametrize("inter,k", [(1536, 576), (64, 96), (96, 33)])
-def test_fused_gate_up_silu_has_the_bits_of_the_linear_then_silu_and_mul(inter, k):
-    """The AVX512-BF16 MLP path: linear_packed_silu over the gated pack gives, row by row, the bits
-    of linear_packed then silu_and_mul (what the model ran before the fusion), at row counts across
-    its tiles, chunks and K blocks."""
-    if not cpu_kernels.runs_family("avx512bf16"):
-        pytest.skip("this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("inter,k", [(1536, 576), (64, 96), (96, 33), (256, 1536)])
+def test_fused_gate_up_silu_has_the_bits_of_the_linear_then_silu_and_mul(packing, inter, k):
+    """The MLP path of both packing families: linear_packed_silu over the gated pack gives, row by
+    row, the bits of linear_packed then silu_and_mul (what the model ran before the fusion), at row
+    counts across their tiles, chunks and K blocks (AMX: both row orders, K in parts)."""
     g = _gen(31)
     w = (torch.randn(2 * inter, k, generator=g) * 0.1).bfloat16()
-    x = torch.randn(200, k, generator=g).bfloat16()
-    with cpu_kernels.family_override("avx512bf16"):
-        gated, plain = cpu_kernels.pack(w, gated=True), cpu_kernels.pack(w)
-        for m in (1, 5, 7, 97, 200):
-            fused = cpu_kernels.linear_packed_silu(x[:m], gated, w.shape)
-            two_steps = cpu_kernels.silu_and_mul(cpu_kernels.linear_packed(x[:m], plain, w.shape))
-            assert torch.equal(fused, two_steps), f"{m} rows"
+    x = torch.randn(600, k, generator=g).bfloat16()
+    gated, plain = cpu_kernels.pack(w, gated=True), cpu_kernels.pack(w)
+    for m in (1, 5, 7, 32, 97, 200, 600):
+        fused = cpu_kernels.linear_packed_silu(x[:m], gated, w.shape)
+        two_steps = cpu_kernels.silu_and_mul(cpu_kernels.linear_packed(x[:m], plain, w.shape))
+        assert torch.equal(fused, two_steps), f"{m} rows"
     with cpu_kernels.family_override("avx512"):
         assert (
             cpu_kernels.pack(w, gated=True) is None
