@@ -58,6 +58,23 @@ AMX void configure_tiles(int ra, int rb) {
     _tile_loadconfig(&c);
 }
 
+// A thread's tile shape for blocks of `rows` rows: ra rows in the first tiles, rb in the second
+// (ldtilecfg only when it changes); release() hands the tiles back once the thread is done.
+struct TileShape {
+    int ra = -1, rb = -1;
+    AMX void fit(int rows) {
+        const int a = std::min(16, rows), b = rows - a;
+        if (a != ra || b != rb) {
+            configure_tiles(a, b);
+            ra = a;
+            rb = b;
+        }
+    }
+    AMX void release() const {
+        if (ra >= 0) _tile_release();
+    }
+};
+
 // rows x 32 float32 sums (row stride 32) + bias, rounded, into y's columns n0.. (the valid ones).
 AMX void store_sums(const float* sums, int rows, int64_t n0, int64_t N, const uint16_t* bias, uint16_t* y) {
     const int64_t left = N - n0;
@@ -89,40 +106,6 @@ AMX void store_silu(const float* sums, int rows, int64_t nb, int64_t I, uint16_t
     }
 }
 
-// One block of up to 32 rows (x rows xs elements apart) x 32 outputs over the block's packed weights.
-AMX void amx_block(const uint16_t* x, int64_t xs, const uint16_t* wb, int64_t KB, int ra, int rb, float* sums) {
-    _tile_zero(0);
-    _tile_zero(1);
-    if (rb) {
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kb = 0; kb < KB; ++kb) {
-            prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
-            _tile_loadd(4, x + kb * 32, xs * 2);
-            _tile_loadd(5, x + 16 * xs + kb * 32, xs * 2);
-            _tile_loadd(6, wb + kb * 1024, 64);
-            _tile_loadd(7, wb + kb * 1024 + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(2, sums + 16 * 32, 128);
-        _tile_stored(3, sums + 16 * 32 + 16, 128);
-    } else {
-        for (int64_t kb = 0; kb < KB; ++kb) {
-            prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
-            _tile_loadd(4, x + kb * 32, xs * 2);
-            _tile_loadd(6, wb + kb * 1024, 64);
-            _tile_loadd(7, wb + kb * 1024 + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-    }
-    _tile_stored(0, sums, 128);
-    _tile_stored(1, sums + 16, 128);
-}
-
 // x's rows, packed for the tile unit: 16-row tiles, each k-step of a tile one contiguous 1 KB
 // ([M/16][KB][16 rows][32]), K and the last tile's rows zero-padded. A tile loads from here
 // with a 64-byte stride, which the unit reads several times faster than rows K elements apart.
@@ -144,14 +127,17 @@ AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t KB, uint16_t
     });
 }
 
-// The same block as amx_block over packed rows, for k-steps [k0, k1) of it: a (ra rows) and b (rb
-// rows, 0: none) are 16-row tiles of pack_rows' layout. The first part starts from zero sums, a later
-// one from the float32 sums the part before it left in `part` (four 16 x 16 tiles, 64-byte rows); the
-// last part stores the block's sums as amx_block does, any other its sums to `part`. Storing a float32
-// sum and loading it back is exact, so each output is the same chain of tile products in the same
-// order as amx_block's, however K is cut: the same bits.
-AMX void amx_block_packed(const uint16_t* a, const uint16_t* b, const uint16_t* wb, int64_t k0, int64_t k1, bool first,
-                          bool last, float* part, float* sums) {
+// One block of up to 32 rows x 32 outputs over the block's packed weights, for its k-steps [k0, k1):
+// a holds the first ra rows and b the next rb (nullptr: none), each k-step `step` elements after the
+// last and each row `stride` bytes after the one before (x as it lies: step 32, stride K * 2;
+// pack_rows' tiles: step 512, stride 64). The first part starts from zero sums, a later one from the
+// float32 sums the part before it left in `part` (four 16 x 16 tiles, 64-byte rows); the last part
+// stores the block's sums into `sums` ([32][32], the first rows' in rows 0-15), any other its sums
+// to `part`. Storing a float32 sum and loading it back is exact, so each output is the same chain
+// of tile products in the same order however K is cut and whichever layout x is read from: the
+// same bits.
+AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t stride, const uint16_t* wb, int64_t k0,
+                   int64_t k1, bool first, bool last, float* part, float* sums) {
     if (first) {
         _tile_zero(0);
         _tile_zero(1);
@@ -170,8 +156,8 @@ AMX void amx_block_packed(const uint16_t* a, const uint16_t* b, const uint16_t* 
     if (b) {
         for (int64_t kb = k0; kb < k1; ++kb) {
             prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
-            _tile_loadd(4, a + kb * 512, 64);
-            _tile_loadd(5, b + kb * 512, 64);
+            _tile_loadd(4, a + kb * step, stride);
+            _tile_loadd(5, b + kb * step, stride);
             _tile_loadd(6, wb + kb * 1024, 64);
             _tile_loadd(7, wb + kb * 1024 + 512, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -182,7 +168,7 @@ AMX void amx_block_packed(const uint16_t* a, const uint16_t* b, const uint16_t* 
     } else {
         for (int64_t kb = k0; kb < k1; ++kb) {
             prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
-            _tile_loadd(4, a + kb * 512, 64);
+            _tile_loadd(4, a + kb * step, stride);
             _tile_loadd(6, wb + kb * 1024, 64);
             _tile_loadd(7, wb + kb * 1024 + 512, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -231,32 +217,28 @@ AMX void amx_panels(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N
     run_parallel(threads, panels * chunks, 1, [&](WorkShare& share, int slot) AMX {
         alignas(64) float sums[32 * 32];
         std::vector<Line> kept(static_cast<size_t>(parts > 1 ? panel * 64 : 0));  // 4 KB of sums per block
-        int ra_now = -1, rb_now = -1;
+        TileShape shape;
         for (int64_t i0, i1; share.claim(slot, i0, i1);)
             for (int64_t item = i0; item < i1; ++item) {
                 const int64_t nb0 = item % panels * panel, nb1 = std::min(NB, nb0 + panel);
                 const int64_t c0 = item / panels * PANEL_ROW_CHUNK, c1 = std::min(M, c0 + PANEL_ROW_CHUNK);
                 for (int64_t m0 = c0; m0 < c1; m0 += 32) {
                     const int rows = static_cast<int>(std::min<int64_t>(32, c1 - m0));
-                    const int ra = std::min(16, rows), rb = rows - ra;
-                    if (ra != ra_now || rb != rb_now) {
-                        configure_tiles(ra, rb);
-                        ra_now = ra;
-                        rb_now = rb;
-                    }
+                    shape.fit(rows);
+                    const int rb = shape.rb;
                     const uint16_t* a = ap + m0 / 16 * KB * 512;
                     for (int64_t k0 = 0; k0 < KB; k0 += step) {
                         const int64_t k1 = std::min(KB, k0 + step);
                         for (int64_t nb = nb0; nb < nb1; ++nb) {
                             float* part = parts > 1 ? reinterpret_cast<float*>(kept.data() + (nb - nb0) * 64) : nullptr;
-                            amx_block_packed(a, rb ? a + KB * 512 : nullptr, wp + nb * KB * 1024, k0, k1, k0 == 0,
-                                             k1 == KB, part, sums);
+                            amx_block(a, rb ? a + KB * 512 : nullptr, 512, 64, wp + nb * KB * 1024, k0, k1, k0 == 0,
+                                      k1 == KB, part, sums);
                             if (k1 == KB) finish(sums, rows, nb, m0);
                         }
                     }
                 }
             }
-        if (ra_now >= 0) _tile_release();
+        shape.release();
     });
 }
 
@@ -276,21 +258,18 @@ AMX void amx_rows(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, 
         const int64_t c1 = std::min(M, c0 + AMX_ROW_CHUNK);
         run_parallel(threads, NB, 0, [&](WorkShare& share, int slot) AMX {
             alignas(64) float sums[32 * 32];
-            int ra_now = -1, rb_now = -1;  // the thread's tile shape (ldtilecfg only when it changes)
+            TileShape shape;
             for (int64_t nb0, nb1; share.claim(slot, nb0, nb1);)
                 for (int64_t nb = nb0; nb < nb1; ++nb)
                     for (int64_t m0 = c0; m0 < c1; m0 += 32) {
                         const int rows = static_cast<int>(std::min<int64_t>(32, c1 - m0));
-                        const int ra = std::min(16, rows), rb = rows - ra;
-                        if (ra != ra_now || rb != rb_now) {
-                            configure_tiles(ra, rb);
-                            ra_now = ra;
-                            rb_now = rb;
-                        }
-                        amx_block(xp + m0 * xs, xs, wp + nb * KB * 1024, KB, ra, rb, sums);
+                        shape.fit(rows);
+                        const uint16_t* x = xp + m0 * xs;
+                        amx_block(x, shape.rb ? x + 16 * xs : nullptr, 32, xs * 2, wp + nb * KB * 1024, 0, KB, true,
+                                  true, nullptr, sums);
                         finish(sums, rows, nb, m0);
                     }
-            if (ra_now >= 0) _tile_release();
+            shape.release();
         });
     }
 }

@@ -122,17 +122,22 @@ def test_tiny_grid_negative_control_finds_differences(tiny_reports):
     assert all(r.prefill_match is None for r in off.requests)
 
 
-def test_injected_one_bit_perturbation_is_detected(tiny_model_dir):
-    """Two real runs at different arrival orders agree; flipping one logprob bit in one run is a
-    second distinct output for exactly that request (the comparison does not pass vacuously)."""
-    workload = Workload.from_dict(TINY_PROMPTS)
-    with Engine(EngineConfig(model=str(tiny_model_dir), deterministic=True, **_BASE)) as engine:
-        runs = {
+def _two_runs(model_dir, prompts: dict) -> dict[str, dict[str, Fingerprint]]:
+    """The request set run twice on one deterministic engine, at two arrival orders."""
+    workload = Workload.from_dict(prompts)
+    with Engine(EngineConfig(model=str(model_dir), deterministic=True, **_BASE)) as engine:
+        return {
             str(i): {
                 n: Fingerprint.of(o) for n, o in run_point(engine, workload, random.Random(i), 3).items()
             }
             for i in range(2)
         }
+
+
+def test_injected_one_bit_perturbation_is_detected(tiny_model_dir):
+    """Two real runs at different arrival orders agree; flipping one logprob bit in one run is a
+    second distinct output for exactly that request (the comparison does not pass vacuously)."""
+    runs = _two_runs(tiny_model_dir, TINY_PROMPTS)
     assert all(r.distinct_outputs == 1 for r in compare("g", runs))
     victim = runs["1"]["2/seeded"]
     flipped = bytearray(victim.logprobs[0])  # its one sample (n = 1)
@@ -156,14 +161,7 @@ def test_prompt_logprobs_are_compared_bitwise(tiny_model_dir):
     """A `prompt_logprobs` mode (lm-eval's loglikelihood request) puts the prompt's logprobs in the
     fingerprint: two real runs agree, and one flipped bit in one prompt logprob is a second output
     with the same tokens."""
-    workload = Workload.from_dict(SCORED_PROMPTS)
-    with Engine(EngineConfig(model=str(tiny_model_dir), deterministic=True, **_BASE)) as engine:
-        runs = {
-            str(i): {
-                n: Fingerprint.of(o) for n, o in run_point(engine, workload, random.Random(i), 3).items()
-            }
-            for i in range(2)
-        }
+    runs = _two_runs(tiny_model_dir, SCORED_PROMPTS)
     assert all(r.distinct_outputs == 1 for r in compare("g", runs))
     victim = runs["1"]["1/scored"]
     assert len(victim.prompt_logprobs) > 8 * 3 * 10  # 25 scored prompt tokens x (token + 2 alternatives)
