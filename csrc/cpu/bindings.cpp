@@ -200,6 +200,22 @@ PYBIND11_MODULE(_kernels, m) {
             },
             py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("threads"), py::arg("isa"), doc);
     };
+    // linear_amx_silu and linear_dpbf16_silu: a packed family's gate/up GEMM with SiLU x up on the way
+    // out, over its gated pack (elems: the family's pack size, checking the gated shape).
+    const auto silu_linear = [&m](const char* op, int64_t (*elems)(int64_t, int64_t, bool),
+                                  void (*fn)(uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int64_t, int),
+                                  const char* doc) {
+        m.def(
+            op,
+            [op, elems, fn](py::handle x_, py::handle packed_, int64_t n, py::handle y_, int threads) {
+                TensorArg x(op, "x", x_), packed(op, "packed", packed_), none(op, "bias", py::none()), y(op, "out", y_);
+                check_linear_rows(x, none, y, n / 2);
+                check_pack(packed, elems(n, x.size(1), true));
+                py::gil_scoped_release nogil;
+                fn(x.ptr(), packed.ptr(), y.ptr(), x.size(0), n / 2, x.size(1), threads);
+            },
+            py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("out"), py::arg("threads"), doc);
+    };
     fma_linear("linear_bf16", DType::BF16, &linear_bf16,
                "out[M,N] = x[M,K] @ weight[N,K]^T (+ bias[N], or None); bfloat16; isa 1 AVX2, 2 AVX-512, 3 AVX-512 + "
                "BF16.");
@@ -243,18 +259,8 @@ PYBIND11_MODULE(_kernels, m) {
         },
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("out"), py::arg("threads"),
         "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], or None) for any M over pack_amx(w); bfloat16.");
-    m.def(
-        "linear_amx_silu",
-        [](py::handle x_, py::handle packed_, int64_t n, py::handle y_, int threads) {
-            const char* op = "linear_amx_silu";
-            TensorArg x(op, "x", x_), packed(op, "packed", packed_), none(op, "bias", py::none()), y(op, "out", y_);
-            check_linear_rows(x, none, y, n / 2);
-            check_pack(packed, amx_elems(n, x.size(1), true));
-            py::gil_scoped_release nogil;
-            linear_amx_silu(x.ptr(), packed.ptr(), y.ptr(), x.size(0), n / 2, x.size(1), threads);
-        },
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("out"), py::arg("threads"),
-        "out[M,N/2] = silu(x @ gate^T) * (x @ up^T) over pack_amx([gate | up] [N,K], gated=True).");
+    silu_linear("linear_amx_silu", &amx_elems, &linear_amx_silu,
+                "out[M,N/2] = silu(x @ gate^T) * (x @ up^T) over pack_amx([gate | up] [N,K], gated=True).");
     m.def("packed_dpbf16_elems", &packed_dpbf16_elems, py::arg("n"), py::arg("k"),
           "bf16 elements of pack_dpbf16's output.");
     m.def(
@@ -294,18 +300,8 @@ PYBIND11_MODULE(_kernels, m) {
         },
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("out"), py::arg("threads"),
         "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], or None) for any M over pack_dpbf16(w); bfloat16.");
-    m.def(
-        "linear_dpbf16_silu",
-        [](py::handle x_, py::handle packed_, int64_t n, py::handle y_, int threads) {
-            const char* op = "linear_dpbf16_silu";
-            TensorArg x(op, "x", x_), packed(op, "packed", packed_), none(op, "bias", py::none()), y(op, "out", y_);
-            check_linear_rows(x, none, y, n / 2);
-            check_pack(packed, dpbf16_elems(n, x.size(1), true));
-            py::gil_scoped_release nogil;
-            linear_dpbf16_silu(x.ptr(), packed.ptr(), y.ptr(), x.size(0), n / 2, x.size(1), threads);
-        },
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("out"), py::arg("threads"),
-        "out[M,N/2] = silu(x @ gate^T) * (x @ up^T) over pack_dpbf16([gate | up] [N,K], gated=True).");
+    silu_linear("linear_dpbf16_silu", &dpbf16_elems, &linear_dpbf16_silu,
+                "out[M,N/2] = silu(x @ gate^T) * (x @ up^T) over pack_dpbf16([gate | up] [N,K], gated=True).");
     m.def(
         "linear_int8",
         [](py::handle x_, py::handle w_, py::handle scale_, py::handle bias_, py::handle y_, int threads) {

@@ -267,6 +267,17 @@ AVX512 inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+// 16 outputs of silu(gate) * up from the float32 sums of a fused gate/up GEMM, rounded as the
+// GEMM's bf16 store and silu_and_mul round them in turn (the sums to bf16, SiLU to bf16, then the
+// product): the epilogue that lets both packed families skip the [rows, 2I] intermediate with the
+// same bits.
+DPBF16 inline __m256i silu_mul_bf16(__m512 gate_sum, __m512 up_sum) {
+    const __m512 g = round16_dp(gate_sum), u = round16_dp(up_sum);
+    const __m512 act =
+        round16_dp(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    return round_to_bf16_dp(_mm512_mul_ps(act, u));
+}
+
 // The fixed reduction order of a score's and a softmax sum's 16 lanes: lane j with lane j+8, then
 // j with j+4, j with j+2, j with j+1. hsum16 applies it across one vector's lanes (attention.cpp's
 // vsum16 applies the same tree across 16 vectors, lane by lane).

@@ -94,16 +94,11 @@ AMX void store_sums(const float* sums, int rows, int64_t n0, int64_t N, const ui
 }
 
 // rows x 16 outputs of silu(gate) * up from a gated block's sums (gate in columns 0-15, up in 16-31)
-// into y's columns 16 nb.. (row stride I), rounding as linear_amx then silu_and_mul do in turn (the
-// sums to bf16, SiLU to bf16, then the product): the same bits without the [rows, 2I] intermediate.
+// into y's columns 16 nb.. (row stride I).
 AMX void store_silu(const float* sums, int rows, int64_t nb, int64_t I, uint16_t* y) {
-    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-    for (int r = 0; r < rows; ++r) {
-        const __m512 g = round16_dp(_mm512_load_ps(sums + r * 32));
-        const __m512 u = round16_dp(_mm512_load_ps(sums + r * 32 + 16));
-        const __m512 act = round16_dp(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, g)))));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * I + nb * 16), round_to_bf16_dp(_mm512_mul_ps(act, u)));
-    }
+    for (int r = 0; r < rows; ++r)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * I + nb * 16),
+                            silu_mul_bf16(_mm512_load_ps(sums + r * 32), _mm512_load_ps(sums + r * 32 + 16)));
 }
 
 // x's rows, packed for the tile unit: 16-row tiles, each k-step of a tile one contiguous 1 KB
@@ -196,7 +191,7 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
 // (kept in L2) x one chunk of rows, walked row block by row block. Each packed row block stays in L1
 // while the panel's weight tiles stream past it; where K is too long for that, the row block is cut
 // into parts of up to PANEL_MAX_KSTEPS k-steps, each part passing over the whole panel with the
-// blocks' float32 sums kept between parts. The order over the weight blocks (linear_amx's) reloads
+// blocks' float32 sums kept between parts. The order over the weight blocks (amx_rows') reloads
 // each row block from L2 for every weight block instead, with strided tile loads, which are the
 // kernel's bottleneck there.
 // finish(sums, rows, nb, m0) stores a block's sums (store_sums or store_silu).
@@ -208,15 +203,15 @@ AMX void amx_panels(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N
     // touch); 64-byte elements keep each packed tile row on one cache line.
     static thread_local std::vector<Line> scratch;
     if (scratch.size() < static_cast<size_t>(tiles * KB * 16)) scratch.resize(static_cast<size_t>(tiles * KB * 16));
-    auto* packed = reinterpret_cast<uint16_t*>(scratch.data());
-    pack_rows(xp, M, K, KB, packed, threads);
-    const uint16_t* ap = packed;
+    auto* ap = reinterpret_cast<uint16_t*>(scratch.data());
+    pack_rows(xp, M, K, KB, ap, threads);
     const int64_t panel = std::max<int64_t>(PANEL_MIN_BLOCKS, PANEL_WEIGHT_BYTES / (KB * 2048));
     const int64_t panels = (NB + panel - 1) / panel, chunks = (M + PANEL_ROW_CHUNK - 1) / PANEL_ROW_CHUNK;
     const int64_t parts = (KB + PANEL_MAX_KSTEPS - 1) / PANEL_MAX_KSTEPS, step = (KB + parts - 1) / parts;
     run_parallel(threads, panels * chunks, 1, [&](WorkShare& share, int slot) AMX {
         alignas(64) float sums[32 * 32];
-        std::vector<Line> kept(static_cast<size_t>(parts > 1 ? panel * 64 : 0));  // 4 KB of sums per block
+        static thread_local std::vector<Line> kept;  // 4 KB of sums per block of the panel, grown and kept
+        if (parts > 1 && kept.size() < static_cast<size_t>(panel * 64)) kept.resize(static_cast<size_t>(panel * 64));
         TileShape shape;
         for (int64_t i0, i1; share.claim(slot, i0, i1);)
             for (int64_t item = i0; item < i1; ++item) {

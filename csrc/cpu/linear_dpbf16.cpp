@@ -232,18 +232,13 @@ DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr
 DPBF16 void linear_dpbf16_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K,
                                int threads) {
     auto* yp = reinterpret_cast<uint16_t*>(y);
-    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
     dp_linear(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed), M, 2 * I, K, threads,
               [&](const float* sums, int64_t c0, int64_t c1, int64_t n0, int) DPBF16 {
                   for (int64_t r = c0; r < c1; ++r)
                       for (int h = 0; h < 2; ++h) {
                           const float* sr = sums + (r - c0) * 64 + h * 16;
-                          const __m512 g = round16_dp(_mm512_load_ps(sr));
-                          const __m512 u = round16_dp(_mm512_load_ps(sr + 32));
-                          const __m512 e = exp16(_mm512_sub_ps(zero, g));
-                          const __m512 act = round16_dp(_mm512_div_ps(g, _mm512_add_ps(one, e)));
                           _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + r * I + n0 / 2 + h * 16),
-                                              round_to_bf16_dp(_mm512_mul_ps(act, u)));
+                                              silu_mul_bf16(_mm512_load_ps(sr), _mm512_load_ps(sr + 32)));
                       }
               });
 }
