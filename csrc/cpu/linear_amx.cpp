@@ -26,9 +26,12 @@ constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x'
 // The weight tiles of the k-step this many steps ahead are prefetched: the hardware prefetcher
 // alone does not run far enough ahead of a stream of tiles that each take only a few instructions.
 constexpr int64_t AMX_PREFETCH_STEPS = 2;
-// The panel order (amx_panels) keeps a 32-row block of x, packed, in L1 beside the weight
-// tiles streaming past it: up to this many k-steps of it at a time (32 x 640 bf16 = 40 KB).
-constexpr int64_t PANEL_MAX_KSTEPS = 20;
+// The panel order (amx_panels) keeps a 32-row block of x, packed, in L1 while the weight tiles
+// stream past it: up to this many k-steps of it at a time (32 x 288 bf16 = 18 KB), so that the
+// block and the weight block passing over it (as large) both fit in L1. Longer parts (a 36 KB block
+// at SmolLM2's K, say) make the two evict each other, and the block is then reloaded from L2 for
+// every weight block; shorter ones store and reload the float32 sums more often than they save.
+constexpr int64_t PANEL_MAX_KSTEPS = 9;
 // Bytes of packed weights per panel: the panel stays in L2 while every row block of a row chunk
 // passes over it.
 constexpr int64_t PANEL_WEIGHT_BYTES = 896 * 1024;
@@ -130,7 +133,9 @@ AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t KB, uint16_t
 // stores the block's sums into `sums` ([32][32], the first rows' in rows 0-15), any other its sums
 // to `part`. Storing a float32 sum and loading it back is exact, so each output is the same chain
 // of tile products in the same order however K is cut and whichever layout x is read from: the
-// same bits.
+// same bits. Each step's loads are interleaved with the products that wait on them: the unit's tile
+// registers are not renamed, so a load into tmm4 waits for the last product reading it, and a step
+// that loaded all four tiles first would hold the next step's loads behind all four products.
 AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t stride, const uint16_t* wb, int64_t k0,
                    int64_t k1, bool first, bool last, float* part, float* sums) {
     if (first) {
@@ -152,11 +157,11 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
         for (int64_t kb = k0; kb < k1; ++kb) {
             prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
             _tile_loadd(4, a + kb * step, stride);
-            _tile_loadd(5, b + kb * step, stride);
             _tile_loadd(6, wb + kb * 1024, 64);
-            _tile_loadd(7, wb + kb * 1024 + 512, 64);
             _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, wb + kb * 1024 + 512, 64);
             _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, b + kb * step, stride);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
@@ -165,8 +170,8 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
             prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
             _tile_loadd(4, a + kb * step, stride);
             _tile_loadd(6, wb + kb * 1024, 64);
-            _tile_loadd(7, wb + kb * 1024 + 512, 64);
             _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, wb + kb * 1024 + 512, 64);
             _tile_dpbf16ps(1, 4, 7);
         }
     }
