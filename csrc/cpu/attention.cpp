@@ -2,8 +2,8 @@
 // gather of every row's context into a fresh tensor per layer), OpenMP over (block of rows, KV head).
 // Decode rows take one query vector at a time (attend_vectors), prefill blocks 16 query vectors per
 // register (attend_lanes). bf16 scores come from one of three scorers, the machine's kernel family's:
-// float32 FMAs (here), the AMX tile unit or vdpbf16ps (attention_bf16.cpp, with the V sum on vdpbf16ps
-// too); float32 rows always take the FMA scorer. The avx2 family's blocks run attention_avx2.cpp's
+// float32 FMAs (here), the AMX tile unit or vdpbf16ps (attention_bf16.cpp, with the V sum on the same
+// unit); float32 rows always take the FMA scorer. The avx2 family's blocks run attention_avx2.cpp's
 // 8-lane FMA attention instead (isa). Head dims the vector paths do not take (not a multiple of the
 // lane width, or over 256) take the scalar attend_group, compiled for the family's ISA.
 //
@@ -174,21 +174,26 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
     const bool fma = scorer == SCORE_FMA;
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads, chunks = d / 16, vectors = rows * g;
     const int64_t lo = b.lo, keys = b.hi - lo + 1, base = lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base;
-    // float32 copies of K (for lane_scores, with the FMA scorer) and V, shared by every lane; with the
-    // dp scorer V as bf16 key pairs instead (stage_value_pairs)
-    const bool dp = scorer == SCORE_DP;
-    if (fma) w.kf.resize(static_cast<size_t>(keys * d));
-    if (!dp) w.vf.resize(static_cast<size_t>(keys * d));
-    for (int64_t j = 0; j < keys; ++j)
-        for (int64_t c = 0; c < chunks; ++c) {
-            if (fma) _mm512_storeu_ps(w.kf.data() + j * d + c * 16, load16(kpool + w.offsets[j] + kvh * d + c * 16));
-            if (!dp) _mm512_storeu_ps(w.vf.data() + j * d + c * 16, load16(vpool + w.offsets[j] + kvh * d + c * 16));
-        }
-    if constexpr (std::is_same_v<T, uint16_t>)
+    // float32 copies of K (for lane_scores) and V, shared by every lane, with the FMA scorer; with the
+    // dp scorer V as bf16 key pairs (stage_value_pairs), with the tile unit as its V tiles
+    // (stage_value_tiles) instead
+    const bool dp = scorer == SCORE_DP, amx = scorer == SCORE_AMX;
+    if (fma) {
+        w.kf.resize(static_cast<size_t>(keys * d));
+        w.vf.resize(static_cast<size_t>(keys * d));
+        for (int64_t j = 0; j < keys; ++j)
+            for (int64_t c = 0; c < chunks; ++c) {
+                _mm512_storeu_ps(w.kf.data() + j * d + c * 16, load16(kpool + w.offsets[j] + kvh * d + c * 16));
+                _mm512_storeu_ps(w.vf.data() + j * d + c * 16, load16(vpool + w.offsets[j] + kvh * d + c * 16));
+            }
+    }
+    if constexpr (std::is_same_v<T, uint16_t>) {
         if (dp) {
             stage_value_pairs(vpool, b, kvh, s, w);
             stage_keys(kpool, b, kvh, d, w);
         }
+        if (amx) stage_value_tiles(vpool, b, kvh, s, w);
+    }
     w.q.resize(static_cast<size_t>(d * 16));
     w.scores.resize(static_cast<size_t>(span * 16));
     if (scorer == SCORE_AMX) w.stage.resize(static_cast<size_t>(16 * d));
@@ -273,11 +278,16 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
             part[key & 15] = _mm512_add_ps(part[key & 15], e);  // by absolute key mod 16, as the tiles
         });
         const __m512 inv = _mm512_maskz_div_ps(used, one, vsum16(part));
-        if constexpr (std::is_same_v<T, uint16_t>)
+        if constexpr (std::is_same_v<T, uint16_t>) {
             if (dp) {
                 dp_lanes_value_sum(sc, inv, b, hi, s, w, lane_out, n);
                 continue;
             }
+            if (amx) {
+                amx_lanes_value_sum(sc, inv, b, hi, s, w, lane_out, n);
+                continue;
+            }
+        }
         for (int64_t key = lo; key <= hi; ++key)
             _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), inv));
         for (int64_t c = 0; c < chunks; ++c) {

@@ -23,10 +23,11 @@ namespace minisgl::cpu {
 // key (FMAs over head_dim in the family's lane width, 16 or 8, then a fixed reduction; or the tile
 // unit's, on every block of the machine), its softmax sums by absolute key position mod the lane
 // width (so which lane a key falls in depends on the key alone), and its output sums the keys in
-// key order. A row's bits thus depend only on its
-// query, its position and the cached keys: not on the other rows of the call, the block sizes, the
-// chunking, whether it is a decode or a prefill row or which of attend_vectors / attend_lanes ran.
-// That is what lets the batch-invariant forward use it for every row.
+// key order (on the tile unit, in 32-key steps aligned to absolute positions, in order). A row's
+// bits thus depend only on its query, its position and the cached keys: not on the other rows of
+// the call, the block sizes, the chunking, whether it is a decode or a prefill row or which of
+// attend_vectors / attend_lanes ran. That is what lets the batch-invariant forward use it for every
+// row.
 //
 // Blocks hold ATTN_MIN_BLOCK to ATTN_BLOCK rows (paged_attention_t picks the length per call).
 constexpr int64_t ATTN_BLOCK = 64;

@@ -1,8 +1,9 @@
 // The bf16 scorers of the AVX-512 paged attention (attention.cpp runs the blocks): the scores of
 // query vectors against keys on the AMX tile unit (amx_scores) or on vdpbf16ps (dp_scores, and
-// dp_key_scores for the few vectors of a decode block), and the V sum on vdpbf16ps (dp_value_sum,
-// dp_lanes_value_sum). Each score and each output element is one chain in a fixed order, so a row's
-// bits depend on its query, its keys and the scorer alone (attention.h states the contract).
+// dp_key_scores for the few vectors of a decode block), and the V sum on the tile unit
+// (amx_vectors_value_sum, amx_lanes_value_sum) or on vdpbf16ps (dp_value_sum, dp_lanes_value_sum).
+// Each score and each output element is one chain in a fixed order, so a row's bits depend on its
+// query, its keys and the scorer alone (attention.h states the contract).
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +29,21 @@ DPBF16 inline void store_bf16(uint16_t* p, __m512 v) {
 // instructions of the float32 FMA sum, and the same bits whether the lanes are a decode row's
 // dims (dp_value_sum) or 16 query vectors of a prefill block (attend_lanes).
 
+// The V row of key `key` of the block (KV head kvh), or nullptr outside [lo, hi].
+inline const uint16_t* value_row(const uint16_t* vpool, const BlockKeys& b, int64_t hi, int64_t key, int64_t kvh,
+                                 int64_t d, const AttnScratch& w) {
+    return key < b.lo || key > hi ? nullptr : vpool + w.offsets[key - b.lo] + kvh * d;
+}
+
+// Dims c..c+15 of two keys' V rows as 16 (key 2t, key 2t+1) pairs; a missing row (nullptr) is zeros.
+AVX512 inline __m512i value_pairs16(const uint16_t* ve, const uint16_t* vo, int64_t c) {
+    const __m512i e = ve ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ve + c)))
+                         : _mm512_setzero_si512();
+    const __m512i o = vo ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vo + c)))
+                         : _mm512_setzero_si512();
+    return _mm512_or_si512(e, _mm512_slli_epi32(o, 16));
+}
+
 // V rows of the block's keys as (key 2t, key 2t+1) pairs per dim, [pair - lo / 2][dim]; keys outside
 // [lo, hi] zero (so the pair partner of an end key reads no unwritten slot).
 DPBF16 void stage_value_pairs(const uint16_t* vpool, const BlockKeys& b, int64_t kvh, const AttnShape& s,
@@ -35,17 +51,9 @@ DPBF16 void stage_value_pairs(const uint16_t* vpool, const BlockKeys& b, int64_t
     const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = b.hi / 2 - p0 + 1;
     w.vpair.resize(static_cast<size_t>(pairs * d));
     for (int64_t t = 0; t < pairs; ++t) {
-        const int64_t ke = 2 * (p0 + t), ko = ke + 1;
-        const bool e_in = ke >= b.lo, o_in = ko <= b.hi;
-        const uint16_t* ve = e_in ? vpool + w.offsets[ke - b.lo] + kvh * d : nullptr;
-        const uint16_t* vo = o_in ? vpool + w.offsets[ko - b.lo] + kvh * d : nullptr;
-        for (int64_t c = 0; c < d; c += 16) {
-            const __m512i e = e_in ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ve + c)))
-                                   : _mm512_setzero_si512();
-            const __m512i o = o_in ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vo + c)))
-                                   : _mm512_setzero_si512();
-            _mm512_storeu_si512(w.vpair.data() + t * d + c, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
-        }
+        const uint16_t* ve = value_row(vpool, b, b.hi, 2 * (p0 + t), kvh, d, w);
+        const uint16_t* vo = value_row(vpool, b, b.hi, 2 * (p0 + t) + 1, kvh, d, w);
+        for (int64_t c = 0; c < d; c += 16) _mm512_storeu_si512(w.vpair.data() + t * d + c, value_pairs16(ve, vo, c));
     }
 }
 
@@ -221,11 +229,160 @@ DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, 
     }
 }
 
+// ---- the V sum on the tile unit (the amx family's attention) ----
+//
+// With the tile unit scoring, the probabilities are rounded to bf16 (as the dp sum's) and each output
+// element is the unit's sum over 32-key k-steps aligned to absolute key positions, taken in order
+// from the k-step of the block's first key: an A tile of 16 query vectors' probabilities (a key
+// outside a vector's range has p = 0) times a B tile of the k-step's V rows as (key 2t, key 2t+1)
+// pairs x 16 dims. The unit's sum for one element reads only that vector's probabilities and that
+// dim's values, so its bits are the same whether the tile's rows are a decode row's few vectors or
+// 16 of a prefill block; a k-step with no key of a vector adds exact zeros to a sum that is already
+// exact (the unit never leaves a subnormal one), which leaves it as it is.
+
+constexpr int64_t KSTEP_KEYS = 32;  // keys per k-step of the tile unit (16 bf16 pairs)
+
+// V of keys lo..hi as the unit's B tiles, one contiguous 1 KB tile per (k-step j from lo / 32, 16-dim
+// chunk c): w.vpair[((j - lo / 32) * chunks + c) * 256 + pair * 16 + column]; keys outside [lo, hi]
+// zero. Each 32-dim half of a pair of V rows is interleaved in registers (vpunpck{l,h}wd), so chunk
+// 2h holds dims 8L..8L+3 and chunk 2h + 1 dims 8L+4..8L+7 of each 128-bit lane L of half h, in
+// the columns amx_value_sum puts back in order (as dp_value_sum_in_place's registers).
+AVX512 void stage_value_tiles(const uint16_t* vpool, const BlockKeys& b, int64_t kvh, const AttnShape& s,
+                              AttnScratch& w) {
+    const int64_t d = s.head_dim, chunks = d / 16, j0 = b.lo / KSTEP_KEYS, steps = b.hi / KSTEP_KEYS - j0 + 1;
+    w.vpair.resize(static_cast<size_t>(steps * chunks * 256));
+    for (int64_t j = 0; j < steps; ++j)
+        for (int64_t i = 0; i < 16; ++i) {
+            const int64_t ke = (j0 + j) * KSTEP_KEYS + 2 * i;
+            const uint16_t* ve = value_row(vpool, b, b.hi, ke, kvh, d, w);
+            const uint16_t* vo = value_row(vpool, b, b.hi, ke + 1, kvh, d, w);
+            for (int64_t c = 0; c < chunks; c += 2) {
+                const __m512i e = ve ? _mm512_loadu_si512(ve + c * 16) : _mm512_setzero_si512();
+                const __m512i o = vo ? _mm512_loadu_si512(vo + c * 16) : _mm512_setzero_si512();
+                uint32_t* t = w.vpair.data() + ((j * chunks + c) * 16 + i) * 16;
+                _mm512_storeu_si512(t, _mm512_unpacklo_epi16(e, o));
+                _mm512_storeu_si512(t + 256, _mm512_unpackhi_epi16(e, o));
+            }
+        }
+}
+
+// NC (2 or 4) 16-dim chunks from c0 of the 16 vectors' V sums: tmm0..tmm3 the sums, tmm4 a k-step's
+// probabilities (pt, [k-step][vector][16 pairs]), tmm5..tmm7 (tmm5 again for a fourth chunk) the
+// k-step's V tiles; sums stored at cb[chunk][vector][16].
+template <int NC>
+AMX void amx_value_chunks(const uint32_t* pt, const uint32_t* vt, int64_t steps, int64_t chunks, int64_t c0,
+                          float* cb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (NC > 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t j = 0; j < steps; ++j) {
+        const uint32_t* v = vt + (j * chunks + c0) * 256;
+        _tile_loadd(4, pt + j * 256, 64);
+        _tile_loadd(5, v, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, v + 256, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        if constexpr (NC > 2) {
+            _tile_loadd(7, v + 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, v + 768, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, cb, 64);
+    _tile_stored(1, cb + 256, 64);
+    if constexpr (NC > 2) {
+        _tile_stored(2, cb + 512, 64);
+        _tile_stored(3, cb + 768, 64);
+    }
+}
+
+// The V sums of up to 16 vectors from their probability tiles (pt) and stage_value_tiles' V tiles,
+// over `steps` k-steps; vector l's d dims (head_dim a multiple of 32) stored at out[l] (the first n),
+// each 32-dim half's two chunks permuted back into dim order.
+AMX void amx_value_sum(const uint32_t* pt, const uint32_t* vt, int64_t steps, int64_t d, uint16_t* const* out,
+                       int64_t n) {
+    const int64_t chunks = d / 16;
+    alignas(64) static constexpr int32_t low_dims[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+    alignas(64) static constexpr int32_t high_dims[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    const __m512i lo_idx = _mm512_load_si512(low_dims), hi_idx = _mm512_load_si512(high_dims);
+    alignas(64) float cb[4 * 256];
+    for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+        const int64_t nc = std::min<int64_t>(4, chunks - c0);
+        if (nc == 4)
+            amx_value_chunks<4>(pt, vt, steps, chunks, c0, cb);
+        else
+            amx_value_chunks<2>(pt, vt, steps, chunks, c0, cb);
+        for (int64_t c = 0; c < nc; c += 2)
+            for (int64_t l = 0; l < n; ++l) {
+                const __m512 a = _mm512_load_ps(cb + c * 256 + l * 16), z = _mm512_load_ps(cb + (c + 1) * 256 + l * 16);
+                store16m(out[l] + (c0 + c) * 16, _mm512_permutex2var_ps(a, lo_idx, z), 0xffff);
+                store16m(out[l] + (c0 + c) * 16 + 16, _mm512_permutex2var_ps(a, hi_idx, z), 0xffff);
+            }
+    }
+}
+
+// The decode blocks' V sum with the tile unit (softmax_and_sum's): the rows x g vectors' normalized
+// probabilities (w.scores, [vector][span] from key lo / 16 * 16, zero outside each vector's keys)
+// rounded to bf16 into the A tiles, then amx_value_sum over the block's k-steps.
+AMX void amx_vectors_value_sum(const uint16_t* vpool, int64_t rows, int64_t kvh, uint16_t* out, const AttnShape& s,
+                               const BlockKeys& b, AttnScratch& w) {
+    const int64_t d = s.head_dim, g = s.heads / s.kv_heads, n = rows * g;
+    const int64_t base = b.lo / 16 * 16, span = (b.hi / 16 + 1) * 16 - base;
+    const int64_t j0 = b.lo / KSTEP_KEYS, steps = b.hi / KSTEP_KEYS - j0 + 1;
+    stage_value_tiles(vpool, b, kvh, s, w);
+    // Rows past n are left as they are: a row of the sums reads only its own row of probabilities,
+    // and those rows' sums are never stored.
+    w.ppair.resize(static_cast<size_t>(steps * 256));
+    auto* pt = reinterpret_cast<uint16_t*>(w.ppair.data());  // [k-step][vector][32 keys]
+    uint16_t* lane_out[16];
+    for (int64_t l = 0; l < n; ++l) {
+        lane_out[l] = out + l / g * s.heads * d + (kvh * g + l % g) * d;
+        for (int64_t j = 0; j < steps; ++j)
+            for (int64_t half = 0; half < 2; ++half) {
+                const int64_t k0 = (j0 + j) * KSTEP_KEYS + half * 16;
+                const bool in = k0 >= base && k0 < base + span;
+                const __m512 p = in ? _mm512_loadu_ps(w.scores.data() + l * span + k0 - base) : _mm512_setzero_ps();
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(pt + (j * 16 + l) * 32 + half * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(p));
+            }
+    }
+    amx_value_sum(w.ppair.data(), w.vpair.data(), steps, d, lane_out, n);
+}
+
+// A prefill block's V sum for one lane group with the tile unit (attend_lanes'): sc[key * 16 + lane]
+// the exponentials of keys lo..hi, normalized (x inv) as they are rounded to bf16 pairs (as
+// dp_lanes_value_sum's) and transposed into the A tiles; the V tiles are the block's, staged once
+// (stage_value_tiles). The first n lanes' sums stored at lane_out[lane].
+AMX void amx_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, int64_t hi, const AttnShape& s,
+                             AttnScratch& w, uint16_t* const* lane_out, int64_t n) {
+    const int64_t j0 = b.lo / KSTEP_KEYS, steps = hi / KSTEP_KEYS - j0 + 1;
+    w.ppair.resize(static_cast<size_t>(steps * 256));
+    for (int64_t j = 0; j < steps; ++j) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; ++i) {
+            const int64_t ke = (j0 + j) * KSTEP_KEYS + 2 * i, ko = ke + 1;
+            const __m512 e =
+                ke >= b.lo && ke <= hi ? _mm512_mul_ps(_mm512_loadu_ps(sc + ke * 16), inv) : _mm512_setzero_ps();
+            const __m512 o =
+                ko >= b.lo && ko <= hi ? _mm512_mul_ps(_mm512_loadu_ps(sc + ko * 16), inv) : _mm512_setzero_ps();
+            r[i] = bf16_pairs(e, o);  // pair i of every lane
+        }
+        transpose16(r);  // every pair of lane l
+        for (int64_t l = 0; l < 16; ++l) _mm512_storeu_si512(w.ppair.data() + (j * 16 + l) * 16, r[l]);
+    }
+    amx_value_sum(w.ppair.data(), w.vpair.data(), steps, s.head_dim, lane_out, n);
+}
+
 // Scores on the tile unit (bf16, head_dim a multiple of 32, AMX): tmm0 the scores of 16 keys (rows)
-// x 16 query vectors, tmm1 the 16 keys' 32 dims of one k-step, tmm2 that k-step's query pairs.
+// x 16 query vectors, tmm1 the 16 keys' 32 dims of one k-step, tmm2 that k-step's query pairs; the V
+// sum (amx_value_chunks) takes all eight tiles, every one 16 rows of 64 bytes.
 AMX void configure_score_tiles() {
     TileConfig c;
-    for (int t = 0; t < 3; ++t) {
+    for (int t = 0; t < 8; ++t) {
         c.colsb[t] = 64;
         c.rows[t] = 16;
     }
@@ -425,7 +582,7 @@ AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t row
                     float& v = w.scores[l * span + key - base];
                     v = s.softcap * std::tanh(v / s.softcap);
                 }
-        return softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w, true);
+        return softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w, SUM_DP);
     }
     w.q.resize(static_cast<size_t>(s.head_dim * 16));
     w.kf.resize(static_cast<size_t>(span * 16));
@@ -440,7 +597,7 @@ AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t row
             if (s.softcap > 0.0f) v = s.softcap * std::tanh(v / s.softcap);
             w.scores[l * span + key - base] = v;
         }
-    softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w);
+    softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w, SUM_AMX);
 }
 
 }  // namespace minisgl::cpu::attn

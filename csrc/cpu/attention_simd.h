@@ -157,6 +157,12 @@ DPBF16 __attribute__((flatten)) void dp_value_sum(const uint16_t* vpool, int64_t
                                                   AttnScratch& w);
 DPBF16 void dp_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, int64_t hi, const AttnShape& s,
                                AttnScratch& w, uint16_t* const* lane_out, int64_t n);
+AVX512 void stage_value_tiles(const uint16_t* vpool, const BlockKeys& b, int64_t kvh, const AttnShape& s,
+                              AttnScratch& w);
+AMX void amx_vectors_value_sum(const uint16_t* vpool, int64_t rows, int64_t kvh, uint16_t* out, const AttnShape& s,
+                               const BlockKeys& b, AttnScratch& w);
+AMX void amx_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, int64_t hi, const AttnShape& s,
+                             AttnScratch& w, uint16_t* const* lane_out, int64_t n);
 AMX void configure_score_tiles();
 AMX void release_tiles();
 AMX void amx_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
@@ -167,12 +173,17 @@ AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t row
                                 const uint16_t* vpool, const int64_t* table, const int64_t* pos, int64_t kvh,
                                 uint16_t* out, const AttnShape& s, const BlockKeys& b, int scorer, AttnScratch& w);
 
+// Which V sum follows a bf16 scorer: float32 FMAs (the FMA scorer's), vdpbf16ps (the dp scorer's) or
+// the tile unit (the AMX scorer's). Like the scorer, it is the machine's kernel family's.
+enum ValueSum : int { SUM_FMA = 0, SUM_DP = 1, SUM_AMX = 2 };
+
 // The softmax and the sum over V of rows x g query vectors whose scores lie in w.scores, [vector][span]
 // from key `base` (attend_vectors', or the tile unit's for few vectors): the softmax one vector at a
-// time, 16 keys per lane tile; the V sum in registers, up to 6 vectors of a row at a time.
+// time, 16 keys per lane tile; the V sum in registers, up to 6 vectors of a row at a time, or on
+// the tile unit.
 template <typename T>
 AVX512 void softmax_and_sum(const T* vpool, int64_t rows, const int64_t* pos, int64_t kvh, T* out, const AttnShape& s,
-                            const BlockKeys& b, AttnScratch& w, bool dp = false) {
+                            const BlockKeys& b, AttnScratch& w, ValueSum sum = SUM_FMA) {
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
     const int64_t lo = b.lo, hi = b.hi, base = lo / 16 * 16, span = (hi / 16 + 1) * 16 - base;
     for (int64_t r = 0; r < rows; ++r) {
@@ -194,8 +205,10 @@ AVX512 void softmax_and_sum(const T* vpool, int64_t rows, const int64_t* pos, in
                 _mm512_storeu_ps(sh + t, _mm512_mul_ps(_mm512_loadu_ps(sh + t), inv));
         }
     }
-    if constexpr (std::is_same_v<T, uint16_t>)
-        if (dp) return dp_value_sum(vpool, rows, pos, kvh, out, s, b, w);
+    if constexpr (std::is_same_v<T, uint16_t>) {
+        if (sum == SUM_DP) return dp_value_sum(vpool, rows, pos, kvh, out, s, b, w);
+        if (sum == SUM_AMX) return amx_vectors_value_sum(vpool, rows, kvh, out, s, b, w);
+    }
     value_sum(FmaSteps<T>{vpool + kvh * d, w.offsets.data(), lo, w.scores.data() - base, span}, rows, b, pos, kvh, out,
               s);
 }
