@@ -23,8 +23,10 @@ namespace minisgl::cpu {
 namespace {
 
 constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x's chunk stays in L2
-// The weight tiles of the k-step this many steps ahead are prefetched: the hardware prefetcher
-// alone does not run far enough ahead of a stream of tiles that each take only a few instructions.
+// Over weights streamed from memory (amx_rows), the weight tiles of the k-step this many steps ahead
+// are prefetched: the hardware prefetcher alone does not run far enough ahead of a stream of tiles
+// that each take only a few instructions. The panel order reads its weights from L2, in order, where
+// the hardware prefetcher keeps up and 32 prefetch instructions a k-step only take issue slots.
 constexpr int64_t AMX_PREFETCH_STEPS = 2;
 // The panel order (amx_panels) keeps a 32-row block of x, packed, in L1 while the weight tiles
 // stream past it: up to this many k-steps of it at a time (32 x 288 bf16 = 18 KB), so that the
@@ -133,9 +135,10 @@ AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t KB, uint16_t
 // stores the block's sums into `sums` ([32][32], the first rows' in rows 0-15), any other its sums
 // to `part`. Storing a float32 sum and loading it back is exact, so each output is the same chain
 // of tile products in the same order however K is cut and whichever layout x is read from: the
-// same bits. Each step's loads are interleaved with the products that wait on them: the unit's tile
-// registers are not renamed, so a load into tmm4 waits for the last product reading it, and a step
-// that loaded all four tiles first would hold the next step's loads behind all four products.
+// same bits. PREFETCH: whether to prefetch the weight tiles ahead. Each step's loads are interleaved with the products
+// that wait on them: the unit's tile registers are not renamed, so a load into tmm4 waits for the last product reading
+// it, and a step that loaded all four tiles first would hold the next step's loads behind all four products.
+template <bool PREFETCH>
 AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t stride, const uint16_t* wb, int64_t k0,
                    int64_t k1, bool first, bool last, float* part, float* sums) {
     if (first) {
@@ -155,7 +158,7 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
     }
     if (b) {
         for (int64_t kb = k0; kb < k1; ++kb) {
-            prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
+            if (PREFETCH) prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
             _tile_loadd(4, a + kb * step, stride);
             _tile_loadd(6, wb + kb * 1024, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -167,7 +170,7 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
         }
     } else {
         for (int64_t kb = k0; kb < k1; ++kb) {
-            prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
+            if (PREFETCH) prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
             _tile_loadd(4, a + kb * step, stride);
             _tile_loadd(6, wb + kb * 1024, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -231,8 +234,8 @@ AMX void amx_panels(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N
                         const int64_t k1 = std::min(KB, k0 + step);
                         for (int64_t nb = nb0; nb < nb1; ++nb) {
                             float* part = parts > 1 ? reinterpret_cast<float*>(kept.data() + (nb - nb0) * 64) : nullptr;
-                            amx_block(a, rb ? a + KB * 512 : nullptr, 512, 64, wp + nb * KB * 1024, k0, k1, k0 == 0,
-                                      k1 == KB, part, sums);
+                            amx_block<false>(a, rb ? a + KB * 512 : nullptr, 512, 64, wp + nb * KB * 1024, k0, k1,
+                                             k0 == 0, k1 == KB, part, sums);
                             if (k1 == KB) finish(sums, rows, nb, m0);
                         }
                     }
@@ -265,8 +268,8 @@ AMX void amx_rows(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, 
                         const int rows = static_cast<int>(std::min<int64_t>(32, c1 - m0));
                         shape.fit(rows);
                         const uint16_t* x = xp + m0 * xs;
-                        amx_block(x, shape.rb ? x + 16 * xs : nullptr, 32, xs * 2, wp + nb * KB * 1024, 0, KB, true,
-                                  true, nullptr, sums);
+                        amx_block<true>(x, shape.rb ? x + 16 * xs : nullptr, 32, xs * 2, wp + nb * KB * 1024, 0, KB,
+                                        true, true, nullptr, sums);
                         finish(sums, rows, nb, m0);
                     }
             shape.release();
