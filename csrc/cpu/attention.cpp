@@ -217,14 +217,20 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
         for (int64_t l = 0; l < n; ++l) lane_out[l] = out + (v0 + l) / g * s.heads * d + (kvh * g + (v0 + l) % g) * d;
         float* sc = w.scores.data() - base * 16;  // sc[key * 16 + lane]
         const __m512 scale = _mm512_set1_ps(s.scale);
+        // The tile unit's scores without a softcap stay unscaled in sc: the max below is taken over
+        // them and then scaled, and each is scaled as its exponential is taken, which gives the bits
+        // of scaling them first (x -> x * scale, rounded, is monotonic, so it commutes with the max),
+        // without a pass that only scales.
+        const bool unscaled = amx && s.softcap <= 0.0f;
         if constexpr (std::is_same_v<T, uint16_t>) {
             if (!fma) {
                 auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
                 pack_query_pairs(q, q_stride, v0, n, kvh, s, qb);
-                if (scorer == SCORE_AMX) {
+                if (amx) {
                     amx_scores(kpool, table, s, kvh, lo, hi, qb, w.scores.data(), w.stage.data());
-                    for (int64_t key = lo; key <= hi; ++key)
-                        _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), scale));
+                    if (!unscaled)
+                        for (int64_t key = lo; key <= hi; ++key)
+                            _mm512_storeu_ps(sc + key * 16, _mm512_mul_ps(_mm512_loadu_ps(sc + key * 16), scale));
                 } else {
                     dp_scores(w.keys.data(), s, lo, hi, qb, w.scores.data());  // scaled as it stores them
                 }
@@ -267,13 +273,29 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
             for (int64_t key = seen_lo; key <= std::min(seen_hi, hi); ++key) step(key, __mmask16(0xffff));
             for (int64_t key = std::max(seen_hi + 1, seen_lo); key <= hi; ++key) step(key, sees(first_v, last_v, key));
         };
+        // The max is exact in any order: the keys every lane sees take four chains (one chain would
+        // wait on each vmaxps's latency), the others the masked steps.
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        in_key_order([&](int64_t key, __mmask16 m)
-                         AVX512 { mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(sc + key * 16)); });
+        for (int64_t key = lo; key < std::min(seen_lo, hi + 1); ++key)
+            mx = _mm512_mask_max_ps(mx, sees(first_v, last_v, key), mx, _mm512_loadu_ps(sc + key * 16));
+        for (int64_t key = std::max(seen_hi + 1, seen_lo); key <= hi; ++key)
+            mx = _mm512_mask_max_ps(mx, sees(first_v, last_v, key), mx, _mm512_loadu_ps(sc + key * 16));
+        {
+            __m512 m4[4] = {mx, mx, mx, mx};
+            const int64_t end = std::min(seen_hi, hi) + 1;
+            int64_t key = seen_lo;
+            for (; key + 4 <= end; key += 4)
+                for (int u = 0; u < 4; ++u) m4[u] = _mm512_max_ps(m4[u], _mm512_loadu_ps(sc + (key + u) * 16));
+            for (; key < end; ++key) m4[0] = _mm512_max_ps(m4[0], _mm512_loadu_ps(sc + key * 16));
+            mx = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
+        }
+        if (unscaled) mx = _mm512_mul_ps(mx, scale);
         __m512 part[16];
         for (auto& p : part) p = _mm512_setzero_ps();
         in_key_order([&](int64_t key, __mmask16 m) AVX512 {
-            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + key * 16), mx)));
+            __m512 x = _mm512_loadu_ps(sc + key * 16);
+            if (unscaled) x = _mm512_mul_ps(x, scale);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(x, mx)));
             _mm512_storeu_ps(sc + key * 16, e);
             part[key & 15] = _mm512_add_ps(part[key & 15], e);  // by absolute key mod 16, as the tiles
         });
