@@ -36,12 +36,11 @@ def run_bench(args: argparse.Namespace, config: ConfigFromFlags) -> int:
         raise MiniSGLError(f"--busy is a count of busy processes (0 or more), got {args.busy}")
     base: dict[str, Any] | None = None
     if args.shape:
-        from minisgl_backend.model.loader import cache_root
-        from minisgl_backend.tools.tiny import make_random_llama
+        from minisgl_backend.tools.tiny import cached_random_llama
 
         if args.model:
             raise MiniSGLError("give --model or --shape, not both")
-        path = make_random_llama(cache_root() / f"random-{args.shape}", args.shape, dtype="bfloat16")
+        path = cached_random_llama(args.shape)
         base = {"model": str(path), "dtype": "bfloat16"}
     if args.scenario == "memory":
         if args.sweep or args.trace or args.plot or args.busy:

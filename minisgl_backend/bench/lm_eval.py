@@ -178,10 +178,9 @@ def main() -> None:
     from minisgl_backend.model.loader import resolve_model_dir
 
     if args.shape:
-        from minisgl_backend.model.loader import cache_root
-        from minisgl_backend.tools.tiny import make_random_llama
+        from minisgl_backend.tools.tiny import cached_random_llama
 
-        path = make_random_llama(cache_root() / f"random-{args.shape}", args.shape, dtype="bfloat16")
+        path = cached_random_llama(args.shape)
         args.model = str(path)
     hf_dir = resolve_model_dir(args.model)
     extra = ["--limit", str(args.limit)] if args.limit else []

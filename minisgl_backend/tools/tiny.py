@@ -10,12 +10,14 @@ scripts/gpu_check.sh.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from minisgl_backend.errors import MiniSGLError
 from minisgl_backend.model.loader import cache_root, resolve_model_dir
 
 # Llama shapes by name. "tiny": 2 layers, hidden 64, large weights so that outputs depend on context
@@ -111,6 +113,32 @@ def make_random_llama(
     AutoTokenizer.from_pretrained(tokenizer or resolve_model_dir("smollm2-135m-instruct")).save_pretrained(
         out
     )
+    return out
+
+
+def cached_random_llama(shape: str, root: Path | None = None) -> Path:
+    """The bf16 random-weight Llama of `shape` in the model cache (or under `root`), written once by a
+    child process. The writer holds the model in memory (the whole of it, for the shapes it does not
+    stream) and the allocator keeps much of that after it returns, so written here it would stay in
+    this process's RSS and set its peak: the figures `minisgl bench --scenario memory` measures the
+    engine by, which then read over the bound on the first run only."""
+    out = Path(root if root is not None else cache_root()) / f"random-{shape}"
+    if not (out / "config.json").is_file():
+        cmd = [
+            sys.executable,
+            "-m",
+            "minisgl_backend.tools.tiny",
+            "--shape",
+            shape,
+            "--dtype",
+            "bfloat16",
+            str(out),
+        ]
+        code = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
+        if code != 0 or not (out / "config.json").is_file():
+            raise MiniSGLError(
+                f"writing the random-weight {shape} model into {out} failed (exit status {code})"
+            )
     return out
 
 

@@ -198,3 +198,41 @@ def test_loading_peaks_at_the_weights_once(tmp_path):
     assert grown <= 1.15 * weights + 100e6, (
         f"loading grew the peak by {grown / 1e6:.0f} MB for {weights / 1e6:.0f} MB"
     )
+
+
+def test_a_random_shape_is_written_outside_the_measuring_process(tmp_path, monkeypatch):
+    """`minisgl bench --shape` writes its random model in a child process: written in the bench's own
+    process, the writer's float32 model (about 250 MB for this shape) stayed in the RSS and the peak
+    the memory scenario measures the engine by, which then read over the bound on the first run.
+    Measured in a fresh process: its high-water mark grows by far less than the model. A second
+    call finds the model and starts no child; a shape the writer does not know is a clear error."""
+    script = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from minisgl_backend.tools.tiny import cached_random_llama
+        def peak():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        before = peak()
+        out = cached_random_llama("smol2", Path({str(tmp_path)!r}))
+        print(peak() - before, out)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    grown, out = proc.stdout.split()
+    assert int(grown) < 150e6, f"writing the model grew the caller's peak by {int(grown) / 1e6:.0f} MB"
+    assert out == str(tmp_path / "random-smol2")
+    assert (tmp_path / "random-smol2" / "model.safetensors").stat().st_size > 100e6
+
+    from minisgl_backend.errors import MiniSGLError
+    from minisgl_backend.tools import tiny
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("the model is written already")
+
+    monkeypatch.setattr(tiny.subprocess, "run", no_child)
+    assert tiny.cached_random_llama("smol2", tmp_path) == tmp_path / "random-smol2"
+    monkeypatch.undo()
+    with pytest.raises(MiniSGLError, match="random-weight no-such-shape model"):
+        tiny.cached_random_llama("no-such-shape", tmp_path)
