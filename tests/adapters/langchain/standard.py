@@ -64,6 +64,15 @@ class SmolLM2Integration:
         super().test_structured_output_optional_param(model)
 
     @pytest.mark.xfail(
+        reason="with the schema given as a dict (the test's second half), greedy SmolLM2-135M keeps writing "
+        "inside the 'punchline' string where the amx family's bf16 attention rounds it that way, until "
+        "max_tokens=64 cuts the (grammar-valid) call, so it cannot parse; the pydantic-class half parses",
+        strict=False,
+    )
+    def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(
         reason="json_mode constrains the output to *a* JSON object, not to the schema: greedy SmolLM2-135M "
         "adds a third key beside setup/punchline where the kernels round it that way (seen with the native "
         "CPU kernels' bf16 rounding and with prefix-cache state); the JSON itself is grammar-valid",
