@@ -26,13 +26,14 @@ constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x'
 // Over weights streamed from memory (amx_rows), the weight tiles of the k-step this many steps ahead
 // are prefetched: the hardware prefetcher alone does not run far enough ahead of a stream of tiles
 // that each take only a few instructions. The panel order reads its weights from L2, in order, where
-// the hardware prefetcher keeps up and 32 prefetch instructions a k-step only take issue slots.
+// the hardware prefetcher keeps up and a prefetch per cache line of every k-step only takes issue
+// slots from the tile loads.
 constexpr int64_t AMX_PREFETCH_STEPS = 2;
 // The panel order (amx_panels) keeps a 32-row block of x, packed, in L1 while the weight tiles
-// stream past it: up to this many k-steps of it at a time (32 x 288 bf16 = 18 KB), so that the
-// block and the weight block passing over it (as large) both fit in L1. Longer parts (a 36 KB block
-// at SmolLM2's K, say) make the two evict each other, and the block is then reloaded from L2 for
-// every weight block; shorter ones store and reload the float32 sums more often than they save.
+// stream past it: up to this many k-steps of it at a time, so that the block and the weight block
+// passing over it (the same size) both fit in L1 together. Longer parts make the two evict each
+// other, and the block is then reloaded from L2 for every weight block; shorter ones store and
+// reload the float32 sums more often than they save.
 constexpr int64_t PANEL_MAX_KSTEPS = 9;
 // Bytes of packed weights per panel: the panel stays in L2 while every row block of a row chunk
 // passes over it.
@@ -135,9 +136,10 @@ AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t KB, uint16_t
 // stores the block's sums into `sums` ([32][32], the first rows' in rows 0-15), any other its sums
 // to `part`. Storing a float32 sum and loading it back is exact, so each output is the same chain
 // of tile products in the same order however K is cut and whichever layout x is read from: the
-// same bits. PREFETCH: whether to prefetch the weight tiles ahead. Each step's loads are interleaved with the products
-// that wait on them: the unit's tile registers are not renamed, so a load into tmm4 waits for the last product reading
-// it, and a step that loaded all four tiles first would hold the next step's loads behind all four products.
+// same bits. PREFETCH: whether to prefetch the weight tiles ahead. Each step's loads are
+// interleaved with the products that wait on them: the unit's tile registers are not renamed, so a
+// load into tmm4 waits for the last product reading it, and a step that loaded all four tiles first
+// would hold the next step's loads behind all four products.
 template <bool PREFETCH>
 AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t stride, const uint16_t* wb, int64_t k0,
                    int64_t k1, bool first, bool last, float* part, float* sums) {
