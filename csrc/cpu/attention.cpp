@@ -196,7 +196,7 @@ AVX512 void attend_lanes(const T* q, int64_t q_stride, int64_t rows, const T* kp
     }
     w.q.resize(static_cast<size_t>(d * 16));
     w.scores.resize(static_cast<size_t>(span * 16));
-    if (scorer == SCORE_AMX) w.stage.resize(static_cast<size_t>(16 * d));
+    if (amx) w.stage.resize(static_cast<size_t>(16 * d));
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t v0 = 0; v0 < vectors; v0 += 16) {
         const int64_t n = std::min<int64_t>(16, vectors - v0);

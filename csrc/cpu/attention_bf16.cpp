@@ -30,9 +30,9 @@ DPBF16 inline void store_bf16(uint16_t* p, __m512 v) {
 // dims (dp_value_sum) or 16 query vectors of a prefill block (attend_lanes).
 
 // The V row of key `key` of the block (KV head kvh), or nullptr outside [lo, hi].
-inline const uint16_t* value_row(const uint16_t* vpool, const BlockKeys& b, int64_t hi, int64_t key, int64_t kvh,
-                                 int64_t d, const AttnScratch& w) {
-    return key < b.lo || key > hi ? nullptr : vpool + w.offsets[key - b.lo] + kvh * d;
+inline const uint16_t* value_row(const uint16_t* vpool, const BlockKeys& b, int64_t key, int64_t kvh, int64_t d,
+                                 const AttnScratch& w) {
+    return key < b.lo || key > b.hi ? nullptr : vpool + w.offsets[key - b.lo] + kvh * d;
 }
 
 // Dims c..c+15 of two keys' V rows as 16 (key 2t, key 2t+1) pairs; a missing row (nullptr) is zeros.
@@ -51,8 +51,8 @@ DPBF16 void stage_value_pairs(const uint16_t* vpool, const BlockKeys& b, int64_t
     const int64_t d = s.head_dim, p0 = b.lo / 2, pairs = b.hi / 2 - p0 + 1;
     w.vpair.resize(static_cast<size_t>(pairs * d));
     for (int64_t t = 0; t < pairs; ++t) {
-        const uint16_t* ve = value_row(vpool, b, b.hi, 2 * (p0 + t), kvh, d, w);
-        const uint16_t* vo = value_row(vpool, b, b.hi, 2 * (p0 + t) + 1, kvh, d, w);
+        const uint16_t* ve = value_row(vpool, b, 2 * (p0 + t), kvh, d, w);
+        const uint16_t* vo = value_row(vpool, b, 2 * (p0 + t) + 1, kvh, d, w);
         for (int64_t c = 0; c < d; c += 16) _mm512_storeu_si512(w.vpair.data() + t * d + c, value_pairs16(ve, vo, c));
     }
 }
@@ -254,8 +254,8 @@ AVX512 void stage_value_tiles(const uint16_t* vpool, const BlockKeys& b, int64_t
     for (int64_t j = 0; j < steps; ++j)
         for (int64_t i = 0; i < 16; ++i) {
             const int64_t ke = (j0 + j) * KSTEP_KEYS + 2 * i;
-            const uint16_t* ve = value_row(vpool, b, b.hi, ke, kvh, d, w);
-            const uint16_t* vo = value_row(vpool, b, b.hi, ke + 1, kvh, d, w);
+            const uint16_t* ve = value_row(vpool, b, ke, kvh, d, w);
+            const uint16_t* vo = value_row(vpool, b, ke + 1, kvh, d, w);
             for (int64_t c = 0; c < chunks; c += 2) {
                 const __m512i e = ve ? _mm512_loadu_si512(ve + c * 16) : _mm512_setzero_si512();
                 const __m512i o = vo ? _mm512_loadu_si512(vo + c * 16) : _mm512_setzero_si512();
