@@ -17,6 +17,10 @@ _WRONG_ARG = (
     "(greedy: input=100 for the asked 3); "
     "the forced call itself is valid (grammar-constrained) - see test_lc_chat.py for that guarantee"
 )
+_CUT_PUNCHLINE = (
+    "SmolLM2-135M keeps writing inside the 'punchline' string until max_tokens=64 cuts the "
+    "(grammar-valid) call, so it cannot parse"
+)
 
 
 def assert_drained(engine: Any) -> None:
@@ -56,17 +60,15 @@ class SmolLM2Integration:
         super().test_agent_loop(model)
 
     @pytest.mark.xfail(
-        reason="SmolLM2-135M keeps writing inside the optional 'punchline' string until max_tokens=64 "
-        "cuts the (grammar-valid) call, so it cannot parse",
+        reason=f"with 'punchline' optional, {_CUT_PUNCHLINE}",
         strict=False,
     )
     def test_structured_output_optional_param(self, model: BaseChatModel) -> None:
         super().test_structured_output_optional_param(model)
 
     @pytest.mark.xfail(
-        reason="with the schema given as a dict (the test's second half), greedy SmolLM2-135M keeps writing "
-        "inside the 'punchline' string where the amx family's bf16 attention rounds it that way, until "
-        "max_tokens=64 cuts the (grammar-valid) call, so it cannot parse; the pydantic-class half parses",
+        reason="with the schema given as a dict (the test's second half; the pydantic-class half parses) "
+        f"and the amx family's bf16 attention rounding greedy decoding that way, {_CUT_PUNCHLINE}",
         strict=False,
     )
     def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
