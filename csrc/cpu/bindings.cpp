@@ -499,6 +499,20 @@ PYBIND11_MODULE(_kernels, m) {
         },
         py::arg("buf"), py::arg("threads"), py::arg("isa"),
         "Read buf's bytes once over `threads` (a memory bandwidth probe); returns their sum.");
+    m.def(
+        "tile_rate",
+        [](py::handle operands_, bool load, int64_t rounds, int threads) {
+            TensorArg operands("tile_rate", "operands", operands_);
+            operands.required().dtype(DType::BF16).contiguous().min_numel(4 * 512);
+            if (rounds < 8) throw py::value_error("tile_rate: rounds must be at least 8");
+            const int64_t sets = load ? operands.numel() / 2048 : 0;
+            py::gil_scoped_release nogil;
+            return tile_rate(operands.ptr(), sets, rounds, threads);
+        },
+        py::arg("operands"), py::arg("load"), py::arg("rounds"), py::arg("threads"),
+        "FLOP/s of the AMX tile unit running `rounds` rounds of four bf16 tile products per thread: on "
+        "operands' first four tiles kept loaded, or (load) loading each round's four from operands' next "
+        "4 KB set (2048 bf16: two A tiles, then two B tiles).");
     m.def("pool_set_test_delay", &pool_set_test_delay, py::arg("slot"), py::arg("micros"),
           "Test hook: pool thread `slot` sleeps `micros` after its first claim in every call (0 = off).");
     m.def("pool_claims", &pool_claims, py::call_guard<py::gil_scoped_release>(), py::arg("threads"), py::arg("n"),

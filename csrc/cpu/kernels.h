@@ -105,6 +105,7 @@ LogSumExp log_sum_exp(uintptr_t x, int64_t vocab, double temperature, int isa);
 
 // ---- probes.cpp ----
 double stream_read(uintptr_t buf, int64_t bytes, int threads, int isa);
+double tile_rate(uintptr_t operands, int64_t sets, int64_t rounds, int threads);
 
 // ---- layer_stack.cpp: every layer of a batch in one call ----
 struct StackLinear {

@@ -2,6 +2,7 @@
 
     python -m minisgl_backend.bench.linear [--n 3072] [--k 576] [--rows 1 4 8 32 512] [--threads 1]
     python -m minisgl_backend.bench.linear --stream [--threads 2]
+    python -m minisgl_backend.bench.linear --tile-roof [--threads 2]
 
 Prints one JSON line per row count with GFLOP/s (2 * rows * n * k per call; at one row that is
 also GB/s of weights), best of 5 by the calling thread's CPU time at one thread (robust on a shared
@@ -14,6 +15,10 @@ so they come from L3/memory as in the model) at each row count, on the packed ke
 family packs nothing on Linear.forward's choice (the few-row kernel up to 4 rows, oneDNN beyond;
 the avx2 kernel at every row count; oneDNN alone under the torch family): the figure behind
 docs/performance.md's weight-stream numbers.
+--tile-roof (amx family) instead prints the tile unit's sustained TFLOP/s (cpu_kernels.tile_tflops)
+on zeros and on random bf16 values, its tiles kept loaded and loaded every round from L1 and from L2:
+the ceilings the packed linear's GFLOP/s is read against. Loaded tiles of nonzero values cost the
+unit more than zeros, so the nominal figure (zeros, kept) overstates what a GEMM can reach.
 """
 
 from __future__ import annotations
@@ -78,6 +83,23 @@ def kernel_bench_args(ap: argparse.ArgumentParser) -> tuple[argparse.Namespace, 
     return a, time.thread_time if a.threads == 1 else time.perf_counter, getattr(torch, a.dtype)
 
 
+def tile_roof(threads: int) -> None:
+    """The tile unit's TFLOP/s, best of 3, on zeros and on random bf16 values: its tiles kept loaded,
+    and loaded every round from 32 KB (L1) and from 512 KB (L2), as a GEMM loads them."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    rates: dict[str, dict[str, float]] = {}
+    for values in ("zeros", "random"):
+        for where, kb in (("kept", 4), ("from_l1", 32), ("from_l2", 512)):
+            n = kb * 512  # bf16 values in kb KB
+            x = torch.randn(n, generator=g).bfloat16() if values == "random" else torch.zeros(n).bfloat16()
+            probes = [cpu_kernels.tile_tflops(x, load=where != "kept") for _ in range(3)]
+            if probes[0] is None:
+                raise SystemExit(f"kernel family {cpu_kernels.family()} has no tile unit (the amx family's)")
+            rates.setdefault(values, {})[where] = round(max(p for p in probes if p is not None), 3)
+    print(json.dumps({"tile_unit_tflop_per_s": rates, "threads": threads}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=3072)
@@ -85,7 +107,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32, 512])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--tile-roof", action="store_true")
     a = ap.parse_args()
+    if a.tile_roof:
+        return tile_roof(a.threads)
     if not (cpu_kernels.available() or a.stream):
         raise SystemExit(
             f"kernel family {cpu_kernels.family()} runs no native linear (not built, no AVX2, or "

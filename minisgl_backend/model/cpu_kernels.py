@@ -751,6 +751,17 @@ def stream_read_gbps(megabytes: int = 512, repeat: int = 5) -> float | None:
     return buf.numel() * 4 / best / 1e9
 
 
+def tile_tflops(operands: torch.Tensor, load: bool = False, rounds: int = 200_000) -> float | None:
+    """The AMX tile unit's sustained rate in TFLOP/s at torch's thread count: rounds of four
+    16 x 32 bf16 tile products, on the first four tiles of `operands` kept loaded (the unit's own
+    rate), or with `load` each round's four loaded from the next 4 KB of `operands` in turn (a GEMM's
+    inner loop, its operands in whichever cache their size fits). The rate depends on the values:
+    zeros give the nominal rate, random ones what a GEMM can reach. None unless the amx family runs."""
+    if not _ACTIVE.amx:
+        return None
+    return _native.tile_rate(operands.contiguous(), load, rounds, threads()) / 1e12
+
+
 # The native entry points as torch ops, torch.ops.minisgl.<name>: each schema names its arguments
 # and types and marks the tensors it writes, and the CPU implementation is the checked native
 # function itself (a ValueError from C++ for a wrong device, dtype, shape or layout), so the

@@ -762,6 +762,20 @@ def test_stream_read_probe_reads(family):
         assert cpu_kernels.stream_read_gbps(megabytes=64, repeat=2) > 0.5
 
 
+@pytest.mark.skipif(not cpu_kernels.runs_family("amx"), reason="no AMX tile unit on this CPU")
+def test_tile_unit_probe_measures_the_unit_and_only_under_amx():
+    """bench.linear --tile-roof's probe: a positive rate with the tiles kept and loaded, None under a
+    family without the tile unit, and a typed error for operands shorter than four tiles."""
+    x = torch.randn(8 * 2048).bfloat16()
+    with cpu_kernels.family_override("amx"):
+        assert cpu_kernels.tile_tflops(x, rounds=4096) > 0.05
+        assert cpu_kernels.tile_tflops(x, load=True, rounds=4096) > 0.05
+        with pytest.raises(ValueError, match="operands"):
+            cpu_kernels.tile_tflops(x[:2047], rounds=4096)
+    with cpu_kernels.family_override("avx512bf16"):
+        assert cpu_kernels.tile_tflops(x) is None
+
+
 def test_packed_linear_outputs_keep_their_subnormals(packing):
     """The packed GEMMs round their outputs with vcvtneps2bf16 (the AVX512-BF16 GEMM, both families'
     fused SiLU x up), which flushes float32 subnormals to zero: a vector holding one must take the
