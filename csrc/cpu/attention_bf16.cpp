@@ -380,15 +380,7 @@ AMX void amx_lanes_value_sum(const float* sc, __m512 inv, const BlockKeys& b, in
 // Scores on the tile unit (bf16, head_dim a multiple of 32, AMX): tmm0 the scores of 16 keys (rows)
 // x 16 query vectors, tmm1 the 16 keys' 32 dims of one k-step, tmm2 that k-step's query pairs; the V
 // sum (amx_value_chunks) takes all eight tiles, every one 16 rows of 64 bytes.
-AMX void configure_score_tiles() {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-        c.colsb[t] = 64;
-        c.rows[t] = 16;
-    }
-    asm volatile("" : : "r"(&c) : "memory");  // the field stores must reach memory (configure_tiles)
-    _tile_loadconfig(&c);
-}
+AMX void configure_score_tiles() { configure_full_tiles(); }
 
 AMX void release_tiles() { _tile_release(); }
 

@@ -121,6 +121,18 @@ struct alignas(64) TileConfig {
     uint8_t rows[16] = {};
 };
 
+// Every tile register configured as a full tile, 16 rows of 64 bytes: the AMX scorer's (attention) and
+// the tile-rate probe's shape.
+AMX inline void configure_full_tiles() {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    asm volatile("" : : "r"(&c) : "memory");  // the field stores must reach memory (linear_amx.cpp)
+    _tile_loadconfig(&c);
+}
+
 // ---- the few-row linears' tiles (linear_fma.cpp, linear_int8.cpp) -----------------------------
 
 // A tile's MM input rows x 4 weight rows of float32 accumulators, zeroed.

@@ -64,13 +64,7 @@ double stream_sum(const float* p, int64_t n, int threads, bool avx2) {
 // consecutive 4 KB sets of a, in turn, as a GEMM's inner loop loads them (the sets' total size
 // decides the cache level they come from).
 AMX void tile_rounds(const uint16_t* a, int64_t sets, int64_t rounds) {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-        c.colsb[t] = 64;
-        c.rows[t] = 16;
-    }
-    asm volatile("" : : "r"(&c) : "memory");  // the field stores must reach memory (linear_amx.cpp)
-    _tile_loadconfig(&c);
+    configure_full_tiles();
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
