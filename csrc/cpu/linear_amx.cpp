@@ -8,7 +8,8 @@
 // linear_amx_silu finds both halves of 16 outputs of silu(gate) * up in one block.
 //
 // Bit-exactness: each output element is the unit's dot product over K in 32-element steps in a
-// fixed order, summed into float32 in the unit; nothing else touches it but the bias add and one
+// fixed order, summed into float32 in the unit (or, for a single row, on the vector unit in the
+// unit's own order and rounding: vec_row); nothing else touches it but the bias add and one
 // rounding to bf16. Its bits therefore depend only on its own input row and weight row: never on the
 // row count, on which tile the row lands in, or on the thread count (checked by
 // tests/kernels/test_cpu_kernels.py), which is what the batch-invariant forward needs, at prefill speed.
@@ -279,11 +280,77 @@ AMX void amx_rows(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, 
     }
 }
 
-// Many rows in panel order (the packed rows), few as they lie (amx_rows).
+// A decode step's single row on the vector unit, with the tile unit's arithmetic. One tile product
+// adds to each output's float32 sum the 32 products of a k-step as two float32 chains, one over the
+// even elements in order and one over the odd, each started at zero; the two chains' sum is then
+// added to the output's sum, and denormals are read and written as zero throughout. A bf16 x bf16
+// product is exact in float32, so 16-lane FMAs in that order, with denormals flushed, give the tile
+// unit's bits (the kernel tests compare the two). At one row the tile unit's weight loads stream
+// from memory slower than vector loads do while its products mostly go unused; from two rows on,
+// the vector unit's products fall behind the stream and the tile unit is the faster one.
+// The weight stream is requested into L2 this many bytes ahead of the line being read: the hardware
+// prefetcher alone leaves a stream this light on instructions short of the memory's rate.
+constexpr int64_t VEC_PREFETCH_BYTES = 4096;
+
+// MXCSR's denormals-are-zero and flush-to-zero bits: the tile unit's treatment of denormals.
+constexpr unsigned MXCSR_DAZ_FTZ = 0x8040;
+
+// One row x (float32, K zero-padded to KB k-steps) x one block's two weight tiles over all of K into
+// sums[0..31]. Called with MXCSR_DAZ_FTZ set; never inlined, so that no product can be scheduled
+// across the MXCSR writes around the call.
+DPBF16 __attribute__((noinline)) void vec_block(const float* x, const uint16_t* wb, int64_t KB, float* sums) {
+    const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t kb = 0; kb < KB; ++kb) {
+        const uint16_t* w = wb + kb * 1024;
+        const float* xk = x + kb * 32;
+        __m512 se[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, so[2] = {se[0], se[1]};
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; ++p) {
+#pragma GCC unroll 2
+            for (int j = 0; j < 2; ++j) {
+                const uint16_t* line = w + j * 512 + p * 32;
+                _mm_prefetch(reinterpret_cast<const char*>(line) + VEC_PREFETCH_BYTES, _MM_HINT_T1);
+                const __m512i v = _mm512_load_si512(line);
+                se[j] =
+                    _mm512_fmadd_ps(_mm512_set1_ps(xk[2 * p]), _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), se[j]);
+                so[j] = _mm512_fmadd_ps(_mm512_set1_ps(xk[2 * p + 1]), _mm512_castsi512_ps(_mm512_and_si512(v, odd)),
+                                        so[j]);
+            }
+        }
+        for (int j = 0; j < 2; ++j) acc[j] = _mm512_add_ps(acc[j], _mm512_add_ps(se[j], so[j]));
+    }
+    _mm512_store_ps(sums, acc[0]);
+    _mm512_store_ps(sums + 16, acc[1]);
+}
+
+template <typename Finish>
+DPBF16 void vec_row(const uint16_t* xp, const uint16_t* wp, int64_t N, int64_t K, int threads, const Finish& finish) {
+    const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32;
+    static thread_local std::vector<float> xf;  // the row in float32, K zero-padded to whole k-steps
+    xf.assign(static_cast<size_t>(KB * 32), 0.0f);
+    for (int64_t k = 0; k < K; ++k) xf[k] = bf16_to_f32(xp[k]);
+    const float* x = xf.data();
+    run_parallel(threads, NB, 0, [&](WorkShare& share, int slot) DPBF16 {
+        alignas(64) float sums[32];
+        const unsigned csr = _mm_getcsr();
+        for (int64_t nb0, nb1; share.claim(slot, nb0, nb1);)
+            for (int64_t nb = nb0; nb < nb1; ++nb) {
+                _mm_setcsr(csr | MXCSR_DAZ_FTZ);
+                vec_block(x, wp + nb * KB * 1024, KB, sums);
+                _mm_setcsr(csr);  // the epilogue runs as it does after the tile unit
+                finish(sums, 1, nb, 0);
+            }
+    });
+}
+
+// Many rows in panel order (the packed rows), one on the vector unit (vec_row), the others as they
+// lie (amx_rows).
 template <typename Finish>
 AMX void amx_gemm(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K, int threads,
                   const Finish& finish) {
     if (M > 32) return amx_panels(xp, wp, M, N, K, threads, finish);
+    if (M == 1) return vec_row(xp, wp, N, K, threads, finish);
     amx_rows(xp, wp, M, N, K, threads, finish);
 }
 

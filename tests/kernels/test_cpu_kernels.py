@@ -227,7 +227,7 @@ def test_packed_linear_matches_reference_and_is_row_invariant(packing, n, k, row
     y = cpu_kernels.linear_packed(x, packed, (n, k), b)
     ref = x.float() @ w.float().t() + (0 if b is None else b.float())
     assert (y.float() - ref).abs().max() <= ref.abs().max() * 2**-7 + 1e-6
-    spans = ((1, 0), (1, rows - 1), (3, 13), (16, 5), (17, 40), (33, 250), (260, 20), (40, rows - 40))
+    spans = ((1, 0), (1, rows - 1), (2, 7), (3, 13), (16, 5), (17, 40), (33, 250), (260, 20), (40, rows - 40))
     for m, at in spans + (((100, 480),) if rows > 580 else ()):
         part = cpu_kernels.linear_packed(x[at : at + m], packed, (n, k), b)
         assert torch.equal(part, y[at : at + m]), f"rows {at}..{at + m} alone differ from the batch of {rows}"
@@ -242,6 +242,34 @@ def test_packed_linear_matches_reference_and_is_row_invariant(packing, n, k, row
     # any leading dims, and zero rows
     assert torch.equal(cpu_kernels.linear_packed(x[:6].view(2, 3, k), packed, (n, k), b), y[:6].view(2, 3, n))
     assert cpu_kernels.linear_packed(x[:0], packed, (n, k), b).shape == (0, n)
+
+
+def test_a_rows_bits_hold_across_the_float32_range(packing):
+    """A single row (a one-request decode step) takes another path through the packed kernel than a
+    prompt's rows (AMX: the vector unit, with the tile unit's arithmetic). Over values spanning
+    float32's range (denormal inputs, products below the smallest normal, zeros, sums that cancel), a
+    row alone or in a pair still has the bits it has inside a batch of 40."""
+    g = _gen(5)
+
+    def wide(rows, k, lo, hi):  # each row at its own scale 2^lo..2^hi, its elements within 2^+-8 of it
+        scale = torch.randint(lo, hi, (rows, 1), generator=g) + torch.randint(-8, 9, (rows, k), generator=g)
+        v = torch.randn(rows, k, generator=g) * torch.exp2(scale.float())
+        v[torch.rand(rows, k, generator=g) < 0.1] = 0
+        return v.bfloat16()
+
+    # rows of x down to bf16's denormals, weights around one: outputs from ordinary sums down to
+    # sums of products below float32's smallest normal, which the tile unit reads and writes as zero
+    n, k = 96, 200
+    w, x = wide(n, k, -20, 20), wide(40, k, -135, 0)
+    packed = cpu_kernels.pack(w)
+    y = cpu_kernels.linear_packed(x, packed, (n, k))
+    assert torch.isfinite(y).all()
+    for at in range(0, 39, 3):
+        for m in (1, 2):
+            part = cpu_kernels.linear_packed(x[at : at + m], packed, (n, k))
+            assert torch.equal(part.view(torch.int16), y[at : at + m].view(torch.int16)), (
+                f"rows {at}..{at + m} alone differ from the batch"
+            )
 
 
 def test_huge_page_tensor_outlives_every_name_of_its_mapping():
