@@ -8,8 +8,7 @@
 // linear_amx_silu finds both halves of 16 outputs of silu(gate) * up in one block.
 //
 // Bit-exactness: each output element is the unit's dot product over K in 32-element steps in a
-// fixed order, summed into float32 in the unit (or, for a single row, on the vector unit in the
-// unit's own order and rounding: vec_row); nothing else touches it but the bias add and one
+// fixed order, summed into float32 in the unit; nothing else touches it but the bias add and one
 // rounding to bf16. Its bits therefore depend only on its own input row and weight row: never on the
 // row count, on which tile the row lands in, or on the thread count (checked by
 // tests/kernels/test_cpu_kernels.py), which is what the batch-invariant forward needs, at prefill speed.
@@ -24,12 +23,13 @@ namespace minisgl::cpu {
 namespace {
 
 constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x's chunk stays in L2
-// Over weights streamed from memory (amx_rows), the weight tiles of the k-step this many steps ahead
-// are prefetched: the hardware prefetcher alone does not run far enough ahead of a stream of tiles
-// that each take only a few instructions. The panel order reads its weights from L2, in order, where
-// the hardware prefetcher keeps up and a prefetch per cache line of every k-step only takes issue
-// slots from the tile loads.
-constexpr int64_t AMX_PREFETCH_STEPS = 2;
+// Over weights streamed from memory (amx_rows: a decode step's few rows), each k-step's two weight
+// tiles are copied into an L1 buffer with vector loads and the tile unit loads them from there: its
+// own loads of lines from beyond L1 keep the stream well short of the memory's rate, which vector
+// loads reach. The stream is requested into L2 this many bytes ahead of the line being copied: the
+// hardware prefetcher alone does not run far enough ahead. The panel order reads its weights from L2
+// for many rows each, where a copy per row block would cost more than the tile loads it speeds up.
+constexpr int64_t STREAM_PREFETCH_BYTES = 8192;
 // The panel order (amx_panels) keeps a 32-row block of x, packed, in L1 while the weight tiles
 // stream past it: up to this many k-steps of it at a time, so that the block and the weight block
 // passing over it (the same size) both fit in L1 together. Longer parts make the two evict each
@@ -46,10 +46,14 @@ struct alignas(64) Line {  // one cache line of scratch
     uint16_t e[32];
 };
 
-// The 2 KB (32 lines) of weight tiles of one k-step into L1; past the block's end it is the next
-// block's start, which the thread reads next (a prefetch never faults).
-AMX inline void prefetch_kstep(const uint16_t* wb) {
-    for (int line = 0; line < 32; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb + line * 32), _MM_HINT_T0);
+// The 2 KB (32 lines) of weight tiles of one k-step into an L1 buffer, requesting the line
+// STREAM_PREFETCH_BYTES ahead of each; past the block's end that is the next block's start, which
+// the thread reads next (a prefetch never faults).
+AMX inline void stage_kstep(const uint16_t* w, uint16_t* stage) {
+    for (int line = 0; line < 32; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + line * 32) + STREAM_PREFETCH_BYTES, _MM_HINT_T1);
+        _mm512_store_si512(stage + line * 32, _mm512_load_si512(w + line * 32));
+    }
 }
 
 // tmm0, tmm1: sums for the block's first ra rows (outputs 0-15, 16-31); tmm2, tmm3: the next rb rows;
@@ -137,11 +141,13 @@ AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t KB, uint16_t
 // stores the block's sums into `sums` ([32][32], the first rows' in rows 0-15), any other its sums
 // to `part`. Storing a float32 sum and loading it back is exact, so each output is the same chain
 // of tile products in the same order however K is cut and whichever layout x is read from: the
-// same bits. PREFETCH: whether to prefetch the weight tiles ahead. Each step's loads are
+// same bits. STREAM: the weights come from memory, each k-step staged through L1 one step ahead of
+// its products (stage_kstep; two buffers, so a copy never overwrites tiles still to be loaded). Each
+// step's loads are
 // interleaved with the products that wait on them: the unit's tile registers are not renamed, so a
 // load into tmm4 waits for the last product reading it, and a step that loaded all four tiles first
 // would hold the next step's loads behind all four products.
-template <bool PREFETCH>
+template <bool STREAM>
 AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t stride, const uint16_t* wb, int64_t k0,
                    int64_t k1, bool first, bool last, float* part, float* sums) {
     if (first) {
@@ -159,9 +165,25 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
             _tile_loadd(3, part + 768, 64);
         }
     }
-    if (b) {
+    if (STREAM) {
+        alignas(64) uint16_t stage[2][1024];
+        stage_kstep(wb + k0 * 1024, stage[k0 & 1]);
         for (int64_t kb = k0; kb < k1; ++kb) {
-            if (PREFETCH) prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
+            if (kb + 1 < k1) stage_kstep(wb + (kb + 1) * 1024, stage[(kb + 1) & 1]);
+            const uint16_t* w = stage[kb & 1];
+            _tile_loadd(4, a + kb * step, stride);
+            _tile_loadd(6, w, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, w + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (b) {
+                _tile_loadd(5, b + kb * step, stride);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+    } else if (b) {
+        for (int64_t kb = k0; kb < k1; ++kb) {
             _tile_loadd(4, a + kb * step, stride);
             _tile_loadd(6, wb + kb * 1024, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -173,7 +195,6 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
         }
     } else {
         for (int64_t kb = k0; kb < k1; ++kb) {
-            if (PREFETCH) prefetch_kstep(wb + (kb + AMX_PREFETCH_STEPS) * 1024);
             _tile_loadd(4, a + kb * step, stride);
             _tile_loadd(6, wb + kb * 1024, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -280,77 +301,11 @@ AMX void amx_rows(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, 
     }
 }
 
-// A decode step's single row on the vector unit, with the tile unit's arithmetic. One tile product
-// adds to each output's float32 sum the 32 products of a k-step as two float32 chains, one over the
-// even elements in order and one over the odd, each started at zero; the two chains' sum is then
-// added to the output's sum, and denormals are read and written as zero throughout. A bf16 x bf16
-// product is exact in float32, so 16-lane FMAs in that order, with denormals flushed, give the tile
-// unit's bits (the kernel tests compare the two). At one row the tile unit's weight loads stream
-// from memory slower than vector loads do while its products mostly go unused; from two rows on,
-// the vector unit's products fall behind the stream and the tile unit is the faster one.
-// The weight stream is requested into L2 this many bytes ahead of the line being read: the hardware
-// prefetcher alone leaves a stream this light on instructions short of the memory's rate.
-constexpr int64_t VEC_PREFETCH_BYTES = 4096;
-
-// MXCSR's denormals-are-zero and flush-to-zero bits: the tile unit's treatment of denormals.
-constexpr unsigned MXCSR_DAZ_FTZ = 0x8040;
-
-// One row x (float32, K zero-padded to KB k-steps) x one block's two weight tiles over all of K into
-// sums[0..31]. Called with MXCSR_DAZ_FTZ set; never inlined, so that no product can be scheduled
-// across the MXCSR writes around the call.
-DPBF16 __attribute__((noinline)) void vec_block(const float* x, const uint16_t* wb, int64_t KB, float* sums) {
-    const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t kb = 0; kb < KB; ++kb) {
-        const uint16_t* w = wb + kb * 1024;
-        const float* xk = x + kb * 32;
-        __m512 se[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, so[2] = {se[0], se[1]};
-#pragma GCC unroll 16
-        for (int p = 0; p < 16; ++p) {
-#pragma GCC unroll 2
-            for (int j = 0; j < 2; ++j) {
-                const uint16_t* line = w + j * 512 + p * 32;
-                _mm_prefetch(reinterpret_cast<const char*>(line) + VEC_PREFETCH_BYTES, _MM_HINT_T1);
-                const __m512i v = _mm512_load_si512(line);
-                se[j] =
-                    _mm512_fmadd_ps(_mm512_set1_ps(xk[2 * p]), _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), se[j]);
-                so[j] = _mm512_fmadd_ps(_mm512_set1_ps(xk[2 * p + 1]), _mm512_castsi512_ps(_mm512_and_si512(v, odd)),
-                                        so[j]);
-            }
-        }
-        for (int j = 0; j < 2; ++j) acc[j] = _mm512_add_ps(acc[j], _mm512_add_ps(se[j], so[j]));
-    }
-    _mm512_store_ps(sums, acc[0]);
-    _mm512_store_ps(sums + 16, acc[1]);
-}
-
-template <typename Finish>
-DPBF16 void vec_row(const uint16_t* xp, const uint16_t* wp, int64_t N, int64_t K, int threads, const Finish& finish) {
-    const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32;
-    static thread_local std::vector<float> xf;  // the row in float32, K zero-padded to whole k-steps
-    xf.assign(static_cast<size_t>(KB * 32), 0.0f);
-    for (int64_t k = 0; k < K; ++k) xf[k] = bf16_to_f32(xp[k]);
-    const float* x = xf.data();
-    run_parallel(threads, NB, 0, [&](WorkShare& share, int slot) DPBF16 {
-        alignas(64) float sums[32];
-        const unsigned csr = _mm_getcsr();
-        for (int64_t nb0, nb1; share.claim(slot, nb0, nb1);)
-            for (int64_t nb = nb0; nb < nb1; ++nb) {
-                _mm_setcsr(csr | MXCSR_DAZ_FTZ);
-                vec_block(x, wp + nb * KB * 1024, KB, sums);
-                _mm_setcsr(csr);  // the epilogue runs as it does after the tile unit
-                finish(sums, 1, nb, 0);
-            }
-    });
-}
-
-// Many rows in panel order (the packed rows), one on the vector unit (vec_row), the others as they
-// lie (amx_rows).
+// Many rows in panel order (the packed rows), few as they lie (amx_rows).
 template <typename Finish>
 AMX void amx_gemm(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K, int threads,
                   const Finish& finish) {
     if (M > 32) return amx_panels(xp, wp, M, N, K, threads, finish);
-    if (M == 1) return vec_row(xp, wp, N, K, threads, finish);
     amx_rows(xp, wp, M, N, K, threads, finish);
 }
 

@@ -245,8 +245,8 @@ def test_packed_linear_matches_reference_and_is_row_invariant(packing, n, k, row
 
 
 def test_a_rows_bits_hold_across_the_float32_range(packing):
-    """A single row (a one-request decode step) takes another path through the packed kernel than a
-    prompt's rows (AMX: the vector unit, with the tile unit's arithmetic). Over values spanning
+    """A decode step's few rows take another path through the packed kernel than a prompt's rows
+    (AMX: weights streamed and staged, row by row rather than in panels). Over values spanning
     float32's range (denormal inputs, products below the smallest normal, zeros, sums that cancel), a
     row alone or in a pair still has the bits it has inside a batch of 40."""
     g = _gen(5)
