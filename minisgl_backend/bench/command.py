@@ -107,7 +107,12 @@ def _configs(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
             raise MiniSGLError(
                 f"--sweep expects FIELD=v1,v2,... with an EngineConfig field, got {args.sweep!r}"
             )
-        variants = {f"{key}={v}": {key: yaml.safe_load(v)} for v in values.split(",")}
+        # None as the config's own docs write it, beside YAML's null
+        variants = {
+            f"{key}={v}": {key: None if v.strip() == "None" else yaml.safe_load(v)} for v in values.split(",")
+        }
+        for overrides in variants.values():
+            config.replace(**overrides)  # every value checked before the first run, not after
     else:
         variants = PREFIX_TABLE if args.scenario == "prefix" else OVERLAP_TABLE
     # interleaved (a, b, a, b): drift on a shared machine hits every variant alike

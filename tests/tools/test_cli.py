@@ -295,6 +295,16 @@ def test_bench_sampling_sets_each_mode_against_greedy(tiny_model_dir, tmp_path):
     assert bad.returncode != 0 and "--scenario sampling takes none of" in bad.stderr
 
 
+def test_bench_sweep_checks_every_value_before_running_any(tiny_model_dir):
+    """`--sweep FIELD=...`: a bad value is refused before the first variant runs (not after minutes
+    of the valid ones), and `None` is read as the config's docs write it."""
+    args = ("bench", "--sweep", "chunk_size=None,foo", "--model", str(tiny_model_dir), "--num-requests", "2")
+    bad = _minisgl(*args, timeout=120)
+    assert bad.returncode != 0
+    assert "chunk_size must be an int >= 1 or None" in bad.stderr and "got 'foo'" in bad.stderr
+    assert "req/s" not in bad.stdout  # no variant ran
+
+
 def test_serve_tells_a_port_in_use_before_loading_the_model(monkeypatch, capsys):
     import socket
 
