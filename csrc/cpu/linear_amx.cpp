@@ -142,11 +142,10 @@ AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t KB, uint16_t
 // to `part`. Storing a float32 sum and loading it back is exact, so each output is the same chain
 // of tile products in the same order however K is cut and whichever layout x is read from: the
 // same bits. STREAM: the weights come from memory, each k-step staged through L1 one step ahead of
-// its products (stage_kstep; two buffers, so a copy never overwrites tiles still to be loaded). Each
-// step's loads are
-// interleaved with the products that wait on them: the unit's tile registers are not renamed, so a
-// load into tmm4 waits for the last product reading it, and a step that loaded all four tiles first
-// would hold the next step's loads behind all four products.
+// its products (stage_kstep; two buffers, so a copy never overwrites tiles still to be loaded).
+// Each step's loads are interleaved with the products that wait on them: the unit's tile registers
+// are not renamed, so a load into tmm4 waits for the last product reading it, and a step that loaded
+// all four tiles first would hold the next step's loads behind all four products.
 template <bool STREAM>
 AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t stride, const uint16_t* wb, int64_t k0,
                    int64_t k1, bool first, bool last, float* part, float* sums) {
