@@ -164,41 +164,23 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
             _tile_loadd(3, part + 768, 64);
         }
     }
-    if (STREAM) {
-        alignas(64) uint16_t stage[2][1024];
-        stage_kstep(wb + k0 * 1024, stage[k0 & 1]);
-        for (int64_t kb = k0; kb < k1; ++kb) {
+    alignas(64) uint16_t stage[STREAM ? 2 : 1][1024];
+    if (STREAM) stage_kstep(wb + k0 * 1024, stage[k0 & 1]);
+    for (int64_t kb = k0; kb < k1; ++kb) {
+        const uint16_t* w = wb + kb * 1024;
+        if (STREAM) {
             if (kb + 1 < k1) stage_kstep(wb + (kb + 1) * 1024, stage[(kb + 1) & 1]);
-            const uint16_t* w = stage[kb & 1];
-            _tile_loadd(4, a + kb * step, stride);
-            _tile_loadd(6, w, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, w + 512, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            if (b) {
-                _tile_loadd(5, b + kb * step, stride);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            w = stage[kb & 1];
         }
-    } else if (b) {
-        for (int64_t kb = k0; kb < k1; ++kb) {
-            _tile_loadd(4, a + kb * step, stride);
-            _tile_loadd(6, wb + kb * 1024, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, wb + kb * 1024 + 512, 64);
-            _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(4, a + kb * step, stride);
+        _tile_loadd(6, w, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, w + 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (b) {
             _tile_loadd(5, b + kb * step, stride);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
-        }
-    } else {
-        for (int64_t kb = k0; kb < k1; ++kb) {
-            _tile_loadd(4, a + kb * step, stride);
-            _tile_loadd(6, wb + kb * 1024, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, wb + kb * 1024 + 512, 64);
-            _tile_dpbf16ps(1, 4, 7);
         }
     }
     if (!last) {
