@@ -145,10 +145,12 @@ AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t KB, uint16_t
 // its products (stage_kstep; two buffers, so a copy never overwrites tiles still to be loaded).
 // Each step's loads are interleaved with the products that wait on them: the unit's tile registers
 // are not renamed, so a load into tmm4 waits for the last product reading it, and a step that loaded
-// all four tiles first would hold the next step's loads behind all four products.
-template <bool STREAM>
+// all four tiles first would hold the next step's loads behind all four products. between(s, steps)
+// runs vector work in the middle of k-step s of `steps` while the step's products run on the tile
+// unit, and once more (s = steps) before the sums are stored, so that work may read `sums` up to then.
+template <bool STREAM, typename Between>
 AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t stride, const uint16_t* wb, int64_t k0,
-                   int64_t k1, bool first, bool last, float* part, float* sums) {
+                   int64_t k1, bool first, bool last, float* part, float* sums, const Between& between) {
     if (first) {
         _tile_zero(0);
         _tile_zero(1);
@@ -177,12 +179,14 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
         _tile_dpbf16ps(0, 4, 6);
         _tile_loadd(7, w + 512, 64);
         _tile_dpbf16ps(1, 4, 7);
+        between(kb - k0, k1 - k0);
         if (b) {
             _tile_loadd(5, b + kb * step, stride);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
     }
+    between(k1 - k0, k1 - k0);
     if (!last) {
         _tile_stored(0, part, 64);
         _tile_stored(1, part + 256, 64);
@@ -223,6 +227,19 @@ AMX void amx_panels(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N
     const int64_t parts = (KB + PANEL_MAX_KSTEPS - 1) / PANEL_MAX_KSTEPS, step = (KB + parts - 1) / parts;
     run_parallel(threads, panels * chunks, 1, [&](WorkShare& share, int slot) AMX {
         alignas(64) float sums[32 * 32];
+        // The last finished block's outputs: written a few rows at a time between the tile products of
+        // the blocks after it, so the vector units and the stores work while the tile unit multiplies.
+        struct {
+            int rows = 0, done = 0;
+            int64_t nb = 0, m0 = 0;
+        } due;
+        const auto between = [&](int64_t s, int64_t steps) AMX {
+            if (due.done == due.rows) return;
+            const int upto = s >= steps ? due.rows : static_cast<int>((due.rows * (s + 1) + steps - 1) / steps);
+            if (upto <= due.done) return;
+            finish(sums + due.done * 32, upto - due.done, due.nb, due.m0 + due.done);
+            due.done = upto;
+        };
         static thread_local std::vector<Line> kept;  // 4 KB of sums per block of the panel, grown and kept
         if (parts > 1 && kept.size() < static_cast<size_t>(panel * 64)) kept.resize(static_cast<size_t>(panel * 64));
         TileShape shape;
@@ -240,12 +257,13 @@ AMX void amx_panels(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N
                         for (int64_t nb = nb0; nb < nb1; ++nb) {
                             float* part = parts > 1 ? reinterpret_cast<float*>(kept.data() + (nb - nb0) * 64) : nullptr;
                             amx_block<false>(a, rb ? a + KB * 512 : nullptr, 512, 64, wp + nb * KB * 1024, k0, k1,
-                                             k0 == 0, k1 == KB, part, sums);
-                            if (k1 == KB) finish(sums, rows, nb, m0);
+                                             k0 == 0, k1 == KB, part, sums, between);
+                            if (k1 == KB) due = {rows, 0, nb, m0};
                         }
                     }
                 }
             }
+        between(1, 1);
         shape.release();
     });
 }
@@ -274,7 +292,7 @@ AMX void amx_rows(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, 
                         shape.fit(rows);
                         const uint16_t* x = xp + m0 * xs;
                         amx_block<true>(x, shape.rb ? x + 16 * xs : nullptr, 32, xs * 2, wp + nb * KB * 1024, 0, KB,
-                                        true, true, nullptr, sums);
+                                        true, true, nullptr, sums, [](int64_t, int64_t) {});
                         finish(sums, rows, nb, m0);
                     }
             shape.release();
