@@ -39,7 +39,11 @@ constexpr int64_t PANEL_MAX_KSTEPS = 9;
 // Bytes of packed weights per panel: the panel stays in L2 while every row block of a row chunk
 // passes over it.
 constexpr int64_t PANEL_WEIGHT_BYTES = 896 * 1024;
-constexpr int64_t PANEL_MIN_BLOCKS = 2;   // ... but at least this many weight blocks (long K)
+// A panel spans at least this many weight blocks. Each part of a row block is read from beyond L2
+// once per panel and used by every block of it, so a panel of a few blocks leaves the kernel waiting
+// on x; where K is so long that this many blocks' whole K would not fit in the panel's bytes, the
+// panel covers a range of K at a time, and every row block's float32 sums are kept between ranges.
+constexpr int64_t PANEL_MIN_BLOCKS = 8;
 constexpr int64_t PANEL_ROW_CHUNK = 512;  // rows per work item of the panel order
 
 struct alignas(64) Line {  // one cache line of scratch
@@ -205,13 +209,12 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
 }
 
 // Many rows (a prompt chunk): x is packed once, then each work item is one panel of weight blocks
-// (kept in L2) x one chunk of rows, walked row block by row block. Each packed row block stays in L1
-// while the panel's weight tiles stream past it; where K is too long for that, the row block is cut
-// into parts of up to PANEL_MAX_KSTEPS k-steps, each part passing over the whole panel with the
-// blocks' float32 sums kept between parts. The order over the weight blocks (amx_rows') reloads
-// each row block from L2 for every weight block instead, with strided tile loads, which are the
-// kernel's bottleneck there.
-// finish(sums, rows, nb, m0) stores a block's sums (store_sums or store_silu).
+// (kept in L2) x one chunk of rows, walked row block by row block (for a long K, range of K by range,
+// PANEL_MIN_BLOCKS). Each packed row block stays in L1 while the panel's weight tiles stream past it;
+// where K is too long for that, the row block is cut into parts of up to PANEL_MAX_KSTEPS k-steps,
+// each part passing over the whole panel with the blocks' float32 sums kept between parts. The order over the weight
+// blocks (amx_rows') reloads each row block from L2 for every weight block instead, with strided tile loads, which are
+// the kernel's bottleneck there. finish(sums, rows, nb, m0) stores a block's sums (store_sums or store_silu).
 template <typename Finish>
 AMX void amx_panels(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K, int threads,
                     const Finish& finish) {
@@ -222,9 +225,16 @@ AMX void amx_panels(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N
     if (scratch.size() < static_cast<size_t>(tiles * KB * 16)) scratch.resize(static_cast<size_t>(tiles * KB * 16));
     auto* ap = reinterpret_cast<uint16_t*>(scratch.data());
     pack_rows(xp, M, K, KB, ap, threads);
-    const int64_t panel = std::max<int64_t>(PANEL_MIN_BLOCKS, PANEL_WEIGHT_BYTES / (KB * 2048));
+    int64_t panel = PANEL_WEIGHT_BYTES / (KB * 2048), ranges = 1;
+    if (panel < PANEL_MIN_BLOCKS) {
+        panel = PANEL_MIN_BLOCKS;
+        ranges = (KB + PANEL_WEIGHT_BYTES / (panel * 2048) - 1) / (PANEL_WEIGHT_BYTES / (panel * 2048));
+    }
+    const int64_t span = (KB + ranges - 1) / ranges;  // k-steps per range
     const int64_t panels = (NB + panel - 1) / panel, chunks = (M + PANEL_ROW_CHUNK - 1) / PANEL_ROW_CHUNK;
-    const int64_t parts = (KB + PANEL_MAX_KSTEPS - 1) / PANEL_MAX_KSTEPS, step = (KB + parts - 1) / parts;
+    const int64_t parts = (span + PANEL_MAX_KSTEPS - 1) / PANEL_MAX_KSTEPS, step = (span + parts - 1) / parts;
+    const bool keep = KB > step;
+    const int64_t kept_blocks = panel * (ranges > 1 ? PANEL_ROW_CHUNK / 32 : 1);
     run_parallel(threads, panels * chunks, 1, [&](WorkShare& share, int slot) AMX {
         alignas(64) float sums[32 * 32];
         // The last finished block's outputs: written a few rows at a time between the tile products of
@@ -240,28 +250,33 @@ AMX void amx_panels(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N
             finish(sums + due.done * 32, upto - due.done, due.nb, due.m0 + due.done);
             due.done = upto;
         };
-        static thread_local std::vector<Line> kept;  // 4 KB of sums per block of the panel, grown and kept
-        if (parts > 1 && kept.size() < static_cast<size_t>(panel * 64)) kept.resize(static_cast<size_t>(panel * 64));
+        // 4 KB of sums per block of the panel (and per row block of the chunk when K is in ranges),
+        // grown and kept
+        static thread_local std::vector<Line> kept;
+        if (keep && kept.size() < static_cast<size_t>(kept_blocks * 64))
+            kept.resize(static_cast<size_t>(kept_blocks * 64));
         TileShape shape;
         for (int64_t i0, i1; share.claim(slot, i0, i1);)
             for (int64_t item = i0; item < i1; ++item) {
                 const int64_t nb0 = item % panels * panel, nb1 = std::min(NB, nb0 + panel);
                 const int64_t c0 = item / panels * PANEL_ROW_CHUNK, c1 = std::min(M, c0 + PANEL_ROW_CHUNK);
-                for (int64_t m0 = c0; m0 < c1; m0 += 32) {
-                    const int rows = static_cast<int>(std::min<int64_t>(32, c1 - m0));
-                    shape.fit(rows);
-                    const int rb = shape.rb;
-                    const uint16_t* a = ap + m0 / 16 * KB * 512;
-                    for (int64_t k0 = 0; k0 < KB; k0 += step) {
-                        const int64_t k1 = std::min(KB, k0 + step);
-                        for (int64_t nb = nb0; nb < nb1; ++nb) {
-                            float* part = parts > 1 ? reinterpret_cast<float*>(kept.data() + (nb - nb0) * 64) : nullptr;
-                            amx_block<false>(a, rb ? a + KB * 512 : nullptr, 512, 64, wp + nb * KB * 1024, k0, k1,
-                                             k0 == 0, k1 == KB, part, sums, between);
-                            if (k1 == KB) due = {rows, 0, nb, m0};
+                for (int64_t r0 = 0; r0 < KB; r0 += span)
+                    for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+                        const int rows = static_cast<int>(std::min<int64_t>(32, c1 - m0));
+                        shape.fit(rows);
+                        const int rb = shape.rb;
+                        const uint16_t* a = ap + m0 / 16 * KB * 512;
+                        Line* mine = kept.data() + (ranges > 1 ? (m0 - c0) / 32 * panel * 64 : 0);
+                        for (int64_t k0 = r0; k0 < std::min(KB, r0 + span); k0 += step) {
+                            const int64_t k1 = std::min({KB, r0 + span, k0 + step});
+                            for (int64_t nb = nb0; nb < nb1; ++nb) {
+                                float* part = keep ? reinterpret_cast<float*>(mine + (nb - nb0) * 64) : nullptr;
+                                amx_block<false>(a, rb ? a + KB * 512 : nullptr, 512, 64, wp + nb * KB * 1024, k0, k1,
+                                                 k0 == 0, k1 == KB, part, sums, between);
+                                if (k1 == KB) due = {rows, 0, nb, m0};
+                            }
                         }
                     }
-                }
             }
         between(1, 1);
         shape.release();

@@ -206,17 +206,18 @@ def packing(request):
 
 
 # (2048, 1024): a pack of 4 MB, which lives in its own huge-page mapping (cpu_kernels.huge_page_empty);
-# (3072, 576) with 600 rows: AMX's panel order over several weight panels and row chunks
+# (3072, 576) with 600 rows: AMX's panel order over several weight panels and row chunks; (300, 2200)
+# with 600 rows: K so long that AMX's panels cover it range by range, each row block's sums kept
 @pytest.mark.parametrize(
     "n,k,rows",
     [(576, 576, 300), (960, 1536, 300), (49, 64, 300), (7, 37, 300), (1, 33, 300), (100, 2, 300)]
-    + [(2048, 1024, 300), (3072, 576, 600)],
+    + [(2048, 1024, 300), (3072, 576, 600), (300, 2200, 600)],
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_reference_and_is_row_invariant(packing, n, k, rows, bias):
     """The packed kernels: within bf16 rounding of a float32 reference, at row counts across their
-    tiles (AMX: 16-row tiles, 32-row blocks, 256-row chunks over the weight blocks, and past 32 rows
-    at K <= 640 the panel order over packed rows in 512-row chunks; AVX512-BF16: 6-row tiles, 96-row
+    tiles (AMX: 16-row tiles, 32-row blocks, and past 32 rows the panel order over packed rows in
+    512-row chunks, K in parts, and in ranges where K is long; AVX512-BF16: 6-row tiles, 96-row
     chunks, K blocks beyond 6 rows) and K, N that are not whole tiles or pairs; a row's bits are the
     same alone, at any offset in any batch, and at any thread count."""
     g = _gen(11)
