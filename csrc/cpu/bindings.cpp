@@ -261,6 +261,24 @@ PYBIND11_MODULE(_kernels, m) {
         "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], or None) for any M over pack_amx(w); bfloat16.");
     silu_linear("linear_amx_silu", &amx_elems, &linear_amx_silu,
                 "out[M,N/2] = silu(x @ gate^T) * (x @ up^T) over pack_amx([gate | up] [N,K], gated=True).");
+    m.def(
+        "mlp_amx",
+        [](py::handle x_, py::handle gate_up_, py::handle down_, py::handle bias_, py::handle y_, int64_t inter,
+           int threads) {
+            const char* op = "mlp_amx";
+            TensorArg x(op, "x", x_), gate_up(op, "gate_up", gate_up_), down(op, "down", down_),
+                bias(op, "bias", bias_), y(op, "out", y_);
+            x.required().shape({ANY, ANY});
+            check_linear_rows(x, bias, y, x.size(1));
+            check_pack(gate_up, amx_elems(2 * inter, x.size(1), true));
+            check_pack(down, packed_amx_elems(x.size(1), inter));
+            py::gil_scoped_release nogil;
+            mlp_amx(x.ptr(), gate_up.ptr(), down.ptr(), bias.ptr(), y.ptr(), x.size(0), inter, x.size(1), threads);
+        },
+        py::arg("x"), py::arg("gate_up"), py::arg("down"), py::arg("bias"), py::arg("out"), py::arg("inter"),
+        py::arg("threads"),
+        "out[M,H] = (silu(x @ gate^T) * (x @ up^T)) @ down^T (+ bias[H], or None) over pack_amx([gate | up] "
+        "[2 inter,H], gated=True) and pack_amx(down [H,inter]): linear_amx_silu then linear_amx's bits.");
     m.def("packed_dpbf16_elems", &packed_dpbf16_elems, py::arg("n"), py::arg("k"),
           "bf16 elements of pack_dpbf16's output.");
     m.def(

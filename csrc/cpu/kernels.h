@@ -29,6 +29,8 @@ void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr
 void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
                 int threads);
 void linear_amx_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K, int threads);
+void mlp_amx(uintptr_t x, uintptr_t gate_up, uintptr_t down, uintptr_t bias, uintptr_t y, int64_t M, int64_t I,
+             int64_t H, int threads);
 
 // ---- linear_dpbf16.cpp: any row count on vdpbf16ps (AVX512-BF16), over weights packed at load ----
 int64_t packed_dpbf16_elems(int64_t N, int64_t K);

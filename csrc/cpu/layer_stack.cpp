@@ -201,6 +201,12 @@ void LayerStack::run_t(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t posi
         for (int64_t r0 = 0; r0 < m; r0 += mlp_rows_) {  // MLP.forward's pieces of rows
             const int64_t rows = std::min(mlp_rows_, m - r0);
             const T* in = normed + r0 * hidden_;
+            if (std::is_same_v<T, uint16_t> && l.gated && pack_kind_ == PACK_AMX && l.down.packed && rows > 32 &&
+                inter_ % 32 == 0) {  // MLP.forward's whole-MLP call (cpu_kernels.mlp_packed)
+                mlp_amx(reinterpret_cast<uintptr_t>(in), l.gate_up.packed, l.down.packed, l.down.bias,
+                        reinterpret_cast<uintptr_t>(mlp + r0 * hidden_), rows, inter_, hidden_, threads);
+                continue;
+            }
             if (std::is_same_v<T, uint16_t> && l.gated) {  // MLP.forward's fused path (bf16 packs only)
                 (pack_kind_ == PACK_AMX ? linear_amx_silu : linear_dpbf16_silu)(
                     reinterpret_cast<uintptr_t>(in), l.gate_up.packed, reinterpret_cast<uintptr_t>(act), rows, inter_,

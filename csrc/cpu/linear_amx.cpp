@@ -116,6 +116,17 @@ AMX void store_silu(const float* sums, int rows, int64_t nb, int64_t I, uint16_t
                             silu_mul_bf16(_mm512_load_ps(sums + r * 32), _mm512_load_ps(sums + r * 32 + 16)));
 }
 
+// store_silu's outputs into the rows of the down projection's input as pack_rows lays them out (KB
+// k-steps a row): outputs 16 nb.. are half (nb % 2) of k-step nb / 2.
+AMX void store_silu_packed(const float* sums, int rows, int64_t nb, int64_t m0, int64_t KB, uint16_t* ap) {
+    for (int r = 0; r < rows; ++r) {
+        const int64_t row = m0 + r;
+        _mm256_store_si256(
+            reinterpret_cast<__m256i*>(ap + ((row / 16 * KB + nb / 2) * 16 + row % 16) * 32 + nb % 2 * 16),
+            silu_mul_bf16(_mm512_load_ps(sums + r * 32), _mm512_load_ps(sums + r * 32 + 16)));
+    }
+}
+
 // x's rows, packed for the tile unit: 16-row tiles, each k-step of a tile one contiguous 1 KB
 // ([M/16][KB][16 rows][32]), K and the last tile's rows zero-padded. A tile loads from here
 // with a 64-byte stride, which the unit reads several times faster than rows K elements apart.
@@ -208,23 +219,18 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
     }
 }
 
-// Many rows (a prompt chunk): x is packed once, then each work item is one panel of weight blocks
+// Many rows (a prompt chunk), over x's rows packed once: each work item is one panel of weight blocks
 // (kept in L2) x one chunk of rows, walked row block by row block (for a long K, range of K by range,
 // PANEL_MIN_BLOCKS). Each packed row block stays in L1 while the panel's weight tiles stream past it;
 // where K is too long for that, the row block is cut into parts of up to PANEL_MAX_KSTEPS k-steps,
 // each part passing over the whole panel with the blocks' float32 sums kept between parts. The order over the weight
 // blocks (amx_rows') reloads each row block from L2 for every weight block instead, with strided tile loads, which are
 // the kernel's bottleneck there. finish(sums, rows, nb, m0) stores a block's sums (store_sums or store_silu).
+// ap: x's rows as pack_rows lays them out.
 template <typename Finish>
-AMX void amx_panels(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K, int threads,
+AMX void amx_panels(const uint16_t* ap, const uint16_t* wp, int64_t M, int64_t N, int64_t K, int threads,
                     const Finish& finish) {
-    const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32, tiles = (M + 15) / 16;
-    // The caller's scratch, grown and kept (a fresh buffer per call pays page faults on every
-    // touch); 64-byte elements keep each packed tile row on one cache line.
-    static thread_local std::vector<Line> scratch;
-    if (scratch.size() < static_cast<size_t>(tiles * KB * 16)) scratch.resize(static_cast<size_t>(tiles * KB * 16));
-    auto* ap = reinterpret_cast<uint16_t*>(scratch.data());
-    pack_rows(xp, M, K, KB, ap, threads);
+    const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32;
     int64_t panel = PANEL_WEIGHT_BYTES / (KB * 2048), ranges = 1;
     if (panel < PANEL_MIN_BLOCKS) {
         panel = PANEL_MIN_BLOCKS;
@@ -315,12 +321,26 @@ AMX void amx_rows(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, 
     }
 }
 
-// Many rows in panel order (the packed rows), few as they lie (amx_rows).
+// Elements of x's rows as pack_rows lays them out (whole 16-row tiles x whole k-steps).
+inline int64_t packed_rows_elems(int64_t M, int64_t K) { return (M + 15) / 16 * ((K + 31) / 32) * 512; }
+
+// A buffer of the calling thread for `elems` bf16, grown and kept (a fresh one per call pays page
+// faults on every touch); 64-byte elements keep each packed tile row on one cache line. Each caller
+// names its own buffer, so two live at once do not share one.
+inline uint16_t* kept_buffer(std::vector<Line>& buf, int64_t elems) {
+    if (buf.size() < static_cast<size_t>((elems + 31) / 32)) buf.resize(static_cast<size_t>((elems + 31) / 32));
+    return reinterpret_cast<uint16_t*>(buf.data());
+}
+
+// Many rows in panel order (the rows packed once), few as they lie (amx_rows).
 template <typename Finish>
 AMX void amx_gemm(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K, int threads,
                   const Finish& finish) {
-    if (M > 32) return amx_panels(xp, wp, M, N, K, threads, finish);
-    amx_rows(xp, wp, M, N, K, threads, finish);
+    if (M <= 32) return amx_rows(xp, wp, M, N, K, threads, finish);
+    static thread_local std::vector<Line> rows;
+    uint16_t* ap = kept_buffer(rows, packed_rows_elems(M, K));
+    pack_rows(xp, M, K, (K + 31) / 32, ap, threads);
+    amx_panels(ap, wp, M, N, K, threads, finish);
 }
 
 }  // namespace
@@ -387,6 +407,34 @@ AMX void linear_amx_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, 
     amx_gemm(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed), M, 2 * I, K, threads,
              [&](const float* sums, int rows, int64_t nb, int64_t m0)
                  AMX { store_silu(sums, rows, nb, I, yp + m0 * I); });
+}
+
+// y [M, H] = (silu(x @ gate^T) * (x @ up^T)) @ down^T (+ bias) over the gated [gate | up] pack (2I x H)
+// and down's pack (H x I). Past 32 rows the SiLU x up outputs go straight into the row layout the
+// down projection's panels read, so the [M, I] intermediate is neither written as it lies nor packed
+// again; the same sums and roundings as linear_amx_silu then linear_amx, so the same bits.
+AMX void mlp_amx(uintptr_t x, uintptr_t gate_up, uintptr_t down, uintptr_t bias, uintptr_t y, int64_t M, int64_t I,
+                 int64_t H, int threads) {
+    static thread_local std::vector<Line> act;
+    if (M <= 32 || I % 32) {
+        const auto h = reinterpret_cast<uintptr_t>(kept_buffer(act, M * I));
+        linear_amx_silu(x, gate_up, h, M, I, H, threads);
+        return linear_amx(h, down, bias, y, M, H, I, threads);
+    }
+    const auto* xp = reinterpret_cast<const uint16_t*>(x);
+    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
+    auto* yp = reinterpret_cast<uint16_t*>(y);
+    static thread_local std::vector<Line> rows;
+    uint16_t* ap = kept_buffer(rows, packed_rows_elems(M, H));
+    uint16_t* hp = kept_buffer(act, packed_rows_elems(M, I));
+    const int64_t KB = I / 32;
+    pack_rows(xp, M, H, (H + 31) / 32, ap, threads);
+    amx_panels(ap, reinterpret_cast<const uint16_t*>(gate_up), M, 2 * I, H, threads,
+               [&](const float* sums, int n, int64_t nb, int64_t m0)
+                   AMX { store_silu_packed(sums, n, nb, m0, KB, hp); });
+    amx_panels(hp, reinterpret_cast<const uint16_t*>(down), M, H, I, threads,
+               [&](const float* sums, int n, int64_t nb, int64_t m0)
+                   AMX { store_sums(sums, n, nb * 32, H, bp, yp + m0 * H); });
 }
 
 }  // namespace minisgl::cpu

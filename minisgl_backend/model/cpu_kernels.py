@@ -462,6 +462,30 @@ def linear_packed_silu(x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, 
     return out
 
 
+def mlp_packed(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    down_shape: tuple[int, ...],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """down_proj(silu(gate) * up) for x [rows, H] over pack(gate_up weight, gated=True) and
+    pack(down weight [H, I] = `down_shape`): the bits of linear_packed_silu then linear_packed, with
+    the [rows, I] intermediate written once, in the layout the down projection reads. None where it
+    does not run (the caller takes the two steps): other families than AMX's, 32 rows or fewer (the
+    few-row kernel reads its rows as they lie, so there is no packing to save)."""
+    h, inter = down_shape
+    if not (
+        _ACTIVE.packs == "amx" and x.dim() == 2 and x.shape[0] > 32 and x.shape[1] == h and inter % 32 == 0
+    ):
+        return None
+    if not _bf16_cpu_input(x, bias):
+        return None
+    out = torch.empty(x.shape[0], h, dtype=x.dtype)
+    _native.mlp_amx(x.contiguous(), gate_up, down, bias, out, inter, threads())
+    return out
+
+
 def linear_packed(
     x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, ...], bias: torch.Tensor | None = None
 ) -> torch.Tensor | None:
@@ -778,6 +802,9 @@ OP_SCHEMAS = {
     ),
     "linear_amx": "(Tensor x, Tensor packed, int n, Tensor? bias, Tensor(a!) out, int threads) -> ()",
     "linear_amx_silu": "(Tensor x, Tensor packed, int n, Tensor(a!) out, int threads) -> ()",
+    "mlp_amx": (
+        "(Tensor x, Tensor gate_up, Tensor down, Tensor? bias, Tensor(a!) out, int inter, int threads) -> ()"
+    ),
     "pack_dpbf16": "(Tensor weight, Tensor(a!) out, bool gated, int threads) -> ()",
     "packed_rows_dpbf16": (
         "(Tensor packed, int n, int k, bool gated, Tensor ids, Tensor(a!) out, int threads) -> ()"

@@ -66,7 +66,11 @@ class LayerStack:
             cpu_kernels.SCORERS[cpu_kernels.default_scorer()],
             0 if f32 else cpu_kernels.pack_kind(),  # a float32 model packs nothing
             cpu_kernels.isa(),
-            mlp_piece_rows(s.intermediate_size, model.lm_head.weight.element_size()),
+            mlp_piece_rows(
+                s.intermediate_size,
+                model.lm_head.weight.element_size(),
+                all(layer.mlp.fused() for layer in model.model.layers),
+            ),
             f32,
         )
         for layer in model.model.layers:

@@ -404,18 +404,21 @@ class Attention(nn.Module):
         return torch.matmul(probs, vc.transpose(1, 2)).view(bsz, self.h, self.d)
 
 
-# The most bytes of [rows, 2 x intermediate] one MLP call materialises: more rows than that go through
-# in pieces. A larger buffer is past what the C allocator keeps for reuse (glibc serves it from a
-# fresh mapping and unmaps it when freed), so every layer of every chunk would fault in and zero
-# its pages again; a piece's buffers come back from the allocator's heap already mapped. Each row's
-# MLP depends on that row alone, so the pieces change no bits where the linears are row-invariant.
+# The most bytes of intermediate one MLP call materialises: more rows than that go through in
+# pieces. A larger buffer is past what the C allocator keeps for reuse (glibc serves it from a fresh
+# mapping and unmaps it when freed), so every layer of every chunk would fault in and zero its pages
+# again; a piece's buffers come back from the allocator's heap already mapped. Each row's MLP
+# depends on that row alone, so the pieces change no bits where the linears are row-invariant. A
+# piece of few rows costs too: every piece streams the MLP's weights again.
 MLP_PIECE_BYTES = 16 << 20
 
 
-def mlp_piece_rows(intermediate_size: int, element_size: int) -> int:
-    """The most rows one MLP call takes at once (MLP_PIECE_BYTES of [rows, 2 x intermediate]): the
-    layer loop's MLP.forward and the native layer stack cut a batch's MLP the same way."""
-    return max(1, MLP_PIECE_BYTES // (2 * intermediate_size * element_size))
+def mlp_piece_rows(intermediate_size: int, element_size: int, fused: bool = False) -> int:
+    """The most rows one MLP call takes at once: MLP_PIECE_BYTES of its widest intermediate, [rows,
+    2 x intermediate] (gate | up), or [rows, intermediate] where the gate/up GEMM applies SiLU x up
+    on the way out (`fused`: a gated pack). The layer loop's MLP.forward and the native layer stack
+    cut a batch's MLP the same way."""
+    return max(1, MLP_PIECE_BYTES // ((1 if fused else 2) * intermediate_size * element_size))
 
 
 class MLP(nn.Module):
@@ -429,7 +432,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
-        piece = mlp_piece_rows(self.intermediate_size, x.element_size())
+        piece = mlp_piece_rows(self.intermediate_size, x.element_size(), self.fused())
         if rows <= piece:
             return self._rows(x)
         out = x.new_empty(rows, self.down_proj.weight.shape[0])
@@ -437,8 +440,17 @@ class MLP(nn.Module):
             out[r : r + piece] = self._rows(x[r : r + piece])
         return out
 
+    def fused(self) -> bool:
+        """Whether the gate/up GEMM applies SiLU x up on the way out (its gated pack): the MLP then
+        never holds the [rows, 2 x intermediate] gate | up."""
+        return self.gate_up_proj.gated and self.gate_up_proj.packed is not None
+
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        lin = self.gate_up_proj
+        lin, down = self.gate_up_proj, self.down_proj
+        if lin.gated and lin.packed is not None and down.packed is not None and not down.gated:
+            out = cpu_kernels.mlp_packed(x, lin.packed, down.packed, down.weight.shape, down.bias)
+            if out is not None:  # the whole MLP in one call (the same bits as the steps below)
+                return out
         if lin.gated and lin.packed is not None:  # the GEMM and silu_and_mul in one pass (the same bits)
             h = cpu_kernels.linear_packed_silu(x, lin.packed, lin.weight.shape)
             if h is not None:

@@ -834,6 +834,31 @@ def test_packed_linear_outputs_keep_their_subnormals(packing):
     assert torch.equal(act, want)
 
 
+@pytest.mark.skipif(not cpu_kernels.runs_family("amx"), reason="no AMX tile unit on this CPU")
+@pytest.mark.parametrize("inter,h,bias", [(1536, 576, False), (96, 33, True), (64, 2200, False)])
+def test_whole_mlp_has_the_bits_of_its_two_linears(inter, h, bias):
+    """AMX's one-call MLP (its SiLU x up rows written straight into the down projection's packed row
+    layout) gives, row by row, the bits of linear_packed_silu then linear_packed, at row counts on
+    both sides of its 32-row threshold, across 16-row tiles and 512-row chunks, H not a whole k-step
+    and a bias; fewer rows or other families decline (None)."""
+    g = _gen(37)
+    w = (torch.randn(2 * inter, h, generator=g) * 0.1).bfloat16()
+    d = (torch.randn(h, inter, generator=g) * 0.1).bfloat16()
+    b = torch.randn(h, generator=g).bfloat16() if bias else None
+    x = torch.randn(600, h, generator=g).bfloat16()
+    with cpu_kernels.family_override("amx"):
+        gated, down = cpu_kernels.pack(w, gated=True), cpu_kernels.pack(d)
+        for m in (33, 47, 64, 600):
+            whole = cpu_kernels.mlp_packed(x[:m], gated, down, d.shape, b)
+            steps = cpu_kernels.linear_packed(
+                cpu_kernels.linear_packed_silu(x[:m], gated, w.shape), down, d.shape, b
+            )
+            assert whole is not None and torch.equal(whole, steps), f"{m} rows"
+        assert cpu_kernels.mlp_packed(x[:32], gated, down, d.shape, b) is None
+    with cpu_kernels.family_override("avx512"):
+        assert cpu_kernels.mlp_packed(x, gated, down, d.shape, b) is None
+
+
 @pytest.mark.parametrize("inter,k", [(1536, 576), (64, 96), (96, 33), (256, 1536)])
 def test_fused_gate_up_silu_has_the_bits_of_the_linear_then_silu_and_mul(packing, inter, k):
     """The MLP path of both packing families: linear_packed_silu over the gated pack gives, row by

@@ -230,12 +230,16 @@ def _chunks_batch(
 
 @MODES
 @LAYER_KINDS
-def test_the_stack_has_the_layer_loops_bits_on_prompt_chunks(mode, over, monkeypatch):
+@pytest.mark.parametrize("piece", [5, 33])
+def test_the_stack_has_the_layer_loops_bits_on_prompt_chunks(mode, over, piece, monkeypatch):
     """Prefill and mixed batches through the stack (first chunks, later chunks beside decode rows,
-    logits at the last rows, at every row and at none; the MLP in pieces of 5 rows) against the
-    layer loop on a copy of the pool: the same logits and the same K/V, bit for bit."""
-    monkeypatch.setattr(layers, "MLP_PIECE_BYTES", 5 * 2 * 96 * 2)  # intermediate 96: 5 bf16 rows, 2 float32
+    logits at the last rows, at every row and at none; the MLP in pieces of 5 rows, or of 33, past
+    the 32 rows from which AMX runs the whole MLP in one call) against the layer loop on a copy of
+    the pool: the same logits and the same K/V, bit for bit."""
     model = _case_model(mode, over)
+    mlp = model.model.layers[0].mlp
+    width = (1 if mlp.fused() else 2) * mlp.intermediate_size  # the widest intermediate of a row
+    monkeypatch.setattr(layers, "MLP_PIECE_BYTES", piece * width * model.lm_head.weight.element_size())
     s = model.spec
     kv = KVCache(
         s.num_layers, 3 * BLOCKS_PER_SEQ, BLOCK, s.num_kv_heads, s.head_dim, model.lm_head.weight.dtype, "cpu"
@@ -248,6 +252,7 @@ def test_the_stack_has_the_layer_loops_bits_on_prompt_chunks(mode, over, monkeyp
         _chunks_batch(tables, [(0, 26, 14)], [(2, 8), (1, 23)], "every", seed=3),
         _chunks_batch(tables, [(1, 24, 2), (2, 9, 2)], [], "none", seed=4),
         _chunks_batch(tables, [(2, 11, 1)], [(0, 40), (1, 26)], "last", seed=5),
+        _chunks_batch(tables, [(0, 41, 23), (1, 27, 37), (2, 12, 10)], [], "last", seed=6),
     ]
     for i, batch in enumerate(batches):
         assert _stacked(model).stack(model, kv).runs(batch) == _takes(mode, batch.input_ids.shape[0])

@@ -219,7 +219,8 @@ def test_mlp_in_row_pieces_gives_the_bits_of_one_call(family, monkeypatch):
         x = torch.randn(50, mlp.gate_up_proj.weight.shape[1], generator=torch.Generator().manual_seed(3))
         x = x.bfloat16()
         whole = mlp(x)
-        monkeypatch.setattr(layers, "MLP_PIECE_BYTES", 2 * mlp.intermediate_size * 2 * 7)  # 7 rows a piece
+        width = (1 if mlp.fused() else 2) * mlp.intermediate_size  # the widest intermediate of a row
+        monkeypatch.setattr(layers, "MLP_PIECE_BYTES", width * 2 * 7)  # 7 bf16 rows a piece
         calls = []
         mlp.down_proj.register_forward_hook(lambda mod, inp, out: calls.append(inp[0].shape[0]))
         pieces = mlp(x)
