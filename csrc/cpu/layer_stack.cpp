@@ -149,7 +149,6 @@ void LayerStack::run_t(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t posi
     T* qkv = grown(w.qkv, n * width);
     T* attn = grown(w.attn, n * h_ * d_);
     T* attn_out = grown(w.attn_out, n * hidden_);
-    T* act = grown(w.act, std::min(n, mlp_rows_) * inter_);
     auto* xs = reinterpret_cast<T*>(x);
     auto* mlp = reinterpret_cast<T*>(mlp_out);
     const AttnShape shape{h_, kvh_, d_, bs_, table_stride, scale_, softcap_, 0};
@@ -207,6 +206,7 @@ void LayerStack::run_t(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t posi
                         reinterpret_cast<uintptr_t>(mlp + r0 * hidden_), rows, inter_, hidden_, threads);
                 continue;
             }
+            T* act = grown(w.act, rows * inter_);          // (the whole-MLP call above keeps its own)
             if (std::is_same_v<T, uint16_t> && l.gated) {  // MLP.forward's fused path (bf16 packs only)
                 (pack_kind_ == PACK_AMX ? linear_amx_silu : linear_dpbf16_silu)(
                     reinterpret_cast<uintptr_t>(in), l.gate_up.packed, reinterpret_cast<uintptr_t>(act), rows, inter_,
