@@ -219,14 +219,14 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
     }
 }
 
-// Many rows (a prompt chunk), over x's rows packed once: each work item is one panel of weight blocks
-// (kept in L2) x one chunk of rows, walked row block by row block (for a long K, range of K by range,
-// PANEL_MIN_BLOCKS). Each packed row block stays in L1 while the panel's weight tiles stream past it;
-// where K is too long for that, the row block is cut into parts of up to PANEL_MAX_KSTEPS k-steps,
-// each part passing over the whole panel with the blocks' float32 sums kept between parts. The order over the weight
-// blocks (amx_rows') reloads each row block from L2 for every weight block instead, with strided tile loads, which are
-// the kernel's bottleneck there. finish(sums, rows, nb, m0) stores a block's sums (store_sums or store_silu).
-// ap: x's rows as pack_rows lays them out.
+// Many rows (a prompt chunk), over x's rows as pack_rows lays them out (ap): each work item is one
+// panel of weight blocks (kept in L2) x one chunk of rows, walked row block by row block (for a long
+// K, range of K by range: PANEL_MIN_BLOCKS). Each packed row block stays in L1 while the panel's
+// weight tiles stream past it; where K is too long for that, the row block is cut into parts of up
+// to PANEL_MAX_KSTEPS k-steps, each part passing over the whole panel with the blocks' float32 sums
+// kept between parts. The order over the weight blocks (amx_rows') reloads each row block from L2
+// for every weight block instead, with strided tile loads, which are the kernel's bottleneck there.
+// finish(sums, rows, nb, m0) stores a block's sums (store_sums, store_silu or store_silu_packed).
 template <typename Finish>
 AMX void amx_panels(const uint16_t* ap, const uint16_t* wp, int64_t M, int64_t N, int64_t K, int threads,
                     const Finish& finish) {
