@@ -33,8 +33,8 @@ using namespace attn;  // attention_simd.h
 template <typename T>
 __attribute__((always_inline)) inline void attend_group_body(const T* q, const T* kpool, const T* vpool,
                                                              const int64_t* table, int64_t pos, int64_t kvh, T* out,
-                                                             const AttnShape& s, std::vector<float>& scores,
-                                                             std::vector<float>& acc) {
+                                                             const AttnShape& s, LineVector<float>& scores,
+                                                             LineVector<float>& acc) {
     const int64_t d = s.head_dim, g = s.heads / s.kv_heads;
     const int64_t first = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
     const int64_t len = pos - first + 1;
@@ -86,14 +86,14 @@ __attribute__((always_inline)) inline void attend_group_body(const T* q, const T
 template <typename T>
 __attribute__((target("arch=x86-64-v4"))) void attend_group(const T* q, const T* kpool, const T* vpool,
                                                             const int64_t* table, int64_t pos, int64_t kvh, T* out,
-                                                            const AttnShape& s, std::vector<float>& scores,
-                                                            std::vector<float>& acc) {
+                                                            const AttnShape& s, LineVector<float>& scores,
+                                                            LineVector<float>& acc) {
     attend_group_body(q, kpool, vpool, table, pos, kvh, out, s, scores, acc);
 }
 
 template <typename T>
 AVX2 void attend_group_avx2(const T* q, const T* kpool, const T* vpool, const int64_t* table, int64_t pos, int64_t kvh,
-                            T* out, const AttnShape& s, std::vector<float>& scores, std::vector<float>& acc) {
+                            T* out, const AttnShape& s, LineVector<float>& scores, LineVector<float>& acc) {
     attend_group_body(q, kpool, vpool, table, pos, kvh, out, s, scores, acc);
 }
 

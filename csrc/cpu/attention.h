@@ -34,9 +34,9 @@ constexpr int64_t ATTN_BLOCK = 64;
 constexpr int64_t ATTN_MIN_BLOCK = 16;
 
 struct AttnScratch {  // per thread, reused across its work items
-    std::vector<float> q, scores, acc, kf, vf;
-    std::vector<uint16_t> stage, pb, keys;
-    std::vector<uint32_t> vpair, ppair;
+    LineVector<float> q, scores, acc, kf, vf;
+    LineVector<uint16_t> stage, pb, keys;
+    LineVector<uint32_t> vpair, ppair;
     std::vector<int64_t> offsets;
 };
 

@@ -8,12 +8,39 @@
 
 #include <cstdint>
 #include <mutex>
+#include <new>
 #include <type_traits>
 #include <vector>
 
 #include "pool.h"
 
 namespace minisgl::cpu {
+
+// Scratch vectors that start on a cache line (malloc's own alignment is 16 bytes). The tile unit
+// loads and stores a tile as 16 rows of 64 bytes, and a tile that does not start on a line touches
+// two lines per row, which costs a tile load about as much again; a 64-byte vector load or store
+// that straddles two lines likewise costs two. The attention's tiles lie at multiples of 64 bytes
+// from their buffer's start, and so do the layer stack's rows where a row is a multiple of 64 bytes
+// (every model's hidden size here), so they start on lines once the buffer does.
+template <typename T>
+struct LineAllocator {
+    using value_type = T;
+    LineAllocator() = default;
+    template <typename U>
+    LineAllocator(const LineAllocator<U>&) {}
+    T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+    void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+    template <typename U>
+    bool operator==(const LineAllocator<U>&) const {
+        return true;
+    }
+    template <typename U>
+    bool operator!=(const LineAllocator<U>&) const {
+        return false;
+    }
+};
+template <typename T>
+using LineVector = std::vector<T, LineAllocator<T>>;
 
 // ---- linear_fma.cpp: rows on float32 FMAs over bf16 or float32 weights, AVX-512 or AVX2 (isa: common.h Isa) ----
 void linear_bf16(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K, int threads,
@@ -139,8 +166,8 @@ class LayerStack {
     // are tens of megabytes, which fresh buffers would fault in and zero every time); one run at a time.
     template <typename T>
     struct Scratch {
-        std::vector<T> normed, qkv, attn, attn_out, gate_up, act, kept_x, kept_q;
-        std::vector<int64_t> kept_table, kept_pos;
+        LineVector<T> normed, qkv, attn, attn_out, gate_up, act, kept_x, kept_q;
+        LineVector<int64_t> kept_table, kept_pos;
     };
     template <typename T>
     void run_t(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t positions, uintptr_t slots, uintptr_t tables,

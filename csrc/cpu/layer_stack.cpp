@@ -94,7 +94,7 @@ void take_rows(const T* src, int64_t stride, const int64_t* ids, int64_t count, 
 }
 
 template <typename T>
-T* grown(std::vector<T>& buf, int64_t elems) {
+T* grown(LineVector<T>& buf, int64_t elems) {
     if (static_cast<int64_t>(buf.size()) < elems) buf.resize(static_cast<size_t>(elems));
     return buf.data();
 }
