@@ -832,6 +832,17 @@ def test_packed_linear_outputs_keep_their_subnormals(packing):
     want = F.silu(gate) * up
     assert (want[0].float().abs() < tiny).any() and (want[0] != 0).all()  # the case this test is for
     assert torch.equal(act, want)
+    # Normal gates whose SiLU (g / 2) is subnormal, times normal ups: the rounding of SiLU takes the
+    # exact path too, not only the product's. (A subnormal sum itself never reaches the epilogue: the
+    # tile unit and vdpbf16ps flush them to zero.)
+    gate_up[:32, 0] = torch.tensor([tiny * 1.5, -tiny * 1.25, tiny * 1.875, -tiny * 1.125] * 8).bfloat16()
+    gate_up[32:, 0] = (torch.rand(32, generator=g) + 0.5).bfloat16()
+    with torch.inference_mode():
+        act = cpu_kernels.linear_packed_silu(ones, cpu_kernels.pack(gate_up, gated=True), gate_up.shape)
+    gate, up = gate_up[:, 0].expand(3, -1).chunk(2, dim=-1)  # the sums, one term each
+    want = F.silu(gate) * up
+    assert (gate[0].float().abs() >= tiny).all() and (F.silu(gate[0]).float().abs() < tiny).all()
+    assert torch.equal(act, want)
 
 
 @pytest.mark.skipif(not cpu_kernels.runs_family("amx"), reason="no AMX tile unit on this CPU")
