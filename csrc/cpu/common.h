@@ -460,7 +460,6 @@ struct Lanes16 {
     using F = __m512;
     using W = __m512i;  // one k-step of bf16 weights: 16 (even, odd) pairs
     static constexpr int N = 16;
-    static constexpr bool PAIRED_SUMS = false;  // rowwise_lanes.h rms_norm_row: 16 ordered elements a step
     AVX512 static F zero() { return _mm512_setzero_ps(); }
     AVX512 static F set1(float x) { return _mm512_set1_ps(x); }
     AVX512 static F add(F a, F b) { return _mm512_add_ps(a, b); }
@@ -546,7 +545,6 @@ struct Lanes8 {
     using F = __m256;
     using W = __m256i;  // 8 (even, odd) pairs
     static constexpr int N = 8;
-    static constexpr bool PAIRED_SUMS = true;  // bf16 RMSNorm on even/odd halves (no widen / narrow)
     AVX2 static F zero() { return _mm256_setzero_ps(); }
     AVX2 static F set1(float x) { return _mm256_set1_ps(x); }
     AVX2 static F add(F a, F b) { return _mm256_add_ps(a, b); }

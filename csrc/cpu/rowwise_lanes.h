@@ -23,25 +23,26 @@ LANES_TARGET inline typename V::F rms_out(typename V::F x, typename V::F inv, ty
 }
 
 // RMSNorm of one row, with the residual add: x + residual is the row normalised and (sr) the new
-// residual stream. The sum of squares runs by lanes, then V::hsum's tree; bf16 rows under AVX2 go 16
-// elements per step as even/odd halves (V::PAIRED_SUMS: its lanes then take an element pair per step,
-// the avx2 family's own order; AVX-512 keeps 16 ordered elements per lane step).
+// residual stream. The sum of squares runs by lanes, then V::hsum's tree; bf16 rows go 2N elements
+// per step as even/odd halves (each lane then takes an element pair per step): a load widens and a
+// store narrows with one shift or mask per vector, and each pair of vectors is rounded by one join
+// (both at once where the ISA has vcvtne2ps2bf16) instead of two roundings.
 template <typename T>
 LANES_TARGET void rms_norm_row(T* xr, const T* residual, T* sr, const T* weight, T* out, int64_t dim, float eps,
                                bool gemma) {
     using F = typename V::F;
     F ss = V::zero();
     const T* src = residual ? sr : xr;
-    if constexpr (std::is_same_v<T, uint16_t> && V::PAIRED_SUMS) {
+    if constexpr (std::is_same_v<T, uint16_t>) {
         for (int64_t i = 0; i < dim; i += 2 * V::N) {
             F e, o;
             V::split(V::load_pairs(xr + i, dim - i), e, o);
-            if (residual) {
+            if (residual) {  // the sums rounded once, by join, as stored; split gives back rms_add's values
                 F ae, ao;
                 V::split(V::load_pairs(residual + i, dim - i), ae, ao);
-                e = rms_add<T>(e, ae);
-                o = rms_add<T>(o, ao);
-                V::store_pairs(sr + i, V::join(e, o), dim - i);
+                const typename V::W sum = V::join(V::add(e, ae), V::add(o, ao));
+                V::store_pairs(sr + i, sum, dim - i);
+                V::split(sum, e, o);
             }
             ss = V::fmadd(o, o, V::fmadd(e, e, ss));
         }
@@ -50,6 +51,11 @@ LANES_TARGET void rms_norm_row(T* xr, const T* residual, T* sr, const T* weight,
             F e, o, we, wo;
             V::split(V::load_pairs(src + i, dim - i), e, o);
             V::split(V::load_pairs(weight + i, dim - i), we, wo);
+            if (!gemma) {  // rms_out's rounding of x * inv by join and split, both halves at once
+                V::split(V::join(V::mul(e, inv), V::mul(o, inv)), e, o);
+                V::store_pairs(out + i, V::join(V::mul(we, e), V::mul(wo, o)), dim - i);
+                continue;
+            }
             V::store_pairs(out + i, V::join(rms_out<T>(e, inv, we, gemma), rms_out<T>(o, inv, wo, gemma)), dim - i);
         }
     } else {
@@ -107,8 +113,23 @@ LANES_TARGET void rope_head(T* xh, const T* c, const T* s, int64_t half) {
             V::split(V::load_pairs(c + i + half, n), c2[0], c2[1]);
             V::split(V::load_pairs(s + i, n), s1[0], s1[1]);
             V::split(V::load_pairs(s + i + half, n), s2[0], s2[1]);
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; ++h) rope_lanes<T>(x1[h], x2[h], c1[h], c2[h], s1[h], s2[h], y1[h], y2[h]);
+            // rope_lanes' four products of both halves, each pair rounded at once (join rounds both to
+            // bf16 as round<T> does, split takes them back)
+            F a[2], b[2], cc[2], d[2];
+            for (int h = 0; h < 2; ++h) {
+                a[h] = V::mul(x1[h], c1[h]);
+                b[h] = V::mul(V::sub(V::zero(), x2[h]), s1[h]);
+                cc[h] = V::mul(x2[h], c2[h]);
+                d[h] = V::mul(x1[h], s2[h]);
+            }
+            V::split(V::join(a[0], a[1]), a[0], a[1]);
+            V::split(V::join(b[0], b[1]), b[0], b[1]);
+            V::split(V::join(cc[0], cc[1]), cc[0], cc[1]);
+            V::split(V::join(d[0], d[1]), d[0], d[1]);
+            for (int h = 0; h < 2; ++h) {
+                y1[h] = V::add(a[h], b[h]);
+                y2[h] = V::add(cc[h], d[h]);
+            }
             V::store_pairs(xh + i, V::join(y1[0], y1[1]), n);
             V::store_pairs(xh + i + half, V::join(y2[0], y2[1]), n);
         }
