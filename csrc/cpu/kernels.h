@@ -20,8 +20,9 @@ namespace minisgl::cpu {
 // loads and stores a tile as 16 rows of 64 bytes, and a tile that does not start on a line touches
 // two lines per row, which costs a tile load about as much again; a 64-byte vector load or store
 // that straddles two lines likewise costs two. The attention's tiles lie at multiples of 64 bytes
-// from their buffer's start, and so do the layer stack's rows where a row is a multiple of 64 bytes
-// (every model's hidden size here), so they start on lines once the buffer does.
+// from their buffer's start, and so do the layer stack's rows wherever a row is a multiple of 64
+// bytes (a hidden size a multiple of 32, as common models' are), so they start on lines once the
+// buffer does.
 template <typename T>
 struct LineAllocator {
     using value_type = T;
