@@ -59,6 +59,12 @@ void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int6
 void linear_amx_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K, int threads);
 void mlp_amx(uintptr_t x, uintptr_t gate_up, uintptr_t down, uintptr_t bias, uintptr_t y, int64_t M, int64_t I,
              int64_t H, int threads);
+// linear_amx and mlp_amx over rows already in pack_rows' layout (ap; K or H a multiple of 32): the
+// layer stack's RMSNorm writes them so (rms_norm_t's packed_out). Any row count, the same bits.
+void linear_amx_packed(const uint16_t* ap, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N,
+                       int64_t K, int threads);
+void mlp_amx_packed(const uint16_t* ap, uintptr_t gate_up, uintptr_t down, uintptr_t bias, uintptr_t y, int64_t M,
+                    int64_t I, int64_t H, int threads);
 
 // ---- linear_dpbf16.cpp: any row count on vdpbf16ps (AVX512-BF16), over weights packed at load ----
 int64_t packed_dpbf16_elems(int64_t N, int64_t K);
@@ -103,9 +109,11 @@ void rope(uintptr_t x, uintptr_t cos, uintptr_t sin, int64_t rows, int64_t heads
 void silu_and_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t dim, bool bf16, int threads, int isa);
 void kv_write(uintptr_t k, uintptr_t v, int64_t src_stride, uintptr_t kpool, uintptr_t vpool, uintptr_t slots,
               int64_t rows, int64_t row_bytes, int threads);
+// packed_out: out in pack_rows' tile layout (linear_amx.cpp), for linear_amx_packed / mlp_amx_packed
+// (bf16, dim a multiple of 32, not gemma).
 template <typename T>
 void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim, float eps,
-                bool gemma, int threads, int isa);
+                bool gemma, int threads, int isa, bool packed_out = false);
 template <typename T>
 void rope_t(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t rot, int64_t sr, int64_t sh,
             int threads, int isa);

@@ -145,19 +145,30 @@ void LayerStack::run_t(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t posi
     const std::lock_guard<std::mutex> hold(mu_);
     Scratch<T>& w = scratch<T>();
     const int64_t width = (h_ + 2 * kvh_) * d_, kv_row = kvh_ * d_;
-    T* normed = grown(w.normed, n * hidden_);
+    // (whole 16-row tiles: the RMSNorm may write its rows in the packed layout, below)
+    T* normed = grown(w.normed, (n + 15) / 16 * 16 * hidden_);
     T* qkv = grown(w.qkv, n * width);
     T* attn = grown(w.attn, n * h_ * d_);
     T* attn_out = grown(w.attn_out, n * hidden_);
     auto* xs = reinterpret_cast<T*>(x);
     auto* mlp = reinterpret_cast<T*>(mlp_out);
     const AttnShape shape{h_, kvh_, d_, bs_, table_stride, scale_, softcap_, 0};
+    // Where the AMX panels run a norm's consumer (past 32 rows), the norm writes its rows straight into
+    // the packed tile layout the panels read (linear_amx_packed, mlp_amx_packed), which saves packing
+    // them again: the same values, so the same bits.
+    const bool amx_rows = std::is_same_v<T, uint16_t> && pack_kind_ == PACK_AMX && hidden_ % 32 == 0;
+    const auto* packed_normed = reinterpret_cast<const uint16_t*>(normed);
     for (size_t i = 0; i < layers_.size(); ++i) {
         const StackLayer& l = layers_[i];
         // The previous layer's `x + mlp(h)` fused into this layer's input norm (as add_and_norm).
+        const bool qkv_packed_in = amx_rows && l.qkv.packed && n > 32;
         rms_norm_t(xs, i ? mlp : nullptr, i ? xs : nullptr, reinterpret_cast<const T*>(l.input_norm), normed, n,
-                   hidden_, eps_, false, threads, isa_);
-        stack_linear(l.qkv, pack_kind_, normed, qkv, n, threads, isa_);
+                   hidden_, eps_, false, threads, isa_, qkv_packed_in);
+        if (qkv_packed_in)
+            linear_amx_packed(packed_normed, l.qkv.packed, l.qkv.bias, reinterpret_cast<uintptr_t>(qkv), n, l.qkv.n,
+                              l.qkv.k, threads);
+        else
+            stack_linear(l.qkv, pack_kind_, normed, qkv, n, threads, isa_);
         for (int64_t r = 0; l.q_norm && r < n; ++r) {  // Qwen3: each head's q and k normed, in place
             T *qr = qkv + r * width, *kr = qr + h_ * d_;
             const auto* qw = reinterpret_cast<const T*>(l.q_norm);
@@ -195,13 +206,22 @@ void LayerStack::run_t(uintptr_t x, uintptr_t mlp_out, int64_t n, uintptr_t posi
         paged_attention_t<T>(reinterpret_cast<uintptr_t>(q), q_stride, l.kpool, l.vpool, tables, m_table, m_pos,
                              reinterpret_cast<uintptr_t>(attn), m, ls, scorer_, threads, isa_);
         stack_linear(l.o, pack_kind_, attn, attn_out, m, threads, isa_);
+        const bool whole_mlp =
+            std::is_same_v<T, uint16_t> && l.gated && pack_kind_ == PACK_AMX && l.down.packed && inter_ % 32 == 0;
+        // packed rows for every piece: each piece must start on a 16-row tile
+        const bool mlp_packed_in = amx_rows && whole_mlp && m > 32 && (mlp_rows_ >= m || mlp_rows_ % 16 == 0);
         rms_norm_t(res, attn_out, res, reinterpret_cast<const T*>(l.post_norm), normed, m, hidden_, eps_, false,
-                   threads, isa_);
+                   threads, isa_, mlp_packed_in);
         for (int64_t r0 = 0; r0 < m; r0 += mlp_rows_) {  // MLP.forward's pieces of rows
             const int64_t rows = std::min(mlp_rows_, m - r0);
+            if (mlp_packed_in) {  // any piece, the last one's few rows too: the same bits as mlp_amx's
+                mlp_amx_packed(packed_normed + r0 / 16 * (hidden_ / 32) * 512, l.gate_up.packed, l.down.packed,
+                               l.down.bias, reinterpret_cast<uintptr_t>(mlp + r0 * hidden_), rows, inter_, hidden_,
+                               threads);
+                continue;
+            }
             const T* in = normed + r0 * hidden_;
-            if (std::is_same_v<T, uint16_t> && l.gated && pack_kind_ == PACK_AMX && l.down.packed && rows > 32 &&
-                inter_ % 32 == 0) {  // MLP.forward's whole-MLP call (cpu_kernels.mlp_packed)
+            if (whole_mlp && rows > 32) {  // MLP.forward's whole-MLP call (cpu_kernels.mlp_packed)
                 mlp_amx(reinterpret_cast<uintptr_t>(in), l.gate_up.packed, l.down.packed, l.down.bias,
                         reinterpret_cast<uintptr_t>(mlp + r0 * hidden_), rows, inter_, hidden_, threads);
                 continue;

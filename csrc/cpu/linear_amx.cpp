@@ -391,6 +391,15 @@ void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr
     });
 }
 
+AMX void linear_amx_packed(const uint16_t* ap, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N,
+                           int64_t K, int threads) {
+    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
+    auto* yp = reinterpret_cast<uint16_t*>(y);
+    amx_panels(ap, reinterpret_cast<const uint16_t*>(packed), M, N, K, threads,
+               [&](const float* sums, int rows, int64_t nb, int64_t m0)
+                   AMX { store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N); });
+}
+
 AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
                     int threads) {
     const auto* bp = reinterpret_cast<const uint16_t*>(bias);
@@ -421,14 +430,19 @@ AMX void mlp_amx(uintptr_t x, uintptr_t gate_up, uintptr_t down, uintptr_t bias,
         linear_amx_silu(x, gate_up, h, M, I, H, threads);
         return linear_amx(h, down, bias, y, M, H, I, threads);
     }
-    const auto* xp = reinterpret_cast<const uint16_t*>(x);
-    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
-    auto* yp = reinterpret_cast<uint16_t*>(y);
     static thread_local std::vector<Line> rows;
     uint16_t* ap = kept_buffer(rows, packed_rows_elems(M, H));
+    pack_rows(reinterpret_cast<const uint16_t*>(x), M, H, (H + 31) / 32, ap, threads);
+    mlp_amx_packed(ap, gate_up, down, bias, y, M, I, H, threads);
+}
+
+AMX void mlp_amx_packed(const uint16_t* ap, uintptr_t gate_up, uintptr_t down, uintptr_t bias, uintptr_t y, int64_t M,
+                        int64_t I, int64_t H, int threads) {
+    const auto* bp = reinterpret_cast<const uint16_t*>(bias);
+    auto* yp = reinterpret_cast<uint16_t*>(y);
+    static thread_local std::vector<Line> act;
     uint16_t* hp = kept_buffer(act, packed_rows_elems(M, I));
     const int64_t KB = I / 32;
-    pack_rows(xp, M, H, (H + 31) / 32, ap, threads);
     amx_panels(ap, reinterpret_cast<const uint16_t*>(gate_up), M, 2 * I, H, threads,
                [&](const float* sums, int n, int64_t nb, int64_t m0)
                    AMX { store_silu_packed(sums, n, nb, m0, KB, hp); });

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 #include "common.h"
 #include "kernels.h"
@@ -52,25 +53,32 @@ inline int row_threads(int64_t rows, int threads) { return rows >= 32 ? threads 
 
 template <typename T>
 void rms_norm_t(T* x, const T* residual, T* sum_out, const T* weight, T* out, int64_t rows, int64_t dim, float eps,
-                bool gemma, int threads, int isa) {
+                bool gemma, int threads, int isa, bool packed_out) {
     const Isa code = require_isa(isa);
+    if (packed_out && (!std::is_same_v<T, uint16_t> || gemma || dim % 32))
+        throw std::invalid_argument("rms_norm_t: a packed output takes bf16 rows of whole k-steps, not gemma's");
     parallel_for(row_threads(rows, threads), rows, 0, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
             T* sr = sum_out ? sum_out + r * dim : nullptr;
             const T* res = residual ? residual + r * dim : nullptr;
+            // packed_out: row r in pack_rows' layout ([rows / 16][dim / 32][16 rows][32]), each of its
+            // 32-element groups 512 elements after the last
+            T* o = packed_out ? out + (r / 16 * (dim / 32) * 16 + r % 16) * 32 : out + r * dim;
+            const int64_t step = packed_out ? 512 : 32;
             if (code == ISA_AVX512_BF16)
-                avx512bf16::rms_norm_row(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
+                avx512bf16::rms_norm_row(x + r * dim, res, sr, weight, o, dim, eps, gemma, step);
             else if (code == ISA_AVX512)
-                avx512::rms_norm_row(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
+                avx512::rms_norm_row(x + r * dim, res, sr, weight, o, dim, eps, gemma, step);
             else
-                avx2::rms_norm_row(x + r * dim, res, sr, weight, out + r * dim, dim, eps, gemma);
+                avx2::rms_norm_row(x + r * dim, res, sr, weight, o, dim, eps, gemma, step);
         }
     });
 }
 // The layer stack's (bf16 and float32).
 template void rms_norm_t(uint16_t*, const uint16_t*, uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, float,
-                         bool, int, int);
-template void rms_norm_t(float*, const float*, float*, const float*, float*, int64_t, int64_t, float, bool, int, int);
+                         bool, int, int, bool);
+template void rms_norm_t(float*, const float*, float*, const float*, float*, int64_t, int64_t, float, bool, int, int,
+                         bool);
 
 void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t sum_out, uintptr_t weight, uintptr_t out, int64_t rows,
               int64_t dim, double eps, bool gemma, bool bf16, int threads, int isa) {

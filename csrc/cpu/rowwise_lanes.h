@@ -27,9 +27,11 @@ LANES_TARGET inline typename V::F rms_out(typename V::F x, typename V::F inv, ty
 // per step as even/odd halves (each lane then takes an element pair per step): a load widens and a
 // store narrows with one shift or mask per vector, and each pair of vectors is rounded by one join
 // (both at once where the ISA has vcvtne2ps2bf16) instead of two roundings.
+// out_step: elements from one 32-element group of the output row to the next (32: the row as it
+// lies; 512: pack_rows' tile layout, linear_amx.cpp, for a bf16 row with dim a multiple of 32).
 template <typename T>
 LANES_TARGET void rms_norm_row(T* xr, const T* residual, T* sr, const T* weight, T* out, int64_t dim, float eps,
-                               bool gemma) {
+                               bool gemma, int64_t out_step = 32) {
     using F = typename V::F;
     F ss = V::zero();
     const T* src = residual ? sr : xr;
@@ -51,12 +53,13 @@ LANES_TARGET void rms_norm_row(T* xr, const T* residual, T* sr, const T* weight,
             F e, o, we, wo;
             V::split(V::load_pairs(src + i, dim - i), e, o);
             V::split(V::load_pairs(weight + i, dim - i), we, wo);
+            T* dst = out + i / 32 * out_step + i % 32;
             if (!gemma) {  // rms_out's rounding of x * inv by join and split, both halves at once
                 V::split(V::join(V::mul(e, inv), V::mul(o, inv)), e, o);
-                V::store_pairs(out + i, V::join(V::mul(we, e), V::mul(wo, o)), dim - i);
+                V::store_pairs(dst, V::join(V::mul(we, e), V::mul(wo, o)), dim - i);
                 continue;
             }
-            V::store_pairs(out + i, V::join(rms_out<T>(e, inv, we, gemma), rms_out<T>(o, inv, wo, gemma)), dim - i);
+            V::store_pairs(dst, V::join(rms_out<T>(e, inv, we, gemma), rms_out<T>(o, inv, wo, gemma)), dim - i);
         }
     } else {
         for (int64_t i = 0; i < dim; i += V::N) {

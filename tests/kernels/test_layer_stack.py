@@ -230,12 +230,13 @@ def _chunks_batch(
 
 @MODES
 @LAYER_KINDS
-@pytest.mark.parametrize("piece", [5, 33])
+@pytest.mark.parametrize("piece", [5, 16, 33])
 def test_the_stack_has_the_layer_loops_bits_on_prompt_chunks(mode, over, piece, monkeypatch):
     """Prefill and mixed batches through the stack (first chunks, later chunks beside decode rows,
-    logits at the last rows, at every row and at none; the MLP in pieces of 5 rows, or of 33, past
-    the 32 rows from which AMX runs the whole MLP in one call) against the layer loop on a copy of
-    the pool: the same logits and the same K/V, bit for bit."""
+    logits at the last rows, at every row and at none; the MLP in pieces of 5 rows, of 16 (whole
+    tiles: under AMX the norm writes them in the packed layout, the last piece a few rows) or of 33,
+    past the 32 rows from which AMX runs the whole MLP in one call) against the layer loop on a copy
+    of the pool: the same logits and the same K/V, bit for bit."""
     model = _case_model(mode, over)
     mlp = model.model.layers[0].mlp
     width = (1 if mlp.fused() else 2) * mlp.intermediate_size  # the widest intermediate of a row
