@@ -22,6 +22,14 @@ LANES_TARGET inline typename V::F rms_out(typename V::F x, typename V::F inv, ty
     return gemma ? V::mul(n, V::add(V::set1(1.0f), w)) : V::mul(w, V::template round<T>(n));
 }
 
+// Two bf16 vectors rounded at once, each as round<uint16_t> would (join rounds both; split takes the
+// rounded values back). Returns the joined pairs, ready to store.
+LANES_TARGET inline typename V::W round_pair(typename V::F& even, typename V::F& odd) {
+    const typename V::W both = V::join(even, odd);
+    V::split(both, even, odd);
+    return both;
+}
+
 // RMSNorm of one row, with the residual add: x + residual is the row normalised and (sr) the new
 // residual stream. The sum of squares runs by lanes, then V::hsum's tree; bf16 rows go 2N elements
 // per step as even/odd halves (each lane then takes an element pair per step): a load widens and a
@@ -39,12 +47,12 @@ LANES_TARGET void rms_norm_row(T* xr, const T* residual, T* sr, const T* weight,
         for (int64_t i = 0; i < dim; i += 2 * V::N) {
             F e, o;
             V::split(V::load_pairs(xr + i, dim - i), e, o);
-            if (residual) {  // the sums rounded once, by join, as stored; split gives back rms_add's values
+            if (residual) {  // the sums rounded once, as stored: rms_add's values
                 F ae, ao;
                 V::split(V::load_pairs(residual + i, dim - i), ae, ao);
-                const typename V::W sum = V::join(V::add(e, ae), V::add(o, ao));
-                V::store_pairs(sr + i, sum, dim - i);
-                V::split(sum, e, o);
+                e = V::add(e, ae);
+                o = V::add(o, ao);
+                V::store_pairs(sr + i, round_pair(e, o), dim - i);
             }
             ss = V::fmadd(o, o, V::fmadd(e, e, ss));
         }
@@ -54,8 +62,10 @@ LANES_TARGET void rms_norm_row(T* xr, const T* residual, T* sr, const T* weight,
             V::split(V::load_pairs(src + i, dim - i), e, o);
             V::split(V::load_pairs(weight + i, dim - i), we, wo);
             T* dst = out + i / 32 * out_step + i % 32;
-            if (!gemma) {  // rms_out's rounding of x * inv by join and split, both halves at once
-                V::split(V::join(V::mul(e, inv), V::mul(o, inv)), e, o);
+            if (!gemma) {  // rms_out's rounding of x * inv, both halves at once
+                e = V::mul(e, inv);
+                o = V::mul(o, inv);
+                round_pair(e, o);
                 V::store_pairs(dst, V::join(V::mul(we, e), V::mul(wo, o)), dim - i);
                 continue;
             }
@@ -77,18 +87,26 @@ LANES_TARGET void rms_norm_row(T* xr, const T* residual, T* sr, const T* weight,
     }
 }
 
-// One vector of RoPE: x1*cos - x2*sin and x2*cos + x1*sin, each product and the sum rounded to the
-// dtype as torch's x * cos + rotate_half(x) * sin rounds them (the sums when stored).
+// RoPE's four products on one vector, unrounded: p = {x1*cos, -x2*sin, x2*cos, x1*sin}; y1 = p0 + p1
+// and y2 = p2 + p3, each product and each sum rounded to the dtype as torch's x * cos +
+// rotate_half(x) * sin rounds them (the sums when stored).
+LANES_TARGET inline void rope_products(typename V::F x1, typename V::F x2, typename V::F c1, typename V::F c2,
+                                       typename V::F s1, typename V::F s2, typename V::F (&p)[4]) {
+    p[0] = V::mul(x1, c1);
+    p[1] = V::mul(V::sub(V::zero(), x2), s1);
+    p[2] = V::mul(x2, c2);
+    p[3] = V::mul(x1, s2);
+}
+
+// One vector of RoPE (rope_products, each product rounded alone).
 template <typename T>
 LANES_TARGET inline void rope_lanes(typename V::F x1, typename V::F x2, typename V::F c1, typename V::F c2,
                                     typename V::F s1, typename V::F s2, typename V::F& y1, typename V::F& y2) {
-    using F = typename V::F;
-    const F a = V::template round<T>(V::mul(x1, c1));
-    const F b = V::template round<T>(V::mul(V::sub(V::zero(), x2), s1));
-    const F c = V::template round<T>(V::mul(x2, c2));
-    const F d = V::template round<T>(V::mul(x1, s2));
-    y1 = V::add(a, b);
-    y2 = V::add(c, d);
+    typename V::F p[4];
+    rope_products(x1, x2, c1, c2, s1, s2, p);
+    for (auto& v : p) v = V::template round<T>(v);
+    y1 = V::add(p[0], p[1]);
+    y2 = V::add(p[2], p[3]);
 }
 
 // One vector of silu(g) * u: torch's F.silu(gate) * up, its silu rounded to the dtype before the product.
@@ -116,22 +134,13 @@ LANES_TARGET void rope_head(T* xh, const T* c, const T* s, int64_t half) {
             V::split(V::load_pairs(c + i + half, n), c2[0], c2[1]);
             V::split(V::load_pairs(s + i, n), s1[0], s1[1]);
             V::split(V::load_pairs(s + i + half, n), s2[0], s2[1]);
-            // rope_lanes' four products of both halves, each pair rounded at once (join rounds both to
-            // bf16 as round<T> does, split takes them back)
-            F a[2], b[2], cc[2], d[2];
+            // rope_products of both halves, each product rounded with its twin of the other half
+            F p[2][4];
+            for (int h = 0; h < 2; ++h) rope_products(x1[h], x2[h], c1[h], c2[h], s1[h], s2[h], p[h]);
+            for (int j = 0; j < 4; ++j) round_pair(p[0][j], p[1][j]);
             for (int h = 0; h < 2; ++h) {
-                a[h] = V::mul(x1[h], c1[h]);
-                b[h] = V::mul(V::sub(V::zero(), x2[h]), s1[h]);
-                cc[h] = V::mul(x2[h], c2[h]);
-                d[h] = V::mul(x1[h], s2[h]);
-            }
-            V::split(V::join(a[0], a[1]), a[0], a[1]);
-            V::split(V::join(b[0], b[1]), b[0], b[1]);
-            V::split(V::join(cc[0], cc[1]), cc[0], cc[1]);
-            V::split(V::join(d[0], d[1]), d[0], d[1]);
-            for (int h = 0; h < 2; ++h) {
-                y1[h] = V::add(a[h], b[h]);
-                y2[h] = V::add(cc[h], d[h]);
+                y1[h] = V::add(p[h][0], p[h][1]);
+                y2[h] = V::add(p[h][2], p[h][3]);
             }
             V::store_pairs(xh + i, V::join(y1[0], y1[1]), n);
             V::store_pairs(xh + i + half, V::join(y2[0], y2[1]), n);
