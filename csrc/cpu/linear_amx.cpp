@@ -148,24 +148,66 @@ AMX void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t KB, uint16_t
     });
 }
 
-// One block of up to 32 rows x 32 outputs over the block's packed weights, for its k-steps [k0, k1):
-// a holds the first ra rows and b the next rb (nullptr: none), each k-step `step` elements after the
-// last and each row `stride` bytes after the one before (x as it lies: step 32, stride K * 2;
-// pack_rows' tiles: step 512, stride 64). The first part starts from zero sums, a later one from the
-// float32 sums the part before it left in `part` (four 16 x 16 tiles, 64-byte rows); the last part
-// stores the block's sums into `sums` ([32][32], the first rows' in rows 0-15), any other its sums
-// to `part`. Storing a float32 sum and loading it back is exact, so each output is the same chain
-// of tile products in the same order however K is cut and whichever layout x is read from: the
-// same bits. STREAM: the weights come from memory, each k-step staged through L1 one step ahead of
-// its products (stage_kstep; two buffers, so a copy never overwrites tiles still to be loaded).
-// Each step's loads are interleaved with the products that wait on them: the unit's tile registers
-// are not renamed, so a load into tmm4 waits for the last product reading it, and a step that loaded
-// all four tiles first would hold the next step's loads behind all four products. between(s, steps)
-// runs vector work in the middle of k-step s of `steps` while the step's products run on the tile
-// unit, and once more (s = steps) before the sums are stored, so that work may read `sums` up to then.
-template <bool STREAM, typename Between>
-AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t stride, const uint16_t* wb, int64_t k0,
-                   int64_t k1, bool first, bool last, float* part, float* sums, const Between& between) {
+// One block of up to 32 rows x 32 outputs over its packed weights wb, all KB k-steps, x as it lies
+// (a: the first ra rows, b: the next rb, nullptr: none; rows `stride` bytes apart), the sums stored
+// into `sums` ([32][32], the first rows' in rows 0-15). The weights come from memory, each k-step
+// staged through L1 one step ahead of its products (stage_kstep; two buffers, so a copy never
+// overwrites tiles still to be loaded). Each step's loads are interleaved with the products that
+// wait on them: the unit's tile registers are not renamed, so a load into tmm4 waits for the last
+// product reading it, and a step that loaded all four tiles first would hold the next step's loads
+// behind all four products.
+AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t stride, const uint16_t* wb, int64_t KB, float* sums) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (b) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    alignas(64) uint16_t stage[2][1024];
+    stage_kstep(wb, stage[0]);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+        if (kb + 1 < KB) stage_kstep(wb + (kb + 1) * 1024, stage[(kb + 1) & 1]);
+        const uint16_t* w = stage[kb & 1];
+        _tile_loadd(4, a + kb * 32, stride);
+        _tile_loadd(6, w, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, w + 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (b) {
+            _tile_loadd(5, b + kb * 32, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums, 128);
+    _tile_stored(1, sums + 16, 128);
+    if (b) {
+        _tile_stored(2, sums + 16 * 32, 128);
+        _tile_stored(3, sums + 16 * 32 + 16, 128);
+    }
+}
+
+// One row block of pack_rows' tiles (a: the first ra rows, b: the next rb, nullptr: none) over the
+// weight blocks [nb0, nb1), k-steps [k0, k1) of each. A block's first part (first) starts from zero
+// sums, a later one from the float32 sums the part before it left in `parts` (1,024 a block: four
+// 16 x 16 tiles, 64-byte rows); the last part (last) stores each block's sums into `sums` ([32][32],
+// the first rows' in rows 0-15), any other into `parts`. Storing a float32 sum and loading it back
+// is exact, so each output is the same chain of tile products in the same order however K is cut
+// and whichever layout x is read from (amx_block's): the same bits.
+// Each block's last k-step runs into the next block's first: an accumulator is stored and the next
+// block's sums loaded into it one tile at a time, each just before the product that needs it, so
+// the tile unit does not sit idle while four tiles drain and four more arrive; the next block's
+// kept sums are requested into L1 during the block before. The weights are read with the
+// streaming hint: each tile is used by this row block once, and caching it in L1 would evict the
+// row block's tiles, which every block of the sweep reads again.
+// between(s, steps) runs vector work in the middle of k-step s of a block's `steps` while that
+// step's products run, and once more (s = steps) before the block's sums are stored, so the work
+// may read `sums` up to then; done(nb) runs once block nb's sums are in `sums` (last) or `parts`.
+template <typename Between, typename Done>
+AMX void amx_sweep(const uint16_t* a, const uint16_t* b, const uint16_t* wp, int64_t KB, int64_t nb0, int64_t nb1,
+                   int64_t k0, int64_t k1, bool first, bool last, float* parts, float* sums, const Between& between,
+                   const Done& done) {
+    const int64_t steps = k1 - k0, lines = (64 + steps - 1) / steps;
     if (first) {
         _tile_zero(0);
         _tile_zero(1);
@@ -174,48 +216,80 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t step, int64_t s
             _tile_zero(3);
         }
     } else {
-        _tile_loadd(0, part, 64);
-        _tile_loadd(1, part + 256, 64);
+        _tile_loadd(0, parts, 64);
+        _tile_loadd(1, parts + 256, 64);
         if (b) {
-            _tile_loadd(2, part + 512, 64);
-            _tile_loadd(3, part + 768, 64);
+            _tile_loadd(2, parts + 512, 64);
+            _tile_loadd(3, parts + 768, 64);
         }
     }
-    alignas(64) uint16_t stage[STREAM ? 2 : 1][1024];
-    if (STREAM) stage_kstep(wb + k0 * 1024, stage[k0 & 1]);
-    for (int64_t kb = k0; kb < k1; ++kb) {
-        const uint16_t* w = wb + kb * 1024;
-        if (STREAM) {
-            if (kb + 1 < k1) stage_kstep(wb + (kb + 1) * 1024, stage[(kb + 1) & 1]);
-            w = stage[kb & 1];
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+        const uint16_t* wb = wp + nb * KB * 1024;
+        float* part = parts ? parts + (nb - nb0) * 1024 : nullptr;
+        const char* ahead = !first && nb + 1 < nb1 ? reinterpret_cast<const char*>(part + 1024) : nullptr;
+        for (int64_t kb = nb == nb0 ? k0 : k0 + 1; kb < k1; ++kb) {
+            if (ahead)
+                for (int64_t l = (kb - k0) * lines; l < std::min<int64_t>(64, (kb - k0 + 1) * lines); ++l)
+                    _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
+            const uint16_t* w = wb + kb * 1024;
+            _tile_loadd(4, a + kb * 512, 64);
+            _tile_stream_loadd(6, w, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_stream_loadd(7, w + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            between(kb - k0, steps);
+            if (b) {
+                _tile_loadd(5, b + kb * 512, 64);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
         }
-        _tile_loadd(4, a + kb * step, stride);
-        _tile_loadd(6, w, 64);
+        between(steps, steps);
+        float* out = last ? sums : part;
+        const int64_t rs = last ? 128 : 64, o1 = last ? 16 : 256, o2 = 512, o3 = last ? 528 : 768;
+        if (nb + 1 == nb1) {
+            _tile_stored(0, out, rs);
+            _tile_stored(1, out + o1, rs);
+            if (b) {
+                _tile_stored(2, out + o2, rs);
+                _tile_stored(3, out + o3, rs);
+            }
+            done(nb);
+            break;
+        }
+        const uint16_t* w = wb + KB * 1024 + k0 * 1024;  // the next block's first k-step
+        float* np = part ? part + 1024 : nullptr;
+        _tile_stored(0, out, rs);
+        if (first)
+            _tile_zero(0);
+        else
+            _tile_loadd(0, np, 64);
+        _tile_loadd(4, a + k0 * 512, 64);
+        _tile_stream_loadd(6, w, 64);
         _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, w + 512, 64);
+        _tile_stored(1, out + o1, rs);
+        if (first)
+            _tile_zero(1);
+        else
+            _tile_loadd(1, np + 256, 64);
+        _tile_stream_loadd(7, w + 512, 64);
         _tile_dpbf16ps(1, 4, 7);
-        between(kb - k0, k1 - k0);
         if (b) {
-            _tile_loadd(5, b + kb * step, stride);
+            _tile_stored(2, out + o2, rs);
+            if (first)
+                _tile_zero(2);
+            else
+                _tile_loadd(2, np + 512, 64);
+            _tile_loadd(5, b + k0 * 512, 64);
             _tile_dpbf16ps(2, 5, 6);
+            _tile_stored(3, out + o3, rs);
+            if (first)
+                _tile_zero(3);
+            else
+                _tile_loadd(3, np + 768, 64);
             _tile_dpbf16ps(3, 5, 7);
         }
-    }
-    between(k1 - k0, k1 - k0);
-    if (!last) {
-        _tile_stored(0, part, 64);
-        _tile_stored(1, part + 256, 64);
-        if (b) {
-            _tile_stored(2, part + 512, 64);
-            _tile_stored(3, part + 768, 64);
-        }
-        return;
-    }
-    _tile_stored(0, sums, 128);
-    _tile_stored(1, sums + 16, 128);
-    if (b) {
-        _tile_stored(2, sums + 16 * 32, 128);
-        _tile_stored(3, sums + 16 * 32 + 16, 128);
+        done(nb);
     }
 }
 
@@ -275,12 +349,11 @@ AMX void amx_panels(const uint16_t* ap, const uint16_t* wp, int64_t M, int64_t N
                         Line* mine = kept.data() + (ranges > 1 ? (m0 - c0) / 32 * panel * 64 : 0);
                         for (int64_t k0 = r0; k0 < std::min(KB, r0 + span); k0 += step) {
                             const int64_t k1 = std::min({KB, r0 + span, k0 + step});
-                            for (int64_t nb = nb0; nb < nb1; ++nb) {
-                                float* part = keep ? reinterpret_cast<float*>(mine + (nb - nb0) * 64) : nullptr;
-                                amx_block<false>(a, rb ? a + KB * 512 : nullptr, 512, 64, wp + nb * KB * 1024, k0, k1,
-                                                 k0 == 0, k1 == KB, part, sums, between);
-                                if (k1 == KB) due = {rows, 0, nb, m0};
-                            }
+                            amx_sweep(a, rb ? a + KB * 512 : nullptr, wp, KB, nb0, nb1, k0, k1, k0 == 0, k1 == KB,
+                                      keep ? reinterpret_cast<float*>(mine) : nullptr, sums, between,
+                                      [&](int64_t nb) AMX {
+                                          if (k1 == KB) due = {rows, 0, nb, m0};
+                                      });
                         }
                     }
             }
@@ -312,8 +385,7 @@ AMX void amx_rows(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, 
                         const int rows = static_cast<int>(std::min<int64_t>(32, c1 - m0));
                         shape.fit(rows);
                         const uint16_t* x = xp + m0 * xs;
-                        amx_block<true>(x, shape.rb ? x + 16 * xs : nullptr, 32, xs * 2, wp + nb * KB * 1024, 0, KB,
-                                        true, true, nullptr, sums, [](int64_t, int64_t) {});
+                        amx_block(x, shape.rb ? x + 16 * xs : nullptr, xs * 2, wp + nb * KB * 1024, KB, sums);
                         finish(sums, rows, nb, m0);
                     }
             shape.release();
