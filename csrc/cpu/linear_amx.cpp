@@ -31,11 +31,11 @@ constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x'
 // for many rows each, where a copy per row block would cost more than the tile loads it speeds up.
 constexpr int64_t STREAM_PREFETCH_BYTES = 8192;
 // The panel order (amx_panels) keeps a 32-row block of x, packed, in L1 while the weight tiles
-// stream past it: up to this many k-steps of it at a time, so that the block and the weight block
-// passing over it (the same size) both fit in L1 together. Longer parts make the two evict each
-// other, and the block is then reloaded from L2 for every weight block; shorter ones store and
-// reload the float32 sums more often than they save.
-constexpr int64_t PANEL_MAX_KSTEPS = 9;
+// stream past it (read with the streaming hint, so they do not push it out): up to this many
+// k-steps of it at a time (32 KB: most of L1). Longer parts leave too little room beside the kept sums and
+// the outputs being written, and the block is then reloaded from L2 for every weight block; shorter
+// ones store and reload the float32 sums more often than they save.
+constexpr int64_t PANEL_MAX_KSTEPS = 16;
 // Bytes of packed weights per panel: the panel stays in L2 while every row block of a row chunk
 // passes over it.
 constexpr int64_t PANEL_WEIGHT_BYTES = 896 * 1024;
@@ -43,7 +43,7 @@ constexpr int64_t PANEL_WEIGHT_BYTES = 896 * 1024;
 // once per panel and used by every block of it, so a panel of a few blocks leaves the kernel waiting
 // on x; where K is so long that this many blocks' whole K would not fit in the panel's bytes, the
 // panel covers a range of K at a time, and every row block's float32 sums are kept between ranges.
-constexpr int64_t PANEL_MIN_BLOCKS = 8;
+constexpr int64_t PANEL_MIN_BLOCKS = 16;
 constexpr int64_t PANEL_ROW_CHUNK = 512;  // rows per work item of the panel order
 
 struct alignas(64) Line {  // one cache line of scratch
