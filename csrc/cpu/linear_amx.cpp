@@ -32,9 +32,9 @@ constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per pass over a weight block: x'
 constexpr int64_t STREAM_PREFETCH_BYTES = 8192;
 // The panel order (amx_panels) keeps a 32-row block of x, packed, in L1 while the weight tiles
 // stream past it (read with the streaming hint, so they do not push it out): up to this many
-// k-steps of it at a time (32 KB: most of L1). Longer parts leave too little room beside the kept sums and
-// the outputs being written, and the block is then reloaded from L2 for every weight block; shorter
-// ones store and reload the float32 sums more often than they save.
+// k-steps of it at a time (32 KB: most of L1). Longer parts would leave too little room beside the
+// kept sums and the outputs being written, and the block would be reloaded from L2 for every
+// weight block; shorter ones store and reload the float32 sums more often than they save.
 constexpr int64_t PANEL_MAX_KSTEPS = 16;
 // Bytes of packed weights per panel: the panel stays in L2 while every row block of a row chunk
 // passes over it.
