@@ -195,9 +195,9 @@ AMX void amx_block(const uint16_t* a, const uint16_t* b, int64_t stride, const u
 // is exact, so each output is the same chain of tile products in the same order however K is cut
 // and whichever layout x is read from (amx_block's): the same bits.
 // Each block's last k-step runs into the next block's first: an accumulator is stored and the next
-// block's sums loaded into it one tile at a time, each just before the product that needs it, so
-// the tile unit does not sit idle while four tiles drain and four more arrive; the next block's
-// kept sums are requested into L1 during the block before. The weights are read with the
+// block's sums loaded (or zeroed) into it one tile at a time, each just before the product that
+// needs it, so the tile unit does not sit idle while four tiles drain and four more arrive; the
+// next block's kept sums are requested into L1 during the block before. The weights are read with the
 // streaming hint: each tile is used by this row block once, and caching it in L1 would evict the
 // row block's tiles, which every block of the sweep reads again.
 // between(s, steps) runs vector work in the middle of k-step s of a block's `steps` while that
@@ -208,30 +208,50 @@ AMX void amx_sweep(const uint16_t* a, const uint16_t* b, const uint16_t* wp, int
                    int64_t k0, int64_t k1, bool first, bool last, float* parts, float* sums, const Between& between,
                    const Done& done) {
     const int64_t steps = k1 - k0, lines = (64 + steps - 1) / steps;
-    if (first) {
-        _tile_zero(0);
-        _tile_zero(1);
-        if (b) {
-            _tile_zero(2);
-            _tile_zero(3);
-        }
-    } else {
-        _tile_loadd(0, parts, 64);
-        _tile_loadd(1, parts + 256, 64);
-        if (b) {
-            _tile_loadd(2, parts + 512, 64);
-            _tile_loadd(3, parts + 768, 64);
-        }
-    }
+    const int64_t rs = last ? 128 : 64, o1 = last ? 16 : 256, o2 = 512, o3 = last ? 528 : 768;
+    float* out = nullptr;  // where the block before stores its sums (none before the first)
     for (int64_t nb = nb0; nb < nb1; ++nb) {
-        const uint16_t* wb = wp + nb * KB * 1024;
+        const uint16_t *wb = wp + nb * KB * 1024, *w = wb + k0 * 1024;
         float* part = parts ? parts + (nb - nb0) * 1024 : nullptr;
+        // The block before's sums out and this block's in, a tile at a time, within this block's first
+        // k-step.
+        if (out) _tile_stored(0, out, rs);
+        if (first)
+            _tile_zero(0);
+        else
+            _tile_loadd(0, part, 64);
+        _tile_loadd(4, a + k0 * 512, 64);
+        _tile_stream_loadd(6, w, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (out) _tile_stored(1, out + o1, rs);
+        if (first)
+            _tile_zero(1);
+        else
+            _tile_loadd(1, part + 256, 64);
+        _tile_stream_loadd(7, w + 512, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (b) {
+            if (out) _tile_stored(2, out + o2, rs);
+            if (first)
+                _tile_zero(2);
+            else
+                _tile_loadd(2, part + 512, 64);
+            _tile_loadd(5, b + k0 * 512, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            if (out) _tile_stored(3, out + o3, rs);
+            if (first)
+                _tile_zero(3);
+            else
+                _tile_loadd(3, part + 768, 64);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        if (out) done(nb - 1);
         const char* ahead = !first && nb + 1 < nb1 ? reinterpret_cast<const char*>(part + 1024) : nullptr;
-        for (int64_t kb = nb == nb0 ? k0 : k0 + 1; kb < k1; ++kb) {
+        for (int64_t kb = k0 + 1; kb < k1; ++kb) {
             if (ahead)
                 for (int64_t l = (kb - k0) * lines; l < std::min<int64_t>(64, (kb - k0 + 1) * lines); ++l)
                     _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
-            const uint16_t* w = wb + kb * 1024;
+            w = wb + kb * 1024;
             _tile_loadd(4, a + kb * 512, 64);
             _tile_stream_loadd(6, w, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -245,52 +265,15 @@ AMX void amx_sweep(const uint16_t* a, const uint16_t* b, const uint16_t* wp, int
             }
         }
         between(steps, steps);
-        float* out = last ? sums : part;
-        const int64_t rs = last ? 128 : 64, o1 = last ? 16 : 256, o2 = 512, o3 = last ? 528 : 768;
-        if (nb + 1 == nb1) {
-            _tile_stored(0, out, rs);
-            _tile_stored(1, out + o1, rs);
-            if (b) {
-                _tile_stored(2, out + o2, rs);
-                _tile_stored(3, out + o3, rs);
-            }
-            done(nb);
-            break;
-        }
-        const uint16_t* w = wb + KB * 1024 + k0 * 1024;  // the next block's first k-step
-        float* np = part ? part + 1024 : nullptr;
-        _tile_stored(0, out, rs);
-        if (first)
-            _tile_zero(0);
-        else
-            _tile_loadd(0, np, 64);
-        _tile_loadd(4, a + k0 * 512, 64);
-        _tile_stream_loadd(6, w, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_stored(1, out + o1, rs);
-        if (first)
-            _tile_zero(1);
-        else
-            _tile_loadd(1, np + 256, 64);
-        _tile_stream_loadd(7, w + 512, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        if (b) {
-            _tile_stored(2, out + o2, rs);
-            if (first)
-                _tile_zero(2);
-            else
-                _tile_loadd(2, np + 512, 64);
-            _tile_loadd(5, b + k0 * 512, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_stored(3, out + o3, rs);
-            if (first)
-                _tile_zero(3);
-            else
-                _tile_loadd(3, np + 768, 64);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        done(nb);
+        out = last ? sums : part;
     }
+    _tile_stored(0, out, rs);
+    _tile_stored(1, out + o1, rs);
+    if (b) {
+        _tile_stored(2, out + o2, rs);
+        _tile_stored(3, out + o3, rs);
+    }
+    done(nb1 - 1);
 }
 
 // Many rows (a prompt chunk), over x's rows as pack_rows lays them out (ap): each work item is one
