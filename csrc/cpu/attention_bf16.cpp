@@ -582,13 +582,28 @@ AVX512 void attend_vectors_bf16(const uint16_t* q, int64_t q_stride, int64_t row
     auto* qb = reinterpret_cast<uint32_t*>(w.q.data());
     pack_query_pairs(q, q_stride, 0, n, kvh, s, qb);
     amx_scores(kpool, table, s, kvh, b.lo, b.hi, qb, w.kf.data(), w.stage.data());  // kf[key - base][lane]
-    w.scores.assign(static_cast<size_t>(n * span), 0.0f);
-    for (int64_t l = 0; l < n; ++l)
-        for (int64_t key = b.first[l / g]; key <= pos[l / g]; ++key) {
-            float v = w.kf[(key - base) * 16 + l] * s.scale;
-            if (s.softcap > 0.0f) v = s.softcap * std::tanh(v / s.softcap);
-            w.scores[l * span + key - base] = v;
+    // Each 16-key tile of kf ([key][lane]) transposed into the vectors' rows of scores ([vector][key]),
+    // scaled, with the keys outside a vector's range zero: the same multiplies as key by key, without
+    // a scalar load and store per score.
+    w.scores.resize(static_cast<size_t>(n * span));
+    const __m512 scale = _mm512_set1_ps(s.scale);
+    for (int64_t t = base; t < base + span; t += 16) {
+        __m512i r[16];
+        for (int64_t j = 0; j < 16; ++j) r[j] = _mm512_castps_si512(_mm512_loadu_ps(w.kf.data() + (t - base + j) * 16));
+        transpose16(r);  // r[l]: vector l's scores of keys t..t+15
+        for (int64_t l = 0; l < n; ++l) {
+            const int64_t first = b.first[l / g], last = pos[l / g];
+            const __mmask16 in = t > last || t + 15 < first ? 0 : tile_lanes(first, last, t);
+            _mm512_storeu_ps(w.scores.data() + l * span + t - base,
+                             _mm512_maskz_mul_ps(in, _mm512_castsi512_ps(r[l]), scale));
         }
+    }
+    if (s.softcap > 0.0f)
+        for (int64_t l = 0; l < n; ++l)
+            for (int64_t key = b.first[l / g]; key <= pos[l / g]; ++key) {
+                float& v = w.scores[l * span + key - base];
+                v = s.softcap * std::tanh(v / s.softcap);
+            }
     softmax_and_sum<uint16_t>(vpool, rows, pos, kvh, out, s, b, w, SUM_AMX);
 }
 

@@ -476,6 +476,33 @@ def test_paged_attention_rows_do_not_depend_on_the_call(
     assert (out.double() - ref).abs().max() < tol
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("family,scorer", SCORER_CASES)
+def test_a_block_of_few_rows_scores_each_row_over_its_own_keys(window, family, scorer, scorer_family):
+    """Two rows of one chunk whose last keys fall in different 16-key tiles (positions 47 and 48),
+    too few query vectors for the lanes path: the block scores both rows over the union of their
+    tiles, and each row must see only its own keys there, as it does alone."""
+    g = _gen(5)
+    kvh, group, d, bs, pool = 2, 3, 64, 16, 16
+    k = torch.randn(pool, bs, kvh, d, generator=g).bfloat16()
+    v = torch.randn(pool, bs, kvh, d, generator=g).bfloat16()
+    tables = torch.randperm(pool, generator=g)[:4][None]
+    pos = torch.tensor([47, 48])
+    q = torch.randn(2, kvh * group, d, generator=g).bfloat16()
+    row_table = torch.zeros(2, dtype=torch.int64)
+
+    def attend(rows: slice) -> torch.Tensor:
+        return cpu_kernels.paged_attention(
+            q[rows], k, v, tables, row_table[rows], pos[rows], d**-0.5, window, None, scorer=scorer
+        )
+
+    out = attend(slice(None))
+    for r in (0, 1):
+        assert torch.equal(attend(slice(r, r + 1)), out[r : r + 1]), f"row {r} differs beside the other"
+    ref = _attention_reference(q, k, v, tables[row_table], pos, bs, d**-0.5, window, None)
+    assert (out.double() - ref).abs().max() < 2e-2
+
+
 def test_decode_attention_matches_the_torch_path(vector_family):
     """The native decode attention against the torch back-end's (fp32, GQA, paged)."""
     from minisgl_backend.kvcache.storage import KVCache
