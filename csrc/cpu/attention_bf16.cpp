@@ -384,6 +384,69 @@ AMX void configure_score_tiles() { configure_full_tiles(); }
 
 AMX void release_tiles() { _tile_release(); }
 
+// amx_scores for tiles read in place with up to four k-steps (head_dim up to 128): the query's
+// k-steps stay in tmm2..tmm5 for every tile instead of being loaded again for each, and two key
+// tiles are in flight (sums in tmm0 and tmm6, keys in tmm1 and tmm7), so one tile's products do not
+// wait on the other's. Each score is the same chain of products in the same order.
+AMX void amx_scores_in_place(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t base,
+                             int64_t hi, const uint32_t* qb, float* sc) {
+    const int64_t d = s.head_dim, ks = d / 32, row = s.kv_heads * d, bs = s.block_size, stride = row * 2;
+    const auto keys = [&](int64_t t) { return kpool + (table[t / bs] * bs + t % bs) * row + kvh * d; };
+    _tile_loadd(2, qb, 64);
+    if (ks > 1) _tile_loadd(3, qb + 256, 64);
+    if (ks > 2) _tile_loadd(4, qb + 512, 64);
+    if (ks > 3) _tile_loadd(5, qb + 768, 64);
+    int64_t t = base;
+    for (; t + 16 <= hi; t += 32) {
+        const uint16_t *a = keys(t), *b = keys(t + 16);
+        _tile_zero(0);
+        _tile_zero(6);
+        _tile_loadd(1, a, stride);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_loadd(7, b, stride);
+        _tile_dpbf16ps(6, 7, 2);
+        if (ks > 1) {
+            _tile_loadd(1, a + 32, stride);
+            _tile_dpbf16ps(0, 1, 3);
+            _tile_loadd(7, b + 32, stride);
+            _tile_dpbf16ps(6, 7, 3);
+        }
+        if (ks > 2) {
+            _tile_loadd(1, a + 64, stride);
+            _tile_dpbf16ps(0, 1, 4);
+            _tile_loadd(7, b + 64, stride);
+            _tile_dpbf16ps(6, 7, 4);
+        }
+        if (ks > 3) {
+            _tile_loadd(1, a + 96, stride);
+            _tile_dpbf16ps(0, 1, 5);
+            _tile_loadd(7, b + 96, stride);
+            _tile_dpbf16ps(6, 7, 5);
+        }
+        _tile_stored(0, sc + (t - base) * 16, 64);
+        _tile_stored(6, sc + (t + 16 - base) * 16, 64);
+    }
+    if (t <= hi) {
+        const uint16_t* a = keys(t);
+        _tile_zero(0);
+        _tile_loadd(1, a, stride);
+        _tile_dpbf16ps(0, 1, 2);
+        if (ks > 1) {
+            _tile_loadd(1, a + 32, stride);
+            _tile_dpbf16ps(0, 1, 3);
+        }
+        if (ks > 2) {
+            _tile_loadd(1, a + 64, stride);
+            _tile_dpbf16ps(0, 1, 4);
+        }
+        if (ks > 3) {
+            _tile_loadd(1, a + 96, stride);
+            _tile_dpbf16ps(0, 1, 5);
+        }
+        _tile_stored(0, sc + (t - base) * 16, 64);
+    }
+}
+
 // The scores of 16 query vectors against keys base..hi, 16-key tiles aligned to absolute positions:
 // sc[key - base][lane]. qb holds the query vectors as the tile unit's B operand: k-step by k-step,
 // 16 pairs x 16 lanes of (dim 2i, dim 2i+1). Each score is the unit's fixed-order dot product of one
@@ -393,6 +456,7 @@ AMX void release_tiles() { _tile_release(); }
 AMX void amx_scores(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t lo,
                     int64_t hi, const uint32_t* qb, float* sc, uint16_t* stage) {
     const int64_t d = s.head_dim, row = s.kv_heads * d, bs = s.block_size, base = lo / 16 * 16;
+    if (bs % 16 == 0 && d <= 128) return amx_scores_in_place(kpool, table, s, kvh, base, hi, qb, sc);
     for (int64_t t = base; t <= hi; t += 16) {
         const uint16_t* a = stage;
         int64_t stride = d * 2;
