@@ -387,7 +387,8 @@ AMX void release_tiles() { _tile_release(); }
 // amx_scores for tiles read in place with up to four k-steps (head_dim up to 128): the query's
 // k-steps stay in tmm2..tmm5 for every tile instead of being loaded again for each, and two key
 // tiles are in flight (sums in tmm0 and tmm6, keys in tmm1 and tmm7), so one tile's products do not
-// wait on the other's. Each score is the same chain of products in the same order.
+// wait on the other's. Each score is the same chain of products in the same order. The tile
+// intrinsics take register numbers as literals, so each k-step is spelled out.
 AMX void amx_scores_in_place(const uint16_t* kpool, const int64_t* table, const AttnShape& s, int64_t kvh, int64_t base,
                              int64_t hi, const uint32_t* qb, float* sc) {
     const int64_t d = s.head_dim, ks = d / 32, row = s.kv_heads * d, bs = s.block_size, stride = row * 2;
