@@ -85,6 +85,16 @@ class ReducedLogits:
         return np.stack([self.full[r] for r in rows])
 
 
+def take_rows(logits: np.ndarray | ReducedLogits, rows: list[int]) -> np.ndarray:
+    """logits[rows]: a view where the rows are consecutive (a decode step's samples are every row in
+    order), so a step does not copy its whole logits (megabytes at a large vocabulary, on the path
+    between one decode forward and the next) before reading them. Nothing downstream writes into the
+    rows it is given: processors and penalties copy before they change a row."""
+    if isinstance(logits, np.ndarray) and rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]
+    return logits[rows]
+
+
 def full_rows(inp: IterationInputs) -> list[int]:
     """The logits rows the host needs in full whatever the candidates say: the samples whose draw
     is not reducible (sampling/reduce.py), and every scored prompt row."""
@@ -158,7 +168,8 @@ def sample_iteration(
         failed: dict[int, Exception] = {}
         if todo:
             sub = [rows[i] for i in todo]
-            processed, sub_failed = apply_processors(logits[[specs[i].logits_row for i in todo]], sub)
+            picked = take_rows(logits, [specs[i].logits_row for i in todo])
+            processed, sub_failed = apply_processors(picked, sub)
             processed = apply_penalties(processed, sub, sub_failed)
             for i, t in zip(todo, sample(processed, sub, sub_failed)):
                 tokens[i] = t
@@ -178,7 +189,9 @@ def sample_iteration(
         scored = _scored(
             want,
             lambda w: w[0].params.logprobs or 0,  # never None here: filtered above
-            lambda g, k: token_logprobs(logits[[s.logits_row for s, _ in g]], [t for _, t in g], k),
+            lambda g, k: token_logprobs(
+                take_rows(logits, [s.logits_row for s, _ in g]), [t for _, t in g], k
+            ),
             lambda w: w[0].req_key,
             errors,
             "logprobs",
@@ -187,7 +200,7 @@ def sample_iteration(
     scores = _scored(
         list(inp.scores),
         lambda s: s.num_top,
-        lambda g, k: token_logprobs(logits[[s.logits_row for s in g]], [s.token_id for s in g], k),
+        lambda g, k: token_logprobs(take_rows(logits, [s.logits_row for s in g]), [s.token_id for s in g], k),
         lambda s: s.req_key,
         errors,
         "prompt logprobs",

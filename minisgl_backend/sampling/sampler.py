@@ -131,7 +131,9 @@ def _failure(what: str, e: BaseException) -> RequestFailedError:
 def apply_processors(
     logits: np.ndarray, rows: Sequence[SampleRow]
 ) -> tuple[np.ndarray, dict[int, Exception]]:
-    """Run each row's logits processors (on torch views of the rows, per the public contract).
+    """Run each row's logits processors (on torch views of a copy of the rows, per the public
+    contract: the rows given are left as they are, since the caller may pass a view of logits that
+    other rows' logprobs are read from).
     A failing row — the processor raised anything (BaseException included: it is user code on an
     engine thread) or returned an unusable row — is reported by index as a RequestFailedError
     chaining the cause, never raised."""
