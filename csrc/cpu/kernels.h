@@ -54,8 +54,9 @@ int64_t packed_amx_elems(int64_t N, int64_t K);
 void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, int threads);
 void packed_rows_amx(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr_t ids, int64_t count, uintptr_t out,
                      int threads);
+// widen: y is float32, each output rounded to bf16 and widened back (the bf16 output's .float()).
 void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
-                int threads);
+                int threads, bool widen = false);
 void linear_amx_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K, int threads);
 void mlp_amx(uintptr_t x, uintptr_t gate_up, uintptr_t down, uintptr_t bias, uintptr_t y, int64_t M, int64_t I,
              int64_t H, int threads);
@@ -71,8 +72,9 @@ int64_t packed_dpbf16_elems(int64_t N, int64_t K);
 void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, int threads);
 void packed_rows_dpbf16(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr_t ids, int64_t count, uintptr_t out,
                         int threads);
+// widen: as linear_amx's.
 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
-                   int threads);
+                   int threads, bool widen = false);
 void linear_dpbf16_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K, int threads);
 
 // ---- linear_int8.cpp: 1-4 rows over int8 weights with per-channel scales ----

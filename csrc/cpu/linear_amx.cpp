@@ -90,8 +90,11 @@ struct TileShape {
     }
 };
 
-// rows x 32 float32 sums (row stride 32) + bias, rounded, into y's columns n0.. (the valid ones).
-AMX void store_sums(const float* sums, int rows, int64_t n0, int64_t N, const uint16_t* bias, uint16_t* y) {
+// rows x 32 float32 sums (row stride 32) + bias, rounded, into y's columns n0.. (the valid ones). Out
+// float: each output rounded to bf16 and widened back (the bits of the bf16 output's .float(), with no
+// pass over it afterwards).
+template <typename Out>
+AMX void store_sums(const float* sums, int rows, int64_t n0, int64_t N, const uint16_t* bias, Out* y) {
     const int64_t left = N - n0;
     const __mmask16 lo = first_lanes(left), hi = left > 16 ? first_lanes(left - 16) : 0;
     const __m512 b0 = bias ? load_bf16x16(bias + n0, lo) : _mm512_setzero_ps();
@@ -102,9 +105,14 @@ AMX void store_sums(const float* sums, int rows, int64_t n0, int64_t N, const ui
             v0 = _mm512_add_ps(v0, b0);
             v1 = _mm512_add_ps(v1, b1);
         }
-        uint16_t* yr = y + r * N + n0;
-        _mm256_mask_storeu_epi16(yr, lo, round_to_bf16(v0));
-        _mm256_mask_storeu_epi16(yr + 16, hi, round_to_bf16(v1));
+        Out* yr = y + r * N + n0;
+        if constexpr (std::is_same_v<Out, float>) {
+            _mm512_mask_storeu_ps(yr, lo, round16<uint16_t>(v0));
+            _mm512_mask_storeu_ps(yr + 16, hi, round16<uint16_t>(v1));
+        } else {
+            _mm256_mask_storeu_epi16(yr, lo, round_to_bf16(v0));
+            _mm256_mask_storeu_epi16(yr + 16, hi, round_to_bf16(v1));
+        }
     }
 }
 
@@ -456,12 +464,20 @@ AMX void linear_amx_packed(const uint16_t* ap, uintptr_t packed, uintptr_t bias,
 }
 
 AMX void linear_amx(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
-                    int threads) {
+                    int threads, bool widen) {
     const auto* bp = reinterpret_cast<const uint16_t*>(bias);
+    const auto* xp = reinterpret_cast<const uint16_t*>(x);
+    const auto* wp = reinterpret_cast<const uint16_t*>(packed);
+    if (widen) {
+        auto* yp = reinterpret_cast<float*>(y);
+        return amx_gemm(xp, wp, M, N, K, threads, [&](const float* sums, int rows, int64_t nb, int64_t m0) AMX {
+            store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N);
+        });
+    }
     auto* yp = reinterpret_cast<uint16_t*>(y);
-    amx_gemm(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed), M, N, K, threads,
-             [&](const float* sums, int rows, int64_t nb, int64_t m0)
-                 AMX { store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N); });
+    amx_gemm(xp, wp, M, N, K, threads, [&](const float* sums, int rows, int64_t nb, int64_t m0) AMX {
+        store_sums(sums, rows, nb * 32, N, bp, yp + m0 * N);
+    });
 }
 
 // y [M, I] = silu(gate) * up over a fused [gate | up] weight packed `gated` (N = 2I): the GEMM and

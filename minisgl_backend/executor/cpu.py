@@ -31,10 +31,11 @@ class CPUExecutor(DualWorkerExecutor):
         cpu_threads.adapt(None if inp.prefill_chunks else inp.num_decode)
         t0 = time.perf_counter()
         # Only the rows that sample or score leave the model, as float32 on the host: sampling runs on
-        # the CPU, on the copy worker, while the compute worker starts the next forward.
-        logits = (
-            self.model(forward_batch(inp, index_tensors(inp, input_ids)), self.kv).to(torch.float32).numpy()
-        )
+        # the CPU, on the copy worker, while the compute worker starts the next forward. The LM head
+        # writes them as float32 itself: a pass converting them would sit between one decode forward
+        # and the next, which waits for their tokens.
+        batch = forward_batch(inp, index_tensors(inp, input_ids))
+        logits = self.model(batch, self.kv, float32_logits=True).numpy()
         t1 = time.perf_counter()
         self.metrics.add("forward_s", t1 - t0)
         self.tracer.span("compute", f"forward {inp.iteration}", t0, t1)

@@ -487,18 +487,23 @@ def mlp_packed(
 
 
 def linear_packed(
-    x: torch.Tensor, packed: torch.Tensor, shape: tuple[int, ...], bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    shape: tuple[int, ...],
+    bias: torch.Tensor | None = None,
+    widen: bool = False,
 ) -> torch.Tensor | None:
     """F.linear(x, weight, bias) for bf16 CPU x [..., K] over pack(weight) (weight.shape = `shape`),
     at any row count. A row's output bits depend only on that row and the weight: never on the row
     count, the other rows or the thread count (each output is one chain of the unit's dot products
-    over K in a fixed order), so the default and the batch-invariant forward share it. None where it
-    cannot run (the caller keeps F.linear)."""
+    over K in a fixed order), so the default and the batch-invariant forward share it. `widen`: the
+    output as float32, the bf16 output's .float() written by the kernel itself (no pass over it
+    afterwards). None where it cannot run (the caller keeps F.linear)."""
     n, k = shape
     if not (x.dim() >= 1 and x.shape[-1] == k and _bf16_cpu_input(x, bias)):
         return None
     m = x.numel() // k if k else 0
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32 if widen else x.dtype)
     if m:
         run = _native.linear_amx if _ACTIVE.packs == "amx" else _native.linear_dpbf16
         run(x.reshape(m, k).contiguous(), packed, n, bias, out.view(m, n), threads())

@@ -39,20 +39,21 @@ class Linear(nn.Linear):
     # only up to cpu_kernels.F32_KERNEL_ROWS, beyond which the BLAS's blocking is faster.
     any_rows: bool = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, float32: bool = False) -> torch.Tensor:
+        """F.linear(x, weight, bias); `float32`: that output's values as float32, which the packed
+        kernels write themselves (no pass over the output afterwards)."""
         # Where packed, the int8 kernel wins only at one row: from two rows on, the packed kernel
         # reuses each (dequantized bf16) weight across the rows faster than the int8 FMA kernel.
+        out = None
         if self.qweight is not None and self.qscale is not None and (self.packed is None or x.shape[0] == 1):
             out = cpu_kernels.linear_int8(x, self.qweight, self.qscale, self.bias)
-            if out is not None:
-                return out
-        if self.packed is not None and not self.gated:
-            out = cpu_kernels.linear_packed(x, self.packed, self.weight.shape, self.bias)
-            if out is not None:
-                return out
-        # Inputs the packed kernels do not take (another dtype) read the weight back from the pack:
-        # correct, and never on an engine's path (its activations are the packed model's dtype).
-        return cpu_kernels.linear(x, self.dense(), self.bias, self.any_rows)
+        if out is None and self.packed is not None and not self.gated:
+            out = cpu_kernels.linear_packed(x, self.packed, self.weight.shape, self.bias, widen=float32)
+        if out is None:
+            # Inputs the packed kernels do not take (another dtype) read the weight back from the pack:
+            # correct, and never on an engine's path (its activations are the packed model's dtype).
+            out = cpu_kernels.linear(x, self.dense(), self.bias, self.any_rows)
+        return out.float() if float32 else out
 
     def dense(self) -> torch.Tensor:
         """The weight [out, in] in its own layout: `weight` itself, or read back from the pack (a new

@@ -212,18 +212,27 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype, device=x.device)
         return x
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm, LM head and (Gemma 2) soft-capping of the rows that need logits."""
-        return softcap(self.lm_head(self.model.norm(h)), self.spec.final_softcap)
+    def logits(self, h: torch.Tensor, float32: bool = False) -> torch.Tensor:
+        """Final norm, LM head and (Gemma 2) soft-capping of the rows that need logits; `float32`:
+        their values as float32 (the LM head writes them so where it can)."""
+        h = self.model.norm(h)
+        # Soft-capped logits are capped in the model dtype (as transformers does), and the
+        # batch-invariant forward's tiled head has no float32 store: both convert afterwards.
+        if float32 and self.spec.final_softcap is None and isinstance(self.lm_head, Linear):
+            return self.lm_head(h, float32=True)
+        out = softcap(self.lm_head(h), self.spec.final_softcap)
+        return out.float() if float32 else out
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Run one mixed batch; returns logits [len(batch.logits_index), vocab] in the model dtype."""
+    def forward(self, batch: ForwardBatch, kv: KVCache, float32_logits: bool = False) -> torch.Tensor:
+        """Run one mixed batch; returns logits [len(batch.logits_index), vocab] in the model dtype, or
+        their values as float32 (`float32_logits`: what the host's sampling reads, without a pass
+        that converts them)."""
         x = self.embed(batch.input_ids)
         ropes = self.forward_strategy.ropes(self, batch.positions, x.dtype)
         # Only rows that sample or score need the LM head (the largest matmul at this model size),
         # and the last layer past their K/V: layers() returns those rows only.
-        return self.logits(self.forward_strategy.layers(self, x, ropes, batch, kv))
+        return self.logits(self.forward_strategy.layers(self, x, ropes, batch, kv), float32_logits)
 
     @torch.no_grad()
     def load_checkpoint(self, checkpoint: Checkpoint) -> None:

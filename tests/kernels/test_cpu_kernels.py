@@ -872,6 +872,31 @@ def test_packed_linear_outputs_keep_their_subnormals(packing):
     assert torch.equal(act, want)
 
 
+@pytest.mark.parametrize("n,k", [(100, 64), (49, 96)])
+def test_widened_packed_linear_stores_the_bf16_outputs_values(packing, n, k):
+    """widen=True (the LM head's float32 logits): the kernel's own float32 stores hold exactly the
+    values of its bf16 outputs, bit for bit, at row counts on both of AMX's paths (rows streamed up
+    to 32, panels beyond), over N that is not whole tiles, with a bias, and on outputs that are
+    subnormal, infinite or NaN."""
+    g = _gen(43)
+    tiny = torch.finfo(torch.float32).smallest_normal
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    bias[::3] = (torch.randn(len(bias[::3]), generator=g) * tiny / 3).bfloat16()  # subnormal outputs
+    packed = cpu_kernels.pack(w)
+    for rows in (1, 5, 32, 33, 300):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        x[::4] = 0.0  # rows whose outputs are the bias
+        if rows > 2:
+            x[1, 3] = float("inf")
+            x[2, 5] = float("nan")
+        for b in (None, bias):
+            y = cpu_kernels.linear_packed(x, packed, (n, k), b)
+            wide = cpu_kernels.linear_packed(x, packed, (n, k), b, widen=True)
+            assert wide.dtype == torch.float32 and wide.shape == y.shape
+            assert torch.equal(y.float().view(torch.int32), wide.view(torch.int32)), f"{rows} rows"
+
+
 @pytest.mark.skipif(not cpu_kernels.runs_family("amx"), reason="no AMX tile unit on this CPU")
 @pytest.mark.parametrize("inter,h,bias", [(1536, 576, False), (96, 33, True), (64, 2200, False)])
 def test_whole_mlp_has_the_bits_of_its_two_linears(inter, h, bias):

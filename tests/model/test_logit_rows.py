@@ -226,3 +226,26 @@ def test_mlp_in_row_pieces_gives_the_bits_of_one_call(family, monkeypatch):
         pieces = mlp(x)
         assert calls == [7] * 7 + [1]
         assert torch.equal(pieces, whole)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("softcap", [None, 4.0], ids=["plain", "softcapped"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_logits_are_the_model_dtype_logits_widened(family, softcap, deterministic):
+    # What the CPU executor asks for (the packed LM head writes float32 itself; soft-capped logits and
+    # the deterministic forward's tiled head convert): the same values as the bf16 logits, so the
+    # draw and the logprobs cannot tell which they got.
+    with cpu_kernels.family_override(family):
+        shape = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, head_dim=32)
+        spec = model_spec(**shape, final_softcap=softcap)
+        model = random_bf16_model(spec)
+        model.pack_weights()
+        model.forward_strategy = forward_strategy(model, deterministic)
+        tables = torch.arange(3 * 4).view(3, 4)
+        got = []
+        for float32 in (False, True):
+            kv = KVCache(spec.num_layers, 12, BLOCK, spec.num_kv_heads, spec.head_dim, torch.bfloat16, "cpu")
+            got.append([model(_batch(step, tables, False), kv, float32_logits=float32) for step in (0, 1)])
+        for bf16, wide in zip(*got):
+            assert bf16.dtype == torch.bfloat16 and wide.dtype == torch.float32
+            assert torch.equal(bf16.float(), wide)
