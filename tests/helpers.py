@@ -85,3 +85,28 @@ def run_module(module: str, *args: str, timeout: float = 300) -> subprocess.Comp
 def run_minisgl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """The `minisgl` command line (`python -m minisgl_backend.cli args...`)."""
     return run_module("minisgl_backend.cli", *args, timeout=timeout)
+
+
+def sampling_inputs(samples: tuple, scores: tuple = ()) -> Any:
+    """The IterationInputs of a sampling stage test: `samples` and `scores` over logits rows 0.. (no
+    forward inputs: the stage reads none)."""
+    import torch
+
+    from minisgl_backend.iteration import IterationInputs
+
+    empty = torch.zeros(0, dtype=torch.int64)
+    return IterationInputs(
+        iteration=1,
+        depends_on=0,
+        table_rows=empty,
+        positions=empty,
+        slot_mapping=empty,
+        prompt_writes=(),
+        num_decode=0,
+        decode_block_tables=None,
+        decode_mask=None,
+        prefill_chunks=(),
+        logits_index=torch.arange(len(samples) + len(scores)),
+        samples=samples,
+        scores=scores,
+    )

@@ -11,27 +11,13 @@ from minisgl_backend import SamplingParams
 from minisgl_backend.executor.sample_stage import sample_iteration, take_rows
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.iteration import IterationInputs, SampleSpec
+from tests.helpers import sampling_inputs
 
 VOCAB = 500
 
 
 def _inputs(params: list[SamplingParams]) -> IterationInputs:
-    empty = torch.zeros(0, dtype=torch.int64)
-    return IterationInputs(
-        iteration=1,
-        depends_on=0,
-        table_rows=empty,
-        positions=empty,
-        slot_mapping=empty,
-        prompt_writes=(),
-        num_decode=len(params),
-        decode_block_tables=None,
-        decode_mask=None,
-        prefill_chunks=(),
-        logits_index=torch.arange(len(params)),
-        samples=tuple(SampleSpec(i, 100 + i, i, 8, 4, p, 7) for i, p in enumerate(params)),
-        scores=(),
-    )
+    return sampling_inputs(tuple(SampleSpec(i, 100 + i, i, 8, 4, p, 7) for i, p in enumerate(params)))
 
 
 def test_consecutive_rows_are_read_in_place_and_any_others_by_index():

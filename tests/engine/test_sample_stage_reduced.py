@@ -12,6 +12,7 @@ from minisgl_backend import SamplingParams
 from minisgl_backend.executor.sample_stage import ReducedLogits, reduce_iteration, sample_iteration
 from minisgl_backend.executor.token_table import TokenTable
 from minisgl_backend.iteration import IterationInputs, SampleSpec, ScoreSpec
+from tests.helpers import sampling_inputs
 
 pytestmark = pytest.mark.gpu_sim
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,22 +41,7 @@ def _iteration(n: int, rng: np.random.Generator) -> tuple[IterationInputs, np.nd
         for i in range(n)
     )
     scores = (ScoreSpec(n, 900, 3, 17, 2), ScoreSpec(n + 1, 901, 4, 23, 0))
-    empty = torch.zeros(0, dtype=torch.int64)
-    inp = IterationInputs(
-        iteration=1,
-        depends_on=0,
-        table_rows=empty,
-        positions=empty,
-        slot_mapping=empty,
-        prompt_writes=(),
-        num_decode=0,
-        decode_block_tables=None,
-        decode_mask=None,
-        prefill_chunks=(),
-        logits_index=torch.arange(n + 2),
-        samples=samples,
-        scores=scores,
-    )
+    inp = sampling_inputs(samples, scores)
     return inp, logits
 
 
