@@ -35,7 +35,7 @@ void check_linear_rows(TensorArg& x, TensorArg& bias, TensorArg& y, int64_t n, D
     y.required().dtype(dtype).shape({x.size(0), n}).contiguous();
 }
 
-// A packed linear's arguments: bf16 x and bias, out bf16 or float32 (true: the bf16 outputs widened).
+// linear_amx's arguments: bf16 x and bias, out bf16 or float32 (true: the bf16 outputs widened).
 bool check_packed_linear(TensorArg& x, TensorArg& bias, TensorArg& y, int64_t n) {
     x.required().dtype(DType::BF16).shape({ANY, ANY}).contiguous();
     bias.dtype(DType::BF16).shape({n}).contiguous();
@@ -320,14 +320,13 @@ PYBIND11_MODULE(_kernels, m) {
         [](py::handle x_, py::handle packed_, int64_t n, py::handle bias_, py::handle y_, int threads) {
             const char* op = "linear_dpbf16";
             TensorArg x(op, "x", x_), packed(op, "packed", packed_), bias(op, "bias", bias_), y(op, "out", y_);
-            const bool widen = check_packed_linear(x, bias, y, n);
+            check_linear_rows(x, bias, y, n);
             check_pack(packed, dpbf16_elems(n, x.size(1), false));
             py::gil_scoped_release nogil;
-            linear_dpbf16(x.ptr(), packed.ptr(), bias.ptr(), y.ptr(), x.size(0), n, x.size(1), threads, widen);
+            linear_dpbf16(x.ptr(), packed.ptr(), bias.ptr(), y.ptr(), x.size(0), n, x.size(1), threads);
         },
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("out"), py::arg("threads"),
-        "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], or None) for any M over pack_dpbf16(w); bfloat16 (out float32: "
-        "the bfloat16 outputs widened).");
+        "out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N], or None) for any M over pack_dpbf16(w); bfloat16.");
     silu_linear("linear_dpbf16_silu", &dpbf16_elems, &linear_dpbf16_silu,
                 "out[M,N/2] = silu(x @ gate^T) * (x @ up^T) over pack_dpbf16([gate | up] [N,K], gated=True).");
     m.def(

@@ -72,9 +72,8 @@ int64_t packed_dpbf16_elems(int64_t N, int64_t K);
 void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, int threads);
 void packed_rows_dpbf16(uintptr_t packed, int64_t N, int64_t K, bool gated, uintptr_t ids, int64_t count, uintptr_t out,
                         int threads);
-// widen: as linear_amx's.
 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
-                   int threads, bool widen = false);
+                   int threads);
 void linear_dpbf16_silu(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t M, int64_t I, int64_t K, int threads);
 
 // ---- linear_int8.cpp: 1-4 rows over int8 weights with per-channel scales ----

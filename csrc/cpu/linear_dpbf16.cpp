@@ -204,10 +204,9 @@ void packed_rows_dpbf16(uintptr_t packed, int64_t N, int64_t K, bool gated, uint
 }
 
 DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t M, int64_t N, int64_t K,
-                          int threads, bool widen) {
+                          int threads) {
     const auto* bp = reinterpret_cast<const uint16_t*>(bias);
     auto* yp = reinterpret_cast<uint16_t*>(y);
-    auto* wide = reinterpret_cast<float*>(y);  // widen: each output rounded to bf16, stored as float32
     dp_linear(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed), M, N, K, threads,
               [&](const float* sums, int64_t c0, int64_t c1, int64_t n0, int vectors) DPBF16 {
                   for (int v = 0; v < vectors; ++v) {
@@ -217,9 +216,7 @@ DPBF16 void linear_dpbf16(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr
                       for (int64_t r = c0; r < c1; ++r) {
                           __m512 s = _mm512_load_ps(sums + (r - c0) * 64 + v * 16);
                           if (bp) s = _mm512_add_ps(s, b);
-                          if (widen)
-                              _mm512_mask_storeu_ps(wide + r * N + n, lanes, round16_dp(s));
-                          else if (lanes == 0xffff)
+                          if (lanes == 0xffff)
                               _mm256_storeu_si256(reinterpret_cast<__m256i*>(yp + r * N + n), round_to_bf16_dp(s));
                           else
                               _mm256_mask_storeu_epi16(yp + r * N + n, lanes, round_to_bf16_dp(s));

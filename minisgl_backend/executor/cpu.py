@@ -32,8 +32,8 @@ class CPUExecutor(DualWorkerExecutor):
         t0 = time.perf_counter()
         # Only the rows that sample or score leave the model, as float32 on the host: sampling runs on
         # the CPU, on the copy worker, while the compute worker starts the next forward. The LM head
-        # writes them as float32 itself: a pass converting them would sit between one decode forward
-        # and the next, which waits for their tokens.
+        # writes them as float32 itself where its kernel can: a pass converting them sits between one
+        # decode forward and the next, which waits for their tokens.
         batch = forward_batch(inp, index_tensors(inp, input_ids))
         logits = self.model(batch, self.kv, float32_logits=True).numpy()
         t1 = time.perf_counter()

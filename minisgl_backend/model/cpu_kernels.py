@@ -497,17 +497,21 @@ def linear_packed(
     at any row count. A row's output bits depend only on that row and the weight: never on the row
     count, the other rows or the thread count (each output is one chain of the unit's dot products
     over K in a fixed order), so the default and the batch-invariant forward share it. `widen`: the
-    output as float32, the bf16 output's .float() written by the kernel itself (no pass over it
-    afterwards). None where it cannot run (the caller keeps F.linear)."""
+    output as float32, the bf16 output's .float(). None where it cannot run (the caller keeps
+    F.linear)."""
     n, k = shape
     if not (x.dim() >= 1 and x.shape[-1] == k and _bf16_cpu_input(x, bias)):
         return None
     m = x.numel() // k if k else 0
-    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32 if widen else x.dtype)
+    # The AMX kernel stores the widened outputs itself, saving a pass over them. The AVX512-BF16
+    # kernel converts afterwards: its float32 stores, made between the products of a loop bound by
+    # its arithmetic, cost more than the pass they would save.
+    amx = _ACTIVE.packs == "amx"
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32 if widen and amx else x.dtype)
     if m:
-        run = _native.linear_amx if _ACTIVE.packs == "amx" else _native.linear_dpbf16
+        run = _native.linear_amx if amx else _native.linear_dpbf16
         run(x.reshape(m, k).contiguous(), packed, n, bias, out.view(m, n), threads())
-    return out
+    return out.float() if widen else out
 
 
 def pack_kind() -> int:

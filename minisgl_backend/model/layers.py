@@ -40,8 +40,8 @@ class Linear(nn.Linear):
     any_rows: bool = False
 
     def forward(self, x: torch.Tensor, float32: bool = False) -> torch.Tensor:
-        """F.linear(x, weight, bias); `float32`: that output's values as float32, which the packed
-        kernels write themselves (no pass over the output afterwards)."""
+        """F.linear(x, weight, bias); `float32`: that output's values as float32, which the AMX
+        kernel writes itself (no pass over the output afterwards)."""
         # Where packed, the int8 kernel wins only at one row: from two rows on, the packed kernel
         # reuses each (dequantized bf16) weight across the rows faster than the int8 FMA kernel.
         out = None

@@ -874,10 +874,10 @@ def test_packed_linear_outputs_keep_their_subnormals(packing):
 
 @pytest.mark.parametrize("n,k", [(100, 64), (49, 96)])
 def test_widened_packed_linear_stores_the_bf16_outputs_values(packing, n, k):
-    """widen=True (the LM head's float32 logits): the kernel's own float32 stores hold exactly the
-    values of its bf16 outputs, bit for bit, at row counts on both of AMX's paths (rows streamed up
-    to 32, panels beyond), over N that is not whole tiles, with a bias, and on outputs that are
-    subnormal, infinite or NaN."""
+    """widen=True (the LM head's float32 logits): exactly the values of the bf16 outputs, bit for
+    bit (AMX's own float32 stores; the AVX512-BF16 kernel's outputs converted), at row counts on both
+    of AMX's paths (rows streamed up to 32, panels beyond), over N that is not whole tiles, with a
+    bias, and on outputs that are subnormal, infinite or NaN."""
     g = _gen(43)
     tiny = torch.finfo(torch.float32).smallest_normal
     w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
