@@ -43,7 +43,10 @@ constexpr int64_t PANEL_WEIGHT_BYTES = 896 * 1024;
 // once per panel and used by every block of it, so a panel of a few blocks leaves the kernel waiting
 // on x; where K is so long that this many blocks' whole K would not fit in the panel's bytes, the
 // panel covers a range of K at a time, and every row block's float32 sums are kept between ranges.
-constexpr int64_t PANEL_MIN_BLOCKS = 16;
+// Those kept sums (4 KB a block for each row block of the chunk) share L2 with the panel's weights:
+// at twice this many blocks they would outweigh the weights themselves, the two would no longer fit
+// in L2 together, and every range would reload both from beyond it.
+constexpr int64_t PANEL_MIN_BLOCKS = 8;
 constexpr int64_t PANEL_ROW_CHUNK = 512;  // rows per work item of the panel order
 
 struct alignas(64) Line {  // one cache line of scratch
