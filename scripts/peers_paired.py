@@ -1,8 +1,8 @@
 """Paired throughput comparison of engines on fixed workloads, for a machine whose speed moves.
 
-On a shared host the same run can take a third more or less from one minute to the next, so two
-engines measured one after the other (each loaded, warmed up and timed in its own sitting) give a
-ratio that says as much about those minutes as about the engines. Here every engine is loaded once,
+On a shared host the same run can take much more or much less time from one minute to the next, so
+two engines measured one after the other (each loaded, warmed up and timed in its own sitting) give
+a ratio that says as much about those minutes as about the engines. Here every engine is loaded once,
 in its own process, and they take turns: each round runs every workload once on each engine, the
 engines' order flipped every round, so the two runs of a pair are seconds apart and see the same
 machine. The ratio is taken within each round (the first engine's wall time over the other's: above
