@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from minisgl_backend.errors import ConfigError
+from minisgl_backend.pages import huge_page_zeros
 
 
 def kv_bytes_per_block(
@@ -35,6 +36,15 @@ def kv_blocks_from_device_memory(
     return int(blocks)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """One layer's K or V pool, zeros. On the CPU its pages are faulted in as blocks are first
+    written rather than all at start-up (pages.huge_page_zeros), and lie on huge pages where the
+    platform gives them: attention's walks over scattered blocks take fewer TLB misses."""
+    if torch.device(device).type == "cpu":
+        return huge_page_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class KVCache:
     """K/V storage. Slot s of the pool is (block s // block_size, offset s % block_size)."""
 
@@ -51,8 +61,8 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V ([N, kv_heads, head_dim]) at flat slot indices [N]."""

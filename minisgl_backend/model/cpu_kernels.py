@@ -22,7 +22,6 @@ bits that depend on that row alone, which is what the batch-invariant forward ne
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -32,7 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minisgl_backend.arith import cdiv, int_bits
+from minisgl_backend.arith import int_bits
+from minisgl_backend.pages import huge_page_empty
 
 try:  # built by setup.py when a C++ compiler is present (optional, like the in-flight tracker)
     from minisgl_backend.native import _kernels as _native  # type: ignore[attr-defined]
@@ -385,24 +385,6 @@ def linear(
     out = torch.empty(m, n, dtype=x.dtype)
     _native.linear_bf16(x, weight, bias, out, threads(), _ACTIVE.isa)
     return out
-
-
-HUGE_PAGE = 2 << 20
-
-
-def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised 1-D CPU tensor in its own anonymous mapping that the kernel is asked to back
-    with 2 MB pages (madvise MADV_HUGEPAGE; the tensor keeps the mapping alive). A decode step
-    streams every packed weight once: on 4 KB pages (all an unadvised allocation gets where
-    transparent huge pages are `madvise`, the common default) that is a TLB walk per 4 KB, which a
-    large model's batch-1 step pays in full. torch.empty where the platform has no MADV_HUGEPAGE or
-    for less than one huge page."""
-    nbytes = numel * dtype.itemsize
-    if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
-        return torch.empty(numel, dtype=dtype)
-    region = mmap.mmap(-1, cdiv(nbytes, HUGE_PAGE) * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=dtype, count=numel)
 
 
 def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:

@@ -107,6 +107,17 @@ class Linear(nn.Linear):
             self.pack(gated)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that draws no random values on the meta device: a model built there (the
+    loader's) takes its values from the checkpoint, and drawing them under torch's device context
+    would run torch's reference ops, whose first use imports its compiler stack: a slow import at
+    every start-up, for nothing."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

@@ -30,6 +30,7 @@ from minisgl_backend.model.layers import (
     AttentionBackend,
     DecoderLayer,
     DecoderLayers,
+    Embedding,
     Linear,
     default_attention,
     norm_layer,
@@ -96,7 +97,7 @@ def build_rotary(spec: ModelSpec) -> nn.ModuleList:
 class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = DecoderLayers(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = norm_layer(spec, spec.hidden_size)
         self.rotary = build_rotary(spec)

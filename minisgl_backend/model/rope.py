@@ -227,11 +227,20 @@ class Rotary(nn.Module):
     def __init__(self, spec: RopeSpec) -> None:
         super().__init__()
         self.spec = spec
-        inv_freq, self.scale = base_inv_freq(spec)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        if spec.rope_type == "longrope":
-            long_inv_freq = _longrope(spec, _given(spec.long_factor, "long_factor"))
-            self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+        # Computed on the CPU, then moved to the default device: on the meta device, where the
+        # loader builds a model before its memory exists, these few ops would run torch's reference
+        # implementations, whose first use imports its compiler stack: a slow import at every start-up.
+        device = torch.get_default_device()
+        with torch.device("cpu"):
+            inv_freq, self.scale = base_inv_freq(spec)
+            long_inv_freq = (
+                _longrope(spec, _given(spec.long_factor, "long_factor"))
+                if spec.rope_type == "longrope"
+                else None
+            )
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        if long_inv_freq is not None:
+            self.register_buffer("long_inv_freq", long_inv_freq.to(device), persistent=False)
 
     def inv_freq_at(self, positions: torch.Tensor) -> torch.Tensor:
         """[N, dim/2] frequencies of each position (the sequence length it sees is position + 1)."""

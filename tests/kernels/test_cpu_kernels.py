@@ -205,7 +205,7 @@ def packing(request):
         yield request.param
 
 
-# (2048, 1024): a pack of 4 MB, which lives in its own huge-page mapping (cpu_kernels.huge_page_empty);
+# (2048, 1024): a pack of 4 MB, which lives in its own huge-page mapping (pages.huge_page_empty);
 # (3072, 576) with 600 rows: AMX's panel order over several weight panels and row chunks; (300, 2200)
 # with 600 rows: K so long that AMX's panels cover it range by range, each row block's sums kept
 @pytest.mark.parametrize(
@@ -271,17 +271,6 @@ def test_a_rows_bits_hold_across_the_float32_range(packing):
             assert torch.equal(part.view(torch.int16), y[at : at + m].view(torch.int16)), (
                 f"rows {at}..{at + m} alone differ from the batch"
             )
-
-
-def test_huge_page_tensor_outlives_every_name_of_its_mapping():
-    import gc
-
-    t = cpu_kernels.huge_page_empty(3 << 20, torch.bfloat16)  # 6 MB: an mmap'd region of its own
-    gc.collect()
-    t.fill_(1.5)
-    assert t.shape == (3 << 20,) and t.is_contiguous()
-    assert t.float().sum().item() == 1.5 * (3 << 20)
-    assert cpu_kernels.huge_page_empty(10, torch.bfloat16).shape == (10,)  # small: torch.empty
 
 
 def test_packed_linear_layer_holds_its_weight_once(packing):
