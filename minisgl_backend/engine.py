@@ -109,7 +109,9 @@ def _device_free_bytes(dev: torch.device) -> tuple[int, int]:
 def _load(config: EngineConfig, executor: DualWorkerExecutor) -> tuple[LoadedModel, KVCache]:
     """Load the model and size + allocate the KV cache, on the compute thread: heavy torch work runs
     there, the only thread with an OpenMP team (see executor/base.py)."""
-    loaded = executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device))
+    # int8 weights are quantized from the dense ones, then packed (prepare): no packing as they load.
+    pack = config.weight_dtype != "int8"
+    loaded = executor.run_on_compute(lambda: load_model(config.model, config.dtype, config.device, pack))
     executor.run_on_compute(lambda: prepare(loaded.model, config.weight_dtype, config.deterministic))
     spec, dtype = loaded.model.spec, DTYPES[loaded.dtype]
     per_block = kv_bytes_per_block(

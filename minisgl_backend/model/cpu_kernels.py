@@ -387,6 +387,16 @@ def linear(
     return out
 
 
+def packs_weight(weight: torch.Tensor) -> bool:
+    """True if pack(weight) packs it (ungated at least): a 2-D bf16 CPU weight under a packing family."""
+    return (
+        bool(_ACTIVE.packs)
+        and weight.dim() == 2
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+    )
+
+
 def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     """weight [N, K] (bf16, CPU) in the packed linear's layout (AMX tiles, or AVX512-BF16 panels),
     a new tensor of about the same size (zero-padded to whole tiles); None where linear_packed
@@ -396,9 +406,7 @@ def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
     cannot read it."""
     if gated and not (weight.dim() == 2 and weight.shape[0] % 64 == 0):
         return None
-    if not (
-        _ACTIVE.packs and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-    ):
+    if not packs_weight(weight):
         return None
     weight = weight.contiguous()
     n, k = weight.shape

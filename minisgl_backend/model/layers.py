@@ -64,14 +64,20 @@ class Linear(nn.Linear):
         return cpu_kernels.packed_rows(self.packed, self.weight.shape, rows, self.gated)
 
     @torch.no_grad()
-    def pack(self, gated: bool = False) -> bool:
+    def pack(self, gated: bool = False, values: torch.Tensor | None = None) -> bool:
         """Move the weight into the packed kernel's layout: the pack replaces it (`weight` becomes a
         meta tensor of its shape), so the model holds its weights once. False, and nothing changes,
         where the packed kernels cannot run (neither AMX nor AVX512-BF16, not bf16 on the CPU).
         Packing again (another `gated`) reads the values back from the current pack; to change the
         weight, unpack() first. gated: a SiLU MLP's [gate | up] weight, packed for the fused
-        linear_packed_silu where that runs (AVX512-BF16, no bias, not int8)."""
-        weight = self.dense()
+        linear_packed_silu where that runs (no bias, not int8). `values`: the weight's values, where
+        they lie elsewhere than in `weight` (the loader's reusable buffer: the weight's own memory
+        is then never written, and released by the pack)."""
+        weight = self.dense() if values is None else values
+        if tuple(weight.shape) != tuple(self.weight.shape) or weight.dtype != self.weight.dtype:
+            raise ValueError(
+                f"values {list(weight.shape)} {weight.dtype} for a {list(self.weight.shape)} weight"
+            )
         packed = None
         if gated and self.bias is None and self.qweight is None:
             packed = cpu_kernels.pack(weight, gated=True)

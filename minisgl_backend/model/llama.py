@@ -38,6 +38,7 @@ from minisgl_backend.model.layers import (
 )
 from minisgl_backend.model.rope import Rotary
 from minisgl_backend.model.spec import ModelSpec
+from minisgl_backend.pages import huge_page_empty
 
 # (cos, sin) [N, 1, rotary dim] per RoPE of the model (Decoder.rotary), for the N rows of a batch.
 Ropes = list[tuple[torch.Tensor, torch.Tensor]]
@@ -134,11 +135,18 @@ class CausalLM(nn.Module):
         reads its rows from the head's pack (embed), so every weight is held once."""
         self.weights_version += 1
         tied = self.lm_head.weight is self.model.embed_tokens.weight
-        gated = {id(layer.mlp.gate_up_proj) for layer in self.model.layers if layer.mlp.hidden_act == "silu"}
-        packed = sum(m.pack(gated=id(m) in gated) for m in self.modules() if isinstance(m, Linear))
+        gated = self._gated_linears()
+        # Layers the loader already packed (load_checkpoint's `pack`) stay as they are.
+        packed = sum(
+            m.packed is not None or m.pack(gated=m in gated) for m in self.modules() if isinstance(m, Linear)
+        )
         if tied and self.lm_head.packed is not None:
             self.model.embed_tokens.weight = self.lm_head.weight  # the meta stand-in: rows come from the pack
         return packed
+
+    def _gated_linears(self) -> set[Linear]:
+        """The [gate | up] weights packed for the fused SiLU MLP kernel."""
+        return {layer.mlp.gate_up_proj for layer in self.model.layers if layer.mlp.hidden_act == "silu"}
 
     def unpack_weights(self) -> None:
         """Undo pack_weights: every linear layer (and a tied embedding) holds its weight in its own
@@ -236,12 +244,17 @@ class CausalLM(nn.Module):
         return self.logits(self.forward_strategy.layers(self, x, ropes, batch, kv), float32_logits)
 
     @torch.no_grad()
-    def load_checkpoint(self, checkpoint: Checkpoint) -> None:
+    def load_checkpoint(self, checkpoint: Checkpoint, pack: bool = False) -> None:
         """Read every weight from `checkpoint` into this model's parameters in place (their dtype and
         device: converted on the way where the checkpoint's differ), one tensor at a time, so
         loading never holds a second copy of the model. Hugging Face's separate projections land
         in their rows of the fused ones (fused_layout). Raises ValueError naming what is missing,
-        unexpected or mis-shaped."""
+        unexpected or mis-shaped.
+
+        `pack`: each linear weight the packed kernels take is read into one reusable buffer and
+        packed from there as pack_weights would pack it (the same bits), so its own memory is never
+        written: that is most of a model, and writing it first would fault in every page of it
+        only to copy it into the packs and release it."""
         self.tie_weights()  # moving off the meta device unties shared parameters
         params = self.state_dict(keep_vars=True)
         layout = fused_layout({k: v for k, v in checkpoint.shapes.items() if "rotary_emb" not in k})
@@ -254,17 +267,44 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"checkpoint does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}"
             )
+        packed_by = self._packed_at_load(params) if pack else {}
+        buffer = None
+        if packed_by:
+            largest = max(params[t].numel() for t in packed_by)
+            buffer = huge_page_empty(largest, next(iter(params[t] for t in packed_by)).dtype)
+        gated = self._gated_linears()
         for target, parts in layout.items():
             dest = params[target].data
+            lin = packed_by.get(target)
+            into = dest if lin is None or buffer is None else buffer[: dest.numel()].view(dest.shape)
             if len(parts) == 1:
-                checkpoint.read_into(parts[0][0], dest)
-                continue
-            shapes = [checkpoint.shapes[name] for name, _ in parts]
-            if sum(s[0] for s in shapes) != dest.shape[0] or any(s[1:] != dest.shape[1:] for s in shapes):
-                want = list(dest.shape)
-                raise ValueError(f"{target}: the checkpoint's parts {shapes} do not make the model's {want}")
-            for (name, row), shape in zip(parts, shapes, strict=True):
-                checkpoint.read_into(name, dest[row : row + shape[0]])
+                checkpoint.read_into(parts[0][0], into)
+            else:
+                shapes = [checkpoint.shapes[name] for name, _ in parts]
+                if sum(s[0] for s in shapes) != into.shape[0] or any(s[1:] != into.shape[1:] for s in shapes):
+                    want = list(into.shape)
+                    raise ValueError(
+                        f"{target}: the checkpoint's parts {shapes} do not make the model's {want}"
+                    )
+                for (name, row), shape in zip(parts, shapes, strict=True):
+                    checkpoint.read_into(name, into[row : row + shape[0]])
+            if lin is not None and into is not dest and not lin.pack(gated=lin in gated, values=into):
+                dest.copy_(into)  # turned down after all: the weight keeps its values in its own memory
+        if tied and self.lm_head.packed is not None:
+            self.model.embed_tokens.weight = self.lm_head.weight  # as pack_weights leaves it
+
+    def _packed_at_load(self, params: dict[str, torch.Tensor]) -> dict[str, Linear]:
+        """Parameter name -> the linear layer whose weight it is, for the weights the packed
+        kernels take (a tied embedding's is the LM head's)."""
+        out = {}
+        for name, module in self.named_modules():
+            if isinstance(module, Linear) and cpu_kernels.packs_weight(module.weight):
+                key = f"{name}.weight"
+                if module is self.lm_head and self.spec.tie_word_embeddings:
+                    key = "model.embed_tokens.weight"
+                if key in params and params[key] is module.weight:
+                    out[key] = module
+        return out
 
 
 # The fused parameters and the Hugging Face projections they hold, in row order.

@@ -131,7 +131,10 @@ class LoadedModel(NamedTuple):
     dtype: str = "float32"  # what the weights (and so the KV cache) are held in: resolve_dtype's answer
 
 
-def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
+def load_model(ref: str, dtype: str, device: str, pack: bool = False) -> LoadedModel:
+    """The model `ref` resolves to, its weights read in `dtype` onto `device`, and its tokenizer.
+    `pack`: the linear weights the packed CPU kernels take are packed as they are read
+    (CausalLM.load_checkpoint), what prepare() would do next, without first writing them out."""
     from transformers import AutoConfig
 
     model_dir = resolve_model_dir(ref)
@@ -158,7 +161,7 @@ def load_model(ref: str, dtype: str, device: str) -> LoadedModel:
         model = CausalLM(spec).to(DTYPES[dtype])
     model = model.to_empty(device=device).eval()
     try:
-        model.load_checkpoint(checkpoint)
+        model.load_checkpoint(checkpoint, pack=pack)
     except (ValueError, RuntimeError, KeyError) as e:  # missing / unexpected / mis-shaped tensors
         raise ModelLoadError(f"the weights in {model_dir} do not match its config.json: {e}") from e
     # Rebuilt after to_empty/dtype conversion: the rope frequencies are not in the checkpoint and stay fp32.

@@ -17,6 +17,7 @@ import torch
 from minisgl_backend.errors import ModelLoadError
 from minisgl_backend.model import checkpoint as ckpt
 from minisgl_backend.model import cpu_kernels
+from minisgl_backend.model.layers import Linear
 from minisgl_backend.model.llama import CausalLM
 from tests.helpers import model_spec, random_bf16_model
 
@@ -129,13 +130,12 @@ def test_checkpoint_entries_that_do_not_fit_are_load_errors(tmp_path, entry):
         ckpt.Checkpoint(tmp_path)
 
 
-def test_separate_projections_fill_their_rows_of_the_fused_ones(tmp_path):
-    """Hugging Face's q/k/v and gate/up tensors land in the fused parameters' rows in order; a part
-    of the wrong size is named."""
-    spec = model_spec()
-    ref = random_bf16_model(spec)
-    state = {}
+def _hf_state(ref: CausalLM) -> dict[str, torch.Tensor]:
+    """`ref`'s weights as a Hugging Face checkpoint names them: separate q/k/v and gate/up."""
+    spec, state = ref.spec, {}
     for name, p in ref.state_dict().items():
+        if name == "lm_head.weight" and spec.tie_word_embeddings:
+            continue
         if name.endswith("qkv_proj.weight"):
             q, k, v = p.split([spec.num_heads * spec.head_dim, *[spec.num_kv_heads * spec.head_dim] * 2])
             base = name[: -len("qkv_proj.weight")]
@@ -146,10 +146,23 @@ def test_separate_projections_fill_their_rows_of_the_fused_ones(tmp_path):
             state |= {base + "gate_proj.weight": gate, base + "up_proj.weight": up}
         else:
             state[name] = p
-    _write(tmp_path / "model.safetensors", state)
+    return state
+
+
+def _meta_built(spec) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(spec).to(torch.bfloat16)
-    model = model.to_empty(device="cpu")
+    return model.to_empty(device="cpu")
+
+
+def test_separate_projections_fill_their_rows_of_the_fused_ones(tmp_path):
+    """Hugging Face's q/k/v and gate/up tensors land in the fused parameters' rows in order; a part
+    of the wrong size is named."""
+    spec = model_spec()
+    ref = random_bf16_model(spec)
+    state = _hf_state(ref)
+    _write(tmp_path / "model.safetensors", state)
+    model = _meta_built(spec)
     model.load_checkpoint(ckpt.Checkpoint(tmp_path))
     for name, p in ref.state_dict().items():
         assert torch.equal(model.state_dict()[name], p), name
@@ -159,7 +172,42 @@ def test_separate_projections_fill_their_rows_of_the_fused_ones(tmp_path):
         model.load_checkpoint(ckpt.Checkpoint(tmp_path))
 
 
-def test_loading_peaks_at_the_weights_once(tmp_path):
+@needs_packing
+@pytest.mark.parametrize("tied", [False, True])
+def test_packing_as_the_weights_load_gives_the_packs_packing_after_gives(tmp_path, tied):
+    """load_checkpoint(pack=True) packs each linear weight from its read buffer: the same packs
+    (gated where pack_weights gates) as reading then pack_weights(), which then leaves them as they
+    are, and a tied embedding reads its rows from the LM head's pack; the norms and an untied
+    embedding are read as before."""
+    spec = _spec(tied)
+    ref = random_bf16_model(spec)
+    _write(tmp_path / "model.safetensors", _hf_state(ref))
+    after = _meta_built(spec)
+    after.load_checkpoint(ckpt.Checkpoint(tmp_path))
+    assert after.pack_weights() == 2 * 4 + 1
+    model = _meta_built(spec)
+    model.load_checkpoint(ckpt.Checkpoint(tmp_path), pack=True)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    assert len(linears) == 2 * 4 + 1
+    packs = {n: m.packed for n, m in linears}
+    for name, lin in linears:
+        other = after.get_submodule(name)
+        assert lin.packed is not None and lin.weight.is_meta, f"{name} was not packed as it loaded"
+        assert lin.gated == other.gated and torch.equal(lin.packed, other.packed), name
+    assert model.embeds_from_head() == tied
+    assert model.pack_weights() == 2 * 4 + 1
+    assert all(m.packed is packs[n] for n, m in linears), "pack_weights packed a loaded pack again"
+    ids = torch.tensor([0, 5, 511, 5])
+    with torch.inference_mode():
+        assert torch.equal(model.embed(ids), after.embed(ids))
+    for name, p in after.state_dict().items():
+        if not p.is_meta:
+            assert torch.equal(model.state_dict()[name], p), name
+    assert model.held_bytes() <= 1.15 * model.weight_bytes()
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_loading_peaks_at_the_weights_once(tmp_path, pack):
     """load_model's peak resident memory grows by the weights once (a 400 MB bf16 checkpoint with
     separate q/k/v and gate/up tensors), not by a dictionary of them beside the model or a float32
     model before the cast. Measured in a fresh process: its high-water mark after load_model against
@@ -188,7 +236,7 @@ def test_loading_peaks_at_the_weights_once(tmp_path):
                     return int(line.split()[1]) * 1024
         load_tokenizer({str(model_dir)!r})
         before = peak()
-        loaded = load_model({str(model_dir)!r}, "bfloat16", "cpu")
+        loaded = load_model({str(model_dir)!r}, "bfloat16", "cpu", pack={pack})
         print(peak() - before)
         """
     )
