@@ -418,21 +418,45 @@ inline int64_t amx_row(int64_t nb, int64_t j, int64_t n, int64_t N, bool gated) 
     return gated ? j * (N / 2) + nb * 16 + n : nb * 32 + j * 16 + n;
 }
 
+namespace {
+
+// One tile of the pack from 16 whole rows (row0 on) and 32 whole columns (col0 on) of a weight whose
+// rows are an even number of elements: the tile wants bf16 pair p of row n at [p][n], a 16 x 16
+// transpose of 32-bit pairs, gathered here a tile row (16 rows' pair p) at a time.
+AVX512 void pack_amx_tile(const uint16_t* wp, uint16_t* tile, int64_t row0, int64_t col0, int64_t K) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(int(K / 2)));
+    const auto* base = reinterpret_cast<const int*>(wp + row0 * K + col0);
+    for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * 32, _mm512_i32gather_epi32(rows, base + p, 4));
+}
+
+}  // namespace
+
 void pack_amx(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, int threads) {
     const auto* wp = reinterpret_cast<const uint16_t*>(w);
     auto* op = reinterpret_cast<uint16_t*>(out);
     const int64_t NB = (N + 31) / 32, KB = (K + 31) / 32;
+    // Whole tiles of an even-K weight are gathered (the gather's 32-bit indices reach 15 rows on);
+    // the edges, zero-padded, element by element: the same layout either way.
+    static const bool avx512 = cpu_has_avx512();
+    const bool gather = avx512 && K % 2 == 0 && 15 * K < (int64_t(1) << 31);
     parallel_for(threads, NB, 0, [&](int64_t nb0, int64_t nb1) {
         for (int64_t nb = nb0; nb < nb1; ++nb)
             for (int64_t kb = 0; kb < KB; ++kb)
-                for (int64_t j = 0; j < 2; ++j)
+                for (int64_t j = 0; j < 2; ++j) {
+                    uint16_t* tile = op + ((nb * KB + kb) * 2 + j) * 512;
+                    const int64_t row0 = amx_row(nb, j, 0, N, gated);
+                    if (gather && row0 + 16 <= N && kb * 32 + 32 <= K) {
+                        pack_amx_tile(wp, tile, row0, kb * 32, K);
+                        continue;
+                    }
                     for (int64_t pair = 0; pair < 16; ++pair)
                         for (int64_t n = 0; n < 16; ++n)
                             for (int64_t e = 0; e < 2; ++e) {
                                 const int64_t row = amx_row(nb, j, n, N, gated), col = kb * 32 + 2 * pair + e;
-                                op[((((nb * KB + kb) * 2 + j) * 16 + pair) * 16 + n) * 2 + e] =
-                                    row < N && col < K ? wp[row * K + col] : 0;
+                                tile[(pair * 16 + n) * 2 + e] = row < N && col < K ? wp[row * K + col] : 0;
                             }
+                }
     });
 }
 

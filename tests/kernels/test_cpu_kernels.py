@@ -308,11 +308,14 @@ def test_packed_linear_layer_holds_its_weight_once(packing):
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels on this machine")
 @pytest.mark.parametrize("layout", ["amx", "amx-gated", "dpbf16", "dpbf16-gated"])
-@pytest.mark.parametrize("n,k", [(64, 64), (7, 37), (100, 2), (128, 96), (49, 33), (2048, 64)])
+@pytest.mark.parametrize(
+    "n,k", [(64, 64), (7, 37), (100, 2), (128, 96), (49, 33), (2048, 64), (100, 80), (192, 80)]
+)
 def test_packed_rows_read_back_every_layout(layout, n, k):
     """packed_rows inverts each pack layout bit for bit (zero-padded tiles and panels, odd K, a
-    gated [gate | up] weight): whatever the CPU, since packing and reading back are plain index
-    moves (only the matmuls over the AMX layout need the tile unit)."""
+    gated [gate | up] weight; (100, 80) and (192, 80): whole tiles, which AMX's pack gathers, beside
+    edge tiles it moves element by element): whatever the CPU, since packing and reading back are
+    plain index moves (only the matmuls over the AMX layout need the tile unit)."""
     native = cpu_kernels._native
     gated = layout.endswith("-gated")
     if gated and n % 64:
