@@ -80,6 +80,11 @@ ADAPTER_ARGS = {
 }
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}
 _DEFAULT_SEED = 1234  # lm-eval's own default seed: sampled generations replay run to run
+# The KV block size on the CPU unless the user sets one. A loglikelihood task's requests share their
+# context (the few-shot examples and the question) and differ in the continuation; the prefix cache
+# reuses whole blocks, so each request computes the context's last partial block again, and a
+# smaller block leaves less of it. The CPU's decode and prefill kernels run as fast on either size.
+_EVAL_BLOCK_SIZE = 8
 _GEN_KWARGS_CAST = {
     "temperature": "temperature",
     "max_gen_toks": "max_tokens",
@@ -236,6 +241,8 @@ class MiniSGLLM(TemplateLM):
                 # what else runs (bitwise logits); deterministic=false trades that for speed. On the
                 # CPU only: the mode is proven there and refused on CUDA.
                 args["deterministic"] = True
+            if "block_size" not in args and "block_size" not in preset and on_cpu:
+                args["block_size"] = _EVAL_BLOCK_SIZE
             if "stats_interval_s" not in args and "stats_interval_s" not in preset:
                 args["stats_interval_s"] = 0  # a scoring run reports through lm-eval, not a 10 s log line
             cfg = build_engine_config(args)

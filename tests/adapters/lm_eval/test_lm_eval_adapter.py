@@ -550,3 +550,30 @@ def test_the_deterministic_default_is_for_the_cpu(monkeypatch, device, determini
     assert seen["cfg"].device == device and seen["cfg"].deterministic is deterministic
     with pytest.raises(ConfigError, match="deterministic: true is proven for the CPU kernels only"):
         EngineConfig(device="cuda", deterministic=True)
+
+
+def test_the_cpu_block_size_default_shares_more_of_each_context(tiny_model_dir):
+    """Unless the user sets a block size, the adapter's KV blocks on the CPU are smaller than the
+    engine's: four continuations of one context that ends 12 tokens into a 16-token block compute
+    the context once and then only their own tail, with the same loglikelihoods; at 16 tokens a
+    block each recomputes those 12 tokens."""
+    base = {"pretrained": str(tiny_model_dir), "num_threads": 1, "stats_interval_s": 0, "metrics_exact": True}
+    runs = {}
+    for kwargs in ({}, {"block_size": 16}):
+        lm = MiniSGLLM(**base, **kwargs)
+        try:
+            tok = lm.tokenizer
+            words = ["alpha"]
+            while len(tok(" ".join(words))["input_ids"]) % 16 != 12:
+                words.append("beta")
+            context = " ".join(words)
+            reqs = _ll(*[(context, f" {w}") for w in ("red", "green", "blue", "gray")])
+            before = lm.engine.metrics().get("prefill_tokens", 0.0)
+            scores = [r[0] for r in lm.loglikelihood(reqs)]
+            runs[lm.engine.config.block_size] = (lm.engine.metrics()["prefill_tokens"] - before, scores)
+        finally:
+            lm.close()
+    assert set(runs) == {8, 16}
+    (small, small_scores), (large, large_scores) = runs[8], runs[16]
+    assert small_scores == large_scores
+    assert large - small >= 3 * 8, f"prompt tokens computed: {small} at block 8, {large} at block 16"
