@@ -15,7 +15,10 @@ Each run is the stock CLI in a fresh subprocess (start-up and model load include
 same weights (the HF directory the engine resolves the model to). Prints a table and a JSON summary:
 metrics per run, max |loglikelihood difference| per request, and whether greedy generations are identical.
 Each run also reports its CPU time (user + system of the lm_eval process), steadier than the wall
-time on a machine other jobs share. `--repeat N` runs every configuration N times, interleaved.
+time on a machine other jobs share. `--repeat N` runs every configuration N times, interleaved (the
+order reversed every other time), and reports each peer's wall time over minisgl's within each
+repetition as well: its median and range ("paired") are what to read on a machine shared with
+other jobs, where the best runs of two engines can come from different spells of its load.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,6 +109,22 @@ def run_lm_eval(
             for i, r in enumerate(s["resps"]):
                 responses[(task, s["doc_id"], i)] = float(r[0]) if rolling else r[0]
     return wall, cpu, metrics, responses
+
+
+def round_order(names: list[str], rep: int) -> list[str]:
+    """The order the configurations run in repetition `rep`: reversed every other one, so that no
+    configuration always runs first (on a cold machine) or right after the same one."""
+    return names if rep % 2 == 0 else names[::-1]
+
+
+def paired_ratios(base: list[float], other: list[float]) -> dict:
+    """`other`'s wall time over minisgl's within each repetition (the two ran minutes apart at most,
+    where the best of each may come from different spells of a shared machine): median and range."""
+    ratios = [o / b for b, o in zip(base, other, strict=True)]
+    return {
+        "median": round(statistics.median(ratios), 2),
+        "range": [round(min(ratios), 2), round(max(ratios), 2)],
+    }
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -204,7 +224,8 @@ def main() -> None:
     runs: dict[str, list[tuple[float, float, dict, dict]]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeat):  # interleaved, so a slow spell of the machine hits every config
-            for i, (name, (model, model_args, more, python, env)) in enumerate(configs.items()):
+            for i, name in enumerate(round_order(list(configs), rep)):
+                model, model_args, more, python, env = configs[name]
                 out = Path(tmp, f"run{rep}-{i}")
                 runs[name].append(run_lm_eval(model, model_args, args.tasks, out, extra + more, python, env))
     base_wall = min(r[0] for r in runs["minisgl"])
@@ -219,7 +240,10 @@ def main() -> None:
         "runs": {},
     }
     width = max(map(len, runs)) + 1
-    print(f"{'run (best of repeats)':<{width}} {'wall s':>8} {'cpu s':>8} {'wall / minisgl':>15}  metrics")
+    print(
+        f"{'run (best of repeats)':<{width}} {'wall s':>8} {'cpu s':>8} {'wall / minisgl':>15} "
+        f"{'paired (range)':>20}  metrics"
+    )
     for name, reps in runs.items():
         wall, cpu = min(r[0] for r in reps), min(r[1] for r in reps)
         metrics, resp = reps[0][2], reps[0][3]
@@ -231,13 +255,17 @@ def main() -> None:
         }
         if name != "minisgl":
             entry["speedup_of_minisgl"] = round(wall / base_wall, 2)
+            entry["speedup_paired"] = paired_ratios([r[0] for r in runs["minisgl"]], [r[0] for r in reps])
             entry["cpu_ratio_to_minisgl"] = round(cpu / base_cpu, 2)
             entry["metrics_equal"] = metrics_match(metrics, base_metrics)
             entry["parity"] = compare(resp, base_resp)
         summary["runs"][name] = entry
         flat = ", ".join(f"{t}.{k}={v:.4g}" for t, m in metrics.items() for k, v in m.items())
-        speed = f"{wall / base_wall:.2f}x" if name != "minisgl" else "-"
-        print(f"{name:<{width}} {wall:>8.1f} {cpu:>8.1f} {speed:>15}  {flat}")
+        speed, paired = "-", "-"
+        if name != "minisgl":
+            speed, pr = f"{wall / base_wall:.2f}x", entry["speedup_paired"]
+            paired = f"{pr['median']:.2f}x ({pr['range'][0]:.2f}-{pr['range'][1]:.2f})"
+        print(f"{name:<{width}} {wall:>8.1f} {cpu:>8.1f} {speed:>15} {paired:>20}  {flat}")
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))

@@ -41,3 +41,15 @@ def test_a_peer_runs_the_lm_eval_of_its_own_venv_with_the_settings_given(tmp_pat
     assert metrics == {"t": {"acc,none": 0.5}}
     assert responses == {("t", 0, 0): ["-1.5", "True"]}
     assert wall >= 0 and cpu >= 0
+
+
+def test_repetitions_alternate_the_order_and_ratios_are_paired_within_each():
+    """Every other repetition runs the configurations in reverse, and a peer's speed is read within
+    each repetition: a peer whose best run fell in a quiet spell does not look faster for it."""
+    names = ["minisgl", "hf bs=16", "vllm"]
+    assert bench.round_order(names, 0) == names and bench.round_order(names, 1) == names[::-1]
+    assert bench.round_order(names, 2) == names
+    # minisgl's best (10) and the peer's best (18) came in different repetitions: best over best
+    # reads 1.8x, the repetitions themselves 2.0x, 2.0x and 1.5x.
+    paired = bench.paired_ratios([10.0, 20.0, 12.0], [20.0, 40.0, 18.0])
+    assert paired == {"median": 2.0, "range": [1.5, 2.0]}
