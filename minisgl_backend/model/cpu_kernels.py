@@ -387,14 +387,11 @@ def linear(
     return out
 
 
-def packs_weight(weight: torch.Tensor) -> bool:
-    """True if pack(weight) packs it (ungated at least): a 2-D bf16 CPU weight under a packing family."""
-    return (
-        bool(_ACTIVE.packs)
-        and weight.dim() == 2
-        and weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-    )
+def packs_weight(weight: torch.Tensor, device: torch.device | None = None) -> bool:
+    """True if pack(weight) packs it (ungated at least): a 2-D bf16 CPU weight under a packing
+    family. `device`: where the weight will be, for one still on the meta device."""
+    where = (device or weight.device).type
+    return bool(_ACTIVE.packs) and weight.dim() == 2 and weight.dtype == torch.bfloat16 and where == "cpu"
 
 
 def pack(weight: torch.Tensor, gated: bool = False) -> torch.Tensor | None:

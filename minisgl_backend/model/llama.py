@@ -267,7 +267,7 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"checkpoint does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}"
             )
-        packed_by = self._packed_at_load(params) if pack else {}
+        packed_by = self._packed_at_load(self.device) if pack else {}
         buffer = None
         if packed_by:
             largest = max(params[t].numel() for t in packed_by)
@@ -289,21 +289,39 @@ class CausalLM(nn.Module):
                 for (name, row), shape in zip(parts, shapes, strict=True):
                     checkpoint.read_into(name, into[row : row + shape[0]])
             if lin is not None and into is not dest and not lin.pack(gated=lin in gated, values=into):
-                dest.copy_(into)  # turned down after all: the weight keeps its values in its own memory
+                raise RuntimeError(f"{target}: the packed kernels turned down a weight they take")
         if tied and self.lm_head.packed is not None:
             self.model.embed_tokens.weight = self.lm_head.weight  # as pack_weights leaves it
 
-    def _packed_at_load(self, params: dict[str, torch.Tensor]) -> dict[str, Linear]:
+    def materialize(self, device: torch.device | str, pack: bool = False) -> None:
+        """Give a model built on the meta device uninitialised memory on `device` (to_empty), except
+        the linear weights load_checkpoint(pack=True) packs as it reads them (`pack`): those stay on
+        the meta device, since their values go from the checkpoint into the packs and memory of
+        their own would only be reserved, never written (most of the model, reserved twice at the
+        peak of loading, more than a machine that does not overcommit memory lends)."""
+        device = torch.device(device)
+        kept = [(lin, lin.weight) for lin in self._packed_at_load(device).values()] if pack else []
+        tied_kept = any(lin is self.lm_head for lin, _ in kept) and self.spec.tie_word_embeddings
+        for lin, _ in kept:  # to_empty passes over an absent parameter
+            lin.weight = None  # type: ignore[assignment]
+        if tied_kept:
+            self.model.embed_tokens.weight = None  # type: ignore[assignment]
+        self.to_empty(device=device)
+        for lin, weight in kept:
+            lin.weight = weight
+        if tied_kept:
+            self.model.embed_tokens.weight = self.lm_head.weight
+
+    def _packed_at_load(self, device: torch.device) -> dict[str, Linear]:
         """Parameter name -> the linear layer whose weight it is, for the weights the packed
-        kernels take (a tied embedding's is the LM head's)."""
+        kernels take on `device` (a tied embedding's is the LM head's)."""
         out = {}
         for name, module in self.named_modules():
-            if isinstance(module, Linear) and cpu_kernels.packs_weight(module.weight):
+            if isinstance(module, Linear) and cpu_kernels.packs_weight(module.weight, device):
                 key = f"{name}.weight"
                 if module is self.lm_head and self.spec.tie_word_embeddings:
                     key = "model.embed_tokens.weight"
-                if key in params and params[key] is module.weight:
-                    out[key] = module
+                out[key] = module
         return out
 
 

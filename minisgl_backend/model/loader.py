@@ -159,7 +159,8 @@ def load_model(ref: str, dtype: str, device: str, pack: bool = False) -> LoadedM
     # loading holds the weights once, never a float32 model or a dictionary of them beside it.
     with torch.device("meta"):
         model = CausalLM(spec).to(DTYPES[dtype])
-    model = model.to_empty(device=device).eval()
+    model.materialize(device, pack)
+    model.eval()
     try:
         model.load_checkpoint(checkpoint, pack=pack)
     except (ValueError, RuntimeError, KeyError) as e:  # missing / unexpected / mis-shaped tensors
