@@ -117,7 +117,7 @@ def round_order(names: list[str], rep: int) -> list[str]:
     return names if rep % 2 == 0 else names[::-1]
 
 
-def paired_ratios(base: list[float], other: list[float]) -> dict:
+def paired_ratios(base: list[float], other: list[float]) -> dict[str, Any]:
     """`other`'s wall time over minisgl's within each repetition (the two ran minutes apart at most,
     where the best of each may come from different spells of a shared machine): median and range."""
     ratios = [o / b for b, o in zip(base, other, strict=True)]
@@ -255,7 +255,8 @@ def main() -> None:
         }
         if name != "minisgl":
             entry["speedup_of_minisgl"] = round(wall / base_wall, 2)
-            entry["speedup_paired"] = paired_ratios([r[0] for r in runs["minisgl"]], [r[0] for r in reps])
+            pr = paired_ratios([r[0] for r in runs["minisgl"]], [r[0] for r in reps])
+            entry["speedup_paired"] = pr
             entry["cpu_ratio_to_minisgl"] = round(cpu / base_cpu, 2)
             entry["metrics_equal"] = metrics_match(metrics, base_metrics)
             entry["parity"] = compare(resp, base_resp)
@@ -263,7 +264,7 @@ def main() -> None:
         flat = ", ".join(f"{t}.{k}={v:.4g}" for t, m in metrics.items() for k, v in m.items())
         speed, paired = "-", "-"
         if name != "minisgl":
-            speed, pr = f"{wall / base_wall:.2f}x", entry["speedup_paired"]
+            speed = f"{wall / base_wall:.2f}x"
             paired = f"{pr['median']:.2f}x ({pr['range'][0]:.2f}-{pr['range'][1]:.2f})"
         print(f"{name:<{width}} {wall:>8.1f} {cpu:>8.1f} {speed:>15} {paired:>20}  {flat}")
     print(json.dumps(summary, indent=1))
