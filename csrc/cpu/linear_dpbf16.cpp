@@ -160,14 +160,40 @@ int64_t packed_dpbf16_elems(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * 
 // `gated` (a fused gate/up weight [gate | up], N = 2I with I a multiple of 32): panel p holds gate rows
 // 32p..32p+31 then up rows I+32p..I+32p+31, so linear_dpbf16_silu finds both halves of its 32
 // outputs in one panel.
+namespace {
+
+// Columns j0..j0+15 of a whole panel from 16 consecutive rows (row0 on) of a weight whose rows are an
+// even number of elements: the panel wants bf16 pair `pair` of each row side by side, a transpose of
+// 32-bit pairs, gathered here 16 rows' pair at a time.
+AVX512 void pack_dpbf16_rows(const uint16_t* wp, uint16_t* panel, int64_t row0, int64_t j0, int64_t K) {
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(int(K / 2)));
+    const auto* base = reinterpret_cast<const int*>(wp + row0 * K);
+    auto* out = reinterpret_cast<int*>(panel) + j0;
+    for (int64_t pair = 0; pair < K / 2; ++pair)
+        _mm512_storeu_si512(out + pair * 64, _mm512_i32gather_epi32(rows, base + pair, 4));
+}
+
+}  // namespace
+
 void pack_dpbf16(uintptr_t w, uintptr_t out, int64_t N, int64_t K, bool gated, int threads) {
     const auto* wp = reinterpret_cast<const uint16_t*>(w);
     auto* op = reinterpret_cast<uint16_t*>(out);
     const int64_t np = (N + 15) / 16 * 16, panels = (np + 63) / 64, kp = K + K % 2;
+    // Whole panels of an even-K weight are gathered 16 rows at a time (the gather's 32-bit indices
+    // reach 15 rows on); the last, partial panel and odd K element by element: the same layout.
+    static const bool avx512 = cpu_has_avx512();
+    const bool gather = avx512 && K % 2 == 0 && 15 * K < (int64_t(1) << 31);
     parallel_for(threads, panels, 0, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1; ++p) {
             const int64_t n0 = p * 64, width = std::min<int64_t>(64, np - n0);
             uint16_t* panel = op + n0 * kp;
+            if (gather && width == 64 && n0 + 64 <= N) {
+                for (int64_t j0 = 0; j0 < 64; j0 += 16)
+                    pack_dpbf16_rows(wp, panel, gated ? (j0 < 32 ? n0 / 2 + j0 : N / 2 + n0 / 2 + j0 - 32) : n0 + j0,
+                                     j0, K);
+                continue;
+            }
             for (int64_t pair = 0; pair < kp / 2; ++pair)
                 for (int64_t j = 0; j < width; ++j)
                     for (int64_t e = 0; e < 2; ++e) {
