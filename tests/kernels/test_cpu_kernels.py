@@ -314,8 +314,8 @@ def test_packed_linear_layer_holds_its_weight_once(packing):
 def test_packed_rows_read_back_every_layout(layout, n, k):
     """packed_rows inverts each pack layout bit for bit (zero-padded tiles and panels, odd K, a
     gated [gate | up] weight; (100, 80) and (192, 80): whole tiles and panels, which both packs
-    gather, beside edge ones they move element by element): whatever the CPU, since packing and reading back are
-    plain index moves (only the matmuls over the AMX layout need the tile unit)."""
+    gather, beside edge ones they move element by element): whatever the CPU, since packing and
+    reading back are plain index moves (only the matmuls over the AMX layout need the tile unit)."""
     native = cpu_kernels._native
     gated = layout.endswith("-gated")
     if gated and n % 64:
