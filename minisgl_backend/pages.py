@@ -15,6 +15,7 @@ Two properties make such a mapping the right home for the engine's big, long-liv
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -44,8 +45,5 @@ def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros of `shape` whose pages are faulted in when first written, not here."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    mapped = _mapped(numel, dtype)
+    mapped = _mapped(math.prod(shape), dtype)
     return torch.zeros(shape, dtype=dtype) if mapped is None else mapped.view(shape)

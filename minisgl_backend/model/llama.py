@@ -268,15 +268,13 @@ class CausalLM(nn.Module):
                 f"checkpoint does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}"
             )
         packed_by = self._packed_at_load(self.device) if pack else {}
-        buffer = None
-        if packed_by:
-            largest = max(params[t].numel() for t in packed_by)
-            buffer = huge_page_empty(largest, next(iter(params[t] for t in packed_by)).dtype)
+        largest = max((params[t].numel() for t in packed_by), default=0)
+        buffer = huge_page_empty(largest, self.lm_head.weight.dtype)
         gated = self._gated_linears()
         for target, parts in layout.items():
             dest = params[target].data
             lin = packed_by.get(target)
-            into = dest if lin is None or buffer is None else buffer[: dest.numel()].view(dest.shape)
+            into = dest if lin is None else buffer[: dest.numel()].view(dest.shape)
             if len(parts) == 1:
                 checkpoint.read_into(parts[0][0], into)
             else:
@@ -288,7 +286,7 @@ class CausalLM(nn.Module):
                     )
                 for (name, row), shape in zip(parts, shapes, strict=True):
                     checkpoint.read_into(name, into[row : row + shape[0]])
-            if lin is not None and into is not dest and not lin.pack(gated=lin in gated, values=into):
+            if lin is not None and not lin.pack(gated=lin in gated, values=into):
                 raise RuntimeError(f"{target}: the packed kernels turned down a weight they take")
         if tied and self.lm_head.packed is not None:
             self.model.embed_tokens.weight = self.lm_head.weight  # as pack_weights leaves it
